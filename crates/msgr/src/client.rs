@@ -1,0 +1,332 @@
+//! The RPC client: a pool of connections per peer, request ids, deadlines, in-flight budgets.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use nacre_proto::msg::{RemoteError, Rpc, decode_body, encode_body};
+use nacre_proto::{Flags, Frame, Kind, Op};
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::Shared;
+use crate::conn::{Conn, Outgoing, Permits};
+use crate::error::MsgrError;
+use crate::handler::Payload;
+use crate::worker::lock;
+
+/// Per-call options.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CallOptions {
+    /// Time allowed for the whole call (connect, queueing, round trip). Default: the messenger's
+    /// `default_deadline`.
+    pub timeout: Option<Duration>,
+    /// Frame flags (e.g. background priority).
+    pub flags: Flags,
+}
+
+/// Sends requests to peers by address. Cheap to clone; clones share connections and budgets.
+#[derive(Clone, Debug)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    shared: Arc<Shared>,
+    peers: Mutex<HashMap<Arc<str>, Arc<Peer>>>,
+    total_reqs: Arc<Semaphore>,
+    total_bytes: Arc<Semaphore>,
+    next_id: AtomicU64,
+    inflight: Gauge,
+}
+
+#[derive(Debug)]
+struct Peer {
+    addr: Arc<str>,
+    slots: Box<[Slot]>,
+    next: AtomicUsize,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    live: Mutex<Option<ConnHandle>>,
+    /// Serializes connection attempts so concurrent callers do not open one connection each.
+    connecting: tokio::sync::Mutex<()>,
+}
+
+#[derive(Clone, Debug)]
+struct ConnHandle {
+    tx: mpsc::UnboundedSender<Outgoing>,
+    reqs: Arc<Semaphore>,
+    bytes: Arc<Semaphore>,
+}
+
+impl Client {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+        let cfg = &shared.config;
+        let inner = Inner {
+            total_reqs: Arc::new(Semaphore::new(cfg.max_inflight_total as usize)),
+            total_bytes: Arc::new(Semaphore::new(cfg.max_inflight_bytes_total as usize)),
+            next_id: AtomicU64::new(1),
+            inflight: shared.metrics.inflight("client"),
+            peers: Mutex::new(HashMap::new()),
+            shared,
+        };
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// Calls `R` on `addr` and decodes the response.
+    pub async fn call<R: Rpc>(
+        &self,
+        addr: &str,
+        req: &R::Request,
+        data: Payload,
+    ) -> Result<(R::Response, Payload), MsgrError> {
+        self.call_with::<R>(addr, req, data, CallOptions::default())
+            .await
+    }
+
+    /// [`Client::call`] with options.
+    pub async fn call_with<R: Rpc>(
+        &self,
+        addr: &str,
+        req: &R::Request,
+        data: Payload,
+        opts: CallOptions,
+    ) -> Result<(R::Response, Payload), MsgrError> {
+        let frame = self
+            .call_raw(addr, R::OP, encode_body(req), data, opts)
+            .await?;
+        let resp = decode_body(R::NAME, &frame.body).map_err(|source| {
+            self.inner.shared.metrics.error("decode");
+            MsgrError::Decode {
+                peer: addr.to_string(),
+                source,
+            }
+        })?;
+        let crc = frame.header.data_crc;
+        Ok((resp, Payload::with_crc(frame.data, crc)))
+    }
+
+    /// Sends a request frame and waits for its response frame. An error frame becomes
+    /// [`MsgrError::Remote`].
+    pub async fn call_raw(
+        &self,
+        addr: &str,
+        op: Op,
+        body: Bytes,
+        data: Payload,
+        opts: CallOptions,
+    ) -> Result<Frame, MsgrError> {
+        let inner = &*self.inner;
+        let timeout = opts.timeout.unwrap_or(inner.shared.config.default_deadline);
+        let deadline = Instant::now() + timeout;
+        let mut frame = self.frame(Kind::Request, op, body, data)?;
+        frame.header.flags = opts.flags;
+        let id = frame.header.request_id;
+        let cost = self.cost(&frame);
+        inner.inflight.inc();
+        let mut sent_on = None;
+        let result = tokio::time::timeout_at(deadline, async {
+            let conn = self.conn(addr, deadline).await?;
+            let _permits = (
+                acquire(&inner.total_reqs, 1).await?,
+                acquire(&inner.total_bytes, cost).await?,
+                acquire(&conn.reqs, 1).await?,
+                acquire(&conn.bytes, cost).await?,
+            );
+            let (tx, rx) = oneshot::channel();
+            conn.tx
+                .send(Outgoing::Request { frame, reply: tx })
+                .map_err(|_| MsgrError::Reset {
+                    peer: addr.to_string(),
+                    reason: "connection closed".into(),
+                })?;
+            sent_on = Some(conn.tx.clone());
+            rx.await.map_err(|_| MsgrError::Reset {
+                peer: addr.to_string(),
+                reason: "connection dropped".into(),
+            })?
+        })
+        .await;
+        inner.inflight.dec();
+        let result = match result {
+            Ok(r) => r,
+            Err(_) => {
+                if let Some(tx) = sent_on {
+                    let _ = tx.send(Outgoing::Cancel(id));
+                }
+                Err(MsgrError::Timeout {
+                    peer: addr.to_string(),
+                    op: "call",
+                    after: timeout,
+                })
+            }
+        };
+        let frame = result.inspect_err(|e| inner.shared.metrics.error(e.kind_label()))?;
+        if frame.header.kind == Kind::Error {
+            inner.shared.metrics.error("remote");
+            let error = decode_body::<RemoteError>("error", &frame.body).unwrap_or_else(|e| {
+                RemoteError::new(nacre_types::ErrorCode::Internal, e.to_string())
+            });
+            return Err(MsgrError::Remote {
+                peer: addr.to_string(),
+                error,
+            });
+        }
+        Ok(frame)
+    }
+
+    /// Queues a one-way frame for `addr`. Returns once it is queued on a connection (not when it is
+    /// delivered); waits for in-flight byte budget first, so a slow peer slows the sender down.
+    pub async fn send_oneway(
+        &self,
+        addr: &str,
+        op: Op,
+        body: Bytes,
+        data: Payload,
+    ) -> Result<(), MsgrError> {
+        let inner = &*self.inner;
+        let deadline = Instant::now() + inner.shared.config.default_deadline;
+        let frame = self.frame(Kind::OneWay, op, body, data)?;
+        let cost = self.cost(&frame);
+        let sent = tokio::time::timeout_at(deadline, async {
+            let conn = self.conn(addr, deadline).await?;
+            let reqs = Arc::clone(&inner.total_reqs)
+                .acquire_owned()
+                .await
+                .map_err(|_| MsgrError::Shutdown)?;
+            let bytes = Arc::clone(&inner.total_bytes)
+                .acquire_many_owned(cost)
+                .await
+                .map_err(|_| MsgrError::Shutdown)?;
+            let permits = Permits {
+                _reqs: Some(reqs),
+                _bytes: Some(bytes),
+            };
+            conn.tx
+                .send(Outgoing::OneWay { frame, permits })
+                .map_err(|_| MsgrError::Reset {
+                    peer: addr.to_string(),
+                    reason: "connection closed".into(),
+                })
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(MsgrError::Timeout {
+                peer: addr.to_string(),
+                op: "send",
+                after: inner.shared.config.default_deadline,
+            })
+        });
+        sent.inspect_err(|e| inner.shared.metrics.error(e.kind_label()))
+    }
+
+    fn frame(&self, kind: Kind, op: Op, body: Bytes, data: Payload) -> Result<Frame, MsgrError> {
+        let len = body.len() + data.len();
+        let max = self.inner.shared.config.max_frame;
+        if len > max as usize {
+            self.inner.shared.metrics.error("too_large");
+            return Err(MsgrError::TooLarge { len, max });
+        }
+        let id = match kind {
+            Kind::OneWay => 0,
+            _ => self.inner.next_id.fetch_add(1, Ordering::Relaxed),
+        };
+        let crc = data.crc();
+        Ok(Frame::with_data_crc(kind, op, id, body, data.bytes, crc))
+    }
+
+    /// In-flight byte cost, capped at the smallest budget so a single large frame always fits.
+    fn cost(&self, frame: &Frame) -> u32 {
+        let cfg = &self.inner.shared.config;
+        let len = u32::try_from(frame.body.len() + frame.data.len()).unwrap_or(u32::MAX);
+        len.min(cfg.max_inflight_bytes_per_conn)
+            .min(cfg.max_inflight_bytes_total)
+    }
+
+    /// A live connection to `addr`, opening one if needed.
+    async fn conn(&self, addr: &str, deadline: Instant) -> Result<ConnHandle, MsgrError> {
+        let inner = &*self.inner;
+        let peer = {
+            let mut peers = lock(&inner.peers);
+            match peers.get(addr) {
+                Some(p) => Arc::clone(p),
+                None => {
+                    let addr: Arc<str> = addr.into();
+                    let n = inner.shared.config.conns_per_peer;
+                    let p = Arc::new(Peer {
+                        addr: Arc::clone(&addr),
+                        slots: (0..n).map(|_| Slot::default()).collect(),
+                        next: AtomicUsize::new(0),
+                    });
+                    peers.insert(addr, Arc::clone(&p));
+                    p
+                }
+            }
+        };
+        let slot = &peer.slots[peer.next.fetch_add(1, Ordering::Relaxed) % peer.slots.len()];
+        if let Some(h) = live(slot) {
+            return Ok(h);
+        }
+        let _connecting = slot.connecting.lock().await;
+        if let Some(h) = live(slot) {
+            return Ok(h);
+        }
+        let h = self.open(&peer.addr, deadline).await?;
+        *lock(&slot.live) = Some(h.clone());
+        Ok(h)
+    }
+
+    async fn open(&self, addr: &Arc<str>, deadline: Instant) -> Result<ConnHandle, MsgrError> {
+        let shared = &self.inner.shared;
+        let cfg = &shared.config;
+        let connect_deadline = deadline.min(Instant::now() + cfg.connect_timeout);
+        let stream = tokio::time::timeout_at(connect_deadline, shared.transport.connect(addr))
+            .await
+            .map_err(|_| MsgrError::Connect {
+                peer: addr.to_string(),
+                reason: format!("timed out after {:?}", cfg.connect_timeout),
+            })?
+            .map_err(|e| MsgrError::Connect {
+                peer: addr.to_string(),
+                reason: e.to_string(),
+            })?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let handle = ConnHandle {
+            tx,
+            reqs: Arc::new(Semaphore::new(cfg.max_inflight_per_conn as usize)),
+            bytes: Arc::new(Semaphore::new(cfg.max_inflight_bytes_per_conn as usize)),
+        };
+        let worker = shared.workers.assign();
+        let counters = worker.counters.clone();
+        let metrics = shared.metrics.clone();
+        let limits = cfg.limits();
+        let peer = Arc::clone(addr);
+        worker.spawn(async move {
+            match stream.attach() {
+                Ok(io) => Conn::client(io, peer, limits, rx, counters, metrics).await,
+                // Dropping `rx` fails the callers waiting on this connection with `Reset`.
+                Err(e) => tracing::warn!(peer = %peer, error = %e, "cannot attach connection"),
+            }
+        });
+        Ok(handle)
+    }
+}
+
+fn live(slot: &Slot) -> Option<ConnHandle> {
+    lock(&slot.live)
+        .as_ref()
+        .filter(|h| !h.tx.is_closed())
+        .cloned()
+}
+
+async fn acquire(sem: &Semaphore, n: u32) -> Result<tokio::sync::SemaphorePermit<'_>, MsgrError> {
+    sem.acquire_many(n).await.map_err(|_| MsgrError::Shutdown)
+}

@@ -1,0 +1,79 @@
+//! Messenger configuration. Every option is a switch so that benchmarks can compare them in one run.
+
+use std::time::Duration;
+
+use nacre_proto::FrameLimits;
+
+use crate::policy::AssignKind;
+
+/// Messenger settings. `Default` is what a production node runs with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MsgrConfig {
+    /// Worker event loops (one thread with a `current_thread` runtime each).
+    pub workers: usize,
+    /// How new connections (accepted or opened) are assigned to workers.
+    pub assign: AssignKind,
+    /// Bound on body + data of one frame, both directions.
+    pub max_frame: u32,
+    /// Connections opened to one peer by a client; calls are spread over them.
+    pub conns_per_peer: usize,
+    /// Requests in flight on one connection (client: awaiting a reply; server: being served).
+    pub max_inflight_per_conn: u32,
+    /// Request bytes in flight on one connection.
+    pub max_inflight_bytes_per_conn: u32,
+    /// Requests in flight over all connections of one client or one server.
+    pub max_inflight_total: u32,
+    /// Request bytes in flight over all connections of one client or one server.
+    pub max_inflight_bytes_total: u32,
+    /// Time allowed to open a connection.
+    pub connect_timeout: Duration,
+    /// Deadline of a call that does not set its own.
+    pub default_deadline: Duration,
+}
+
+impl Default for MsgrConfig {
+    fn default() -> Self {
+        Self {
+            workers: 2,
+            assign: AssignKind::RoundRobin,
+            max_frame: nacre_proto::DEFAULT_MAX_FRAME,
+            conns_per_peer: 1,
+            max_inflight_per_conn: 1024,
+            max_inflight_bytes_per_conn: 64 << 20,
+            max_inflight_total: 16 * 1024,
+            max_inflight_bytes_total: 512 << 20,
+            connect_timeout: Duration::from_secs(3),
+            default_deadline: Duration::from_secs(10),
+        }
+    }
+}
+
+impl MsgrConfig {
+    pub(crate) fn limits(&self) -> FrameLimits {
+        FrameLimits {
+            max_frame: self.max_frame,
+        }
+    }
+
+    /// Checks values that would make the messenger unusable.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.workers == 0 {
+            return Err("msgr.workers must be at least 1".into());
+        }
+        if self.conns_per_peer == 0 {
+            return Err("msgr.conns_per_peer must be at least 1".into());
+        }
+        if self.max_inflight_per_conn == 0 || self.max_inflight_total == 0 {
+            return Err("msgr in-flight request limits must be at least 1".into());
+        }
+        if self.max_inflight_bytes_per_conn < self.max_frame
+            || self.max_inflight_bytes_total < self.max_frame
+        {
+            return Err(format!(
+                "msgr in-flight byte limits must be at least max_frame ({} bytes)",
+                self.max_frame
+            ));
+        }
+        Ok(())
+    }
+}

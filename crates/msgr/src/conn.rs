@@ -1,0 +1,683 @@
+//! The connection driver: one future per connection, on one worker, that reads, decodes, dispatches and
+//! writes without helper tasks.
+//!
+//! Invariants:
+//! - Every request a client hands to a driver gets exactly one answer on its oneshot: the response, an
+//!   error frame, or `Reset` when the connection ends first (including requests still queued when the
+//!   driver stops).
+//! - A server-side request holds its in-flight budget (per connection and total) from the moment it is
+//!   decoded until its reply is queued; while the budget is exhausted the driver stops reading, which is
+//!   how backpressure reaches the sender through TCP.
+//! - Frames are written in the order they are queued; a partially written frame is always finished
+//!   before the next one starts.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use nacre_proto::msg::{RemoteError, encode_body};
+use nacre_proto::{Frame, FrameError, FrameLimits, HEADER_LEN, Kind, decode};
+use nacre_types::ErrorCode;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::io::{AsyncReadExt, AsyncWrite};
+use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+
+use crate::error::MsgrError;
+use crate::handler::{Handler, Payload, Reply, Request};
+use crate::metrics::{MsgrMetrics, WorkerCounters};
+use crate::transport::{BoxFuture, Stream};
+
+/// Iterations of the driver loop before it yields to other connections on the worker.
+const BUDGET: usize = 32;
+/// Read buffer growth step.
+const READ_CHUNK: usize = 64 * 1024;
+/// Slices per vectored write (each frame is up to three).
+const MAX_IOV: usize = 64;
+/// Stop pulling new outgoing messages while this much is queued but unwritten.
+const WRITE_QUEUE_HIGH: usize = 8 << 20;
+
+pub(crate) type ReplyTx = oneshot::Sender<Result<Frame, MsgrError>>;
+
+/// Budget held by a request; released when dropped.
+#[derive(Debug, Default)]
+pub(crate) struct Permits {
+    pub(crate) _reqs: Option<OwnedSemaphorePermit>,
+    pub(crate) _bytes: Option<OwnedSemaphorePermit>,
+}
+
+/// Messages from callers and spawned handlers to a driver.
+#[derive(Debug)]
+pub(crate) enum Outgoing {
+    /// Client: send a request and deliver its answer.
+    Request { frame: Frame, reply: ReplyTx },
+    /// Send a one-way frame; the permits are released once it is written.
+    OneWay { frame: Frame, permits: Permits },
+    /// Server: a spawned handler finished.
+    Done(Done),
+    /// Client: the caller gave up on this request id.
+    Cancel(u64),
+    /// Stop reading, finish in-flight work, close.
+    Close,
+}
+
+/// A finished server-side request.
+#[derive(Debug)]
+pub(crate) struct Done {
+    kind: Kind,
+    op: nacre_proto::Op,
+    request_id: u64,
+    cost: u64,
+    permits: Permits,
+    result: Result<Reply, RemoteError>,
+}
+
+struct Queued {
+    header: [u8; HEADER_LEN],
+    body: Bytes,
+    data: Bytes,
+    _permits: Permits,
+}
+
+impl Queued {
+    fn new(frame: Frame, permits: Permits) -> Self {
+        Self {
+            header: frame.header.encode(),
+            body: frame.body,
+            data: frame.data,
+            _permits: permits,
+        }
+    }
+
+    fn len(&self) -> usize {
+        HEADER_LEN + self.body.len() + self.data.len()
+    }
+}
+
+/// Server-side state of a connection.
+pub(crate) struct ServerSide {
+    pub(crate) handler: Arc<dyn Handler>,
+    pub(crate) total_reqs: Arc<Semaphore>,
+    pub(crate) total_bytes: Arc<Semaphore>,
+    pub(crate) max_conn_reqs: u32,
+    pub(crate) max_conn_bytes: u64,
+    pub(crate) inflight_gauge: Gauge,
+    pub(crate) tx: mpsc::UnboundedSender<Outgoing>,
+    inflight_reqs: u32,
+    inflight_bytes: u64,
+    /// A decoded frame waiting for budget.
+    stalled: Option<Frame>,
+    waiting: Option<BoxFuture<'static, Result<Permits, AcquireError>>>,
+}
+
+impl ServerSide {
+    pub(crate) fn new(
+        handler: Arc<dyn Handler>,
+        total_reqs: Arc<Semaphore>,
+        total_bytes: Arc<Semaphore>,
+        max_conn_reqs: u32,
+        max_conn_bytes: u64,
+        inflight_gauge: Gauge,
+        tx: mpsc::UnboundedSender<Outgoing>,
+    ) -> Self {
+        Self {
+            handler,
+            total_reqs,
+            total_bytes,
+            max_conn_reqs,
+            max_conn_bytes,
+            inflight_gauge,
+            tx,
+            inflight_reqs: 0,
+            inflight_bytes: 0,
+            stalled: None,
+            waiting: None,
+        }
+    }
+}
+
+enum Side {
+    Client { pending: HashMap<u64, ReplyTx> },
+    Server(Box<ServerSide>),
+}
+
+/// Drives one connection until it closes. Dropping it (e.g. when the worker stops) fails every
+/// outstanding request with `Reset`.
+pub(crate) struct Conn {
+    io: Stream,
+    peer: Arc<str>,
+    limits: FrameLimits,
+    rbuf: BytesMut,
+    wq: VecDeque<Queued>,
+    wq_bytes: usize,
+    /// Bytes of the front of `wq` already written.
+    woff: usize,
+    rx: mpsc::UnboundedReceiver<Outgoing>,
+    side: Side,
+    counters: WorkerCounters,
+    metrics: MsgrMetrics,
+    /// No more reading; exit once in-flight work is written.
+    closing: bool,
+    /// Why the connection is going away, reported to outstanding callers.
+    close_reason: Option<String>,
+}
+
+impl Conn {
+    pub(crate) fn client(
+        io: Stream,
+        peer: Arc<str>,
+        limits: FrameLimits,
+        rx: mpsc::UnboundedReceiver<Outgoing>,
+        counters: WorkerCounters,
+        metrics: MsgrMetrics,
+    ) -> Self {
+        Self::new(
+            io,
+            peer,
+            limits,
+            rx,
+            Side::Client {
+                pending: HashMap::new(),
+            },
+            counters,
+            metrics,
+        )
+    }
+
+    pub(crate) fn server(
+        io: Stream,
+        peer: Arc<str>,
+        limits: FrameLimits,
+        rx: mpsc::UnboundedReceiver<Outgoing>,
+        server: ServerSide,
+        counters: WorkerCounters,
+        metrics: MsgrMetrics,
+    ) -> Self {
+        Self::new(
+            io,
+            peer,
+            limits,
+            rx,
+            Side::Server(Box::new(server)),
+            counters,
+            metrics,
+        )
+    }
+
+    fn new(
+        io: Stream,
+        peer: Arc<str>,
+        limits: FrameLimits,
+        rx: mpsc::UnboundedReceiver<Outgoing>,
+        side: Side,
+        counters: WorkerCounters,
+        metrics: MsgrMetrics,
+    ) -> Self {
+        counters.connections.inc();
+        Self {
+            io,
+            peer,
+            limits,
+            rbuf: BytesMut::with_capacity(READ_CHUNK),
+            wq: VecDeque::new(),
+            wq_bytes: 0,
+            woff: 0,
+            rx,
+            side,
+            counters,
+            metrics,
+            closing: false,
+            close_reason: None,
+        }
+    }
+
+    fn push(&mut self, frame: Frame, permits: Permits) {
+        let q = Queued::new(frame, permits);
+        self.wq_bytes += q.len();
+        self.wq.push_back(q);
+    }
+
+    fn on_outgoing(&mut self, msg: Outgoing) {
+        match msg {
+            Outgoing::Request { frame, reply } => match &mut self.side {
+                Side::Client { pending } if !self.closing => {
+                    pending.insert(frame.header.request_id, reply);
+                    self.push(frame, Permits::default());
+                }
+                _ => {
+                    let _ = reply.send(Err(self.reset_error()));
+                }
+            },
+            Outgoing::OneWay { frame, permits } => self.push(frame, permits),
+            Outgoing::Done(done) => self.on_done(done),
+            Outgoing::Cancel(id) => {
+                if let Side::Client { pending } = &mut self.side {
+                    pending.remove(&id);
+                }
+            }
+            Outgoing::Close => self.begin_close("closed by local shutdown"),
+        }
+    }
+
+    fn begin_close(&mut self, reason: &str) {
+        self.closing = true;
+        if self.close_reason.is_none() {
+            self.close_reason = Some(reason.to_string());
+        }
+    }
+
+    fn reset_error(&self) -> MsgrError {
+        MsgrError::Reset {
+            peer: self.peer.to_string(),
+            reason: self
+                .close_reason
+                .clone()
+                .unwrap_or_else(|| "connection closed".into()),
+        }
+    }
+
+    /// Queues the reply of a finished server-side request and returns its budget.
+    fn on_done(&mut self, done: Done) {
+        let Side::Server(server) = &mut self.side else {
+            return;
+        };
+        server.inflight_reqs -= 1;
+        server.inflight_bytes -= done.cost;
+        server.inflight_gauge.dec();
+        if done.kind != Kind::Request {
+            if let Err(e) = done.result {
+                tracing::debug!(peer = %self.peer, op = %done.op, error = %e, "one-way handler failed");
+            }
+            return;
+        }
+        let mut frame = match done.result {
+            Ok(reply) => {
+                let crc = reply.data.crc();
+                Frame::with_data_crc(
+                    Kind::Response,
+                    done.op,
+                    done.request_id,
+                    reply.body,
+                    reply.data.bytes,
+                    crc,
+                )
+            }
+            Err(e) => error_frame(done.op, done.request_id, &e),
+        };
+        if frame.encoded_len() - HEADER_LEN > self.limits.max_frame as usize {
+            let e = RemoteError::new(
+                ErrorCode::Internal,
+                format!(
+                    "reply of {} bytes exceeds the frame limit of {} bytes",
+                    frame.encoded_len() - HEADER_LEN,
+                    self.limits.max_frame
+                ),
+            );
+            frame = error_frame(done.op, done.request_id, &e);
+        }
+        self.push(frame, done.permits);
+    }
+
+    /// Writes queued frames until the socket would block. Returns whether anything was written.
+    fn poll_write_queue(&mut self, cx: &mut Context<'_>) -> io::Result<bool> {
+        let mut progress = false;
+        while !self.wq.is_empty() {
+            let mut iov = [IoSlice::new(&[]); MAX_IOV];
+            let mut n = 0;
+            let mut skip = self.woff;
+            'fill: for q in &self.wq {
+                for part in [&q.header[..], &q.body[..], &q.data[..]] {
+                    if skip >= part.len() {
+                        skip -= part.len();
+                        continue;
+                    }
+                    if n == MAX_IOV {
+                        break 'fill;
+                    }
+                    iov[n] = IoSlice::new(&part[skip..]);
+                    skip = 0;
+                    n += 1;
+                }
+            }
+            match Pin::new(&mut self.io).poll_write_vectored(cx, &iov[..n]) {
+                Poll::Ready(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
+                Poll::Ready(Ok(written)) => {
+                    progress = true;
+                    self.advance_written(written);
+                }
+                Poll::Ready(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
+                Poll::Ready(Err(e)) => return Err(e),
+                Poll::Pending => break,
+            }
+        }
+        Ok(progress)
+    }
+
+    fn advance_written(&mut self, mut written: usize) {
+        self.counters.bytes_out.inc_by(written as u64);
+        while written > 0 {
+            let Some(front) = self.wq.front() else { break };
+            let rest = front.len() - self.woff;
+            if written >= rest {
+                written -= rest;
+                self.woff = 0;
+                self.wq_bytes -= front.len();
+                self.wq.pop_front();
+                self.counters.frames_out.inc();
+            } else {
+                self.woff += written;
+                written = 0;
+            }
+        }
+    }
+
+    /// Whether the driver may decode and admit another frame now.
+    fn may_admit(&self) -> bool {
+        match &self.side {
+            Side::Client { .. } => true,
+            Side::Server(s) => s.stalled.is_none() && !self.closing,
+        }
+    }
+
+    /// Reads once and handles every whole frame buffered. Returns whether anything happened, or the
+    /// reason to close the connection.
+    fn poll_read(&mut self, cx: &mut Context<'_>) -> Result<bool, Closed> {
+        let mut progress = self.retry_stalled(cx);
+        if !self.may_admit() {
+            return Ok(progress);
+        }
+        if self.rbuf.capacity() - self.rbuf.len() < READ_CHUNK / 4 {
+            self.rbuf.reserve(READ_CHUNK);
+        }
+        let read = {
+            let fut = std::pin::pin!(self.io.read_buf(&mut self.rbuf));
+            fut.poll(cx)
+        };
+        match read {
+            Poll::Pending => {}
+            Poll::Ready(Ok(0)) => return Err(Closed::Eof),
+            Poll::Ready(Ok(n)) => {
+                progress = true;
+                self.counters.bytes_in.inc_by(n as u64);
+            }
+            Poll::Ready(Err(e)) if e.kind() == io::ErrorKind::Interrupted => progress = true,
+            Poll::Ready(Err(e)) => return Err(Closed::Io(e)),
+        }
+        while self.may_admit() {
+            match decode(&mut self.rbuf, self.limits) {
+                Ok(Some(frame)) => {
+                    progress = true;
+                    self.counters.frames_in.inc();
+                    self.on_frame(frame, cx);
+                }
+                Ok(None) => break,
+                Err(e) => return Err(Closed::Frame(e)),
+            }
+        }
+        Ok(progress)
+    }
+
+    fn on_frame(&mut self, frame: Frame, cx: &mut Context<'_>) {
+        match &mut self.side {
+            Side::Client { pending } => match frame.header.kind {
+                Kind::Response | Kind::Error => {
+                    // A missing entry is a request whose caller gave up; its answer is dropped.
+                    if let Some(tx) = pending.remove(&frame.header.request_id) {
+                        let _ = tx.send(Ok(frame));
+                    }
+                }
+                Kind::Request | Kind::OneWay => {
+                    self.metrics.error("unexpected_frame");
+                    tracing::debug!(peer = %self.peer, op = %frame.header.op, "server sent a request on a client connection; dropped");
+                }
+            },
+            Side::Server(_) => match frame.header.kind {
+                Kind::Request | Kind::OneWay => self.admit(frame, cx),
+                Kind::Response | Kind::Error => {
+                    self.metrics.error("unexpected_frame");
+                    tracing::debug!(peer = %self.peer, op = %frame.header.op, "client sent a response on a server connection; dropped");
+                }
+            },
+        }
+    }
+
+    /// Takes budget for a request and dispatches it, or parks it until budget is available.
+    fn admit(&mut self, frame: Frame, cx: &mut Context<'_>) {
+        let Side::Server(s) = &mut self.side else {
+            return;
+        };
+        let cost = frame_cost(&frame, s.max_conn_bytes);
+        let conn_full = s.inflight_reqs >= s.max_conn_reqs
+            || (s.inflight_reqs > 0 && s.inflight_bytes + cost > s.max_conn_bytes);
+        if conn_full {
+            // Replies coming back through `rx` wake the driver and `retry_stalled` tries again.
+            s.stalled = Some(frame);
+            return;
+        }
+        let cost32 = u32::try_from(cost).unwrap_or(u32::MAX);
+        let reqs = Arc::clone(&s.total_reqs).try_acquire_owned();
+        let bytes = Arc::clone(&s.total_bytes).try_acquire_many_owned(cost32);
+        match (reqs, bytes) {
+            (Ok(r), Ok(b)) => {
+                let permits = Permits {
+                    _reqs: Some(r),
+                    _bytes: Some(b),
+                };
+                self.dispatch(frame, cost, permits, cx);
+            }
+            _ => {
+                let (reqs, bytes) = (Arc::clone(&s.total_reqs), Arc::clone(&s.total_bytes));
+                s.waiting = Some(Box::pin(async move {
+                    let r = reqs.acquire_owned().await?;
+                    let b = bytes.acquire_many_owned(cost32).await?;
+                    Ok(Permits {
+                        _reqs: Some(r),
+                        _bytes: Some(b),
+                    })
+                }));
+                s.stalled = Some(frame);
+            }
+        }
+    }
+
+    fn retry_stalled(&mut self, cx: &mut Context<'_>) -> bool {
+        let Side::Server(s) = &mut self.side else {
+            return false;
+        };
+        let Some(frame) = s.stalled.take() else {
+            return false;
+        };
+        match s.waiting.as_mut().map(|w| w.as_mut().poll(cx)) {
+            None => {
+                self.admit(frame, cx);
+                matches!(&self.side, Side::Server(s) if s.stalled.is_none())
+            }
+            Some(Poll::Pending) => {
+                s.stalled = Some(frame);
+                false
+            }
+            Some(Poll::Ready(Ok(permits))) => {
+                s.waiting = None;
+                let cost = frame_cost(&frame, s.max_conn_bytes);
+                self.dispatch(frame, cost, permits, cx);
+                true
+            }
+            Some(Poll::Ready(Err(_))) => {
+                // The semaphores are closed only when the server stops.
+                s.waiting = None;
+                self.begin_close("server stopped");
+                true
+            }
+        }
+    }
+
+    /// Runs the handler; a reply that is ready at once is queued without a task switch.
+    fn dispatch(&mut self, frame: Frame, cost: u64, permits: Permits, cx: &mut Context<'_>) {
+        let Side::Server(s) = &mut self.side else {
+            return;
+        };
+        let h = frame.header;
+        s.inflight_reqs += 1;
+        s.inflight_bytes += cost;
+        s.inflight_gauge.inc();
+        let req = Request {
+            kind: h.kind,
+            op: h.op,
+            flags: h.flags,
+            peer: Arc::clone(&self.peer),
+            body: frame.body,
+            data: Payload::with_crc(frame.data, h.data_crc),
+        };
+        let mut fut = s.handler.call(req);
+        let mut done = Done {
+            kind: h.kind,
+            op: h.op,
+            request_id: h.request_id,
+            cost,
+            permits,
+            result: Ok(Reply::default()),
+        };
+        match fut.as_mut().poll(cx) {
+            Poll::Ready(result) => {
+                done.result = result;
+                self.on_done(done);
+            }
+            Poll::Pending => {
+                let tx = s.tx.clone();
+                tokio::spawn(async move {
+                    done.result = fut.await;
+                    let _ = tx.send(Outgoing::Done(done));
+                });
+            }
+        }
+    }
+
+    /// Whether a closing connection has nothing left to do.
+    fn drained(&self) -> bool {
+        let idle = match &self.side {
+            Side::Client { pending } => pending.is_empty(),
+            Side::Server(s) => s.inflight_reqs == 0,
+        };
+        self.closing && idle && self.wq.is_empty()
+    }
+
+    fn handle_closed(&mut self, closed: Closed) -> bool {
+        match closed {
+            Closed::Eof => {
+                self.begin_close("closed by peer");
+                // A client has nobody to answer its pending requests any more.
+                matches!(self.side, Side::Client { .. })
+            }
+            Closed::Io(e) => {
+                self.metrics.error("reset");
+                self.begin_close(&e.to_string());
+                true
+            }
+            Closed::Frame(e) => {
+                self.metrics.error("frame");
+                tracing::warn!(peer = %self.peer, error = %e, "closing connection after a bad frame");
+                self.begin_close(&format!("bad frame: {e}"));
+                if matches!(self.side, Side::Server(_)) {
+                    // Tell the peer why before closing; framing is lost, so nothing else is read.
+                    let e = RemoteError::new(ErrorCode::BadRequest, format!("bad frame: {e}"));
+                    self.push(error_frame(nacre_proto::Op(0), 0, &e), Permits::default());
+                    return false;
+                }
+                true
+            }
+        }
+    }
+}
+
+enum Closed {
+    Eof,
+    Io(io::Error),
+    Frame(FrameError),
+}
+
+/// The in-flight byte cost of a frame, capped so that one frame larger than the budget still passes.
+fn frame_cost(frame: &Frame, cap: u64) -> u64 {
+    ((frame.body.len() + frame.data.len()) as u64).min(cap)
+}
+
+fn error_frame(op: nacre_proto::Op, request_id: u64, e: &RemoteError) -> Frame {
+    Frame::new(Kind::Error, op, request_id, encode_body(e), Bytes::new())
+}
+
+impl Future for Conn {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = &mut *self;
+        for _ in 0..BUDGET {
+            let mut progress = false;
+            while this.wq_bytes < WRITE_QUEUE_HIGH {
+                match this.rx.poll_recv(cx) {
+                    Poll::Ready(Some(msg)) => {
+                        progress = true;
+                        this.on_outgoing(msg);
+                    }
+                    Poll::Ready(None) => {
+                        // Every handle is gone: nobody can send more requests.
+                        this.begin_close("client dropped");
+                        break;
+                    }
+                    Poll::Pending => break,
+                }
+            }
+            match this.poll_write_queue(cx) {
+                Ok(p) => progress |= p,
+                Err(e) => {
+                    this.metrics.error("reset");
+                    this.begin_close(&e.to_string());
+                    return Poll::Ready(());
+                }
+            }
+            match this.poll_read(cx) {
+                Ok(p) => progress |= p,
+                Err(closed) => {
+                    progress = true;
+                    if this.handle_closed(closed) {
+                        return Poll::Ready(());
+                    }
+                }
+            }
+            if this.drained() {
+                let _ = Pin::new(&mut this.io).poll_shutdown(cx);
+                return Poll::Ready(());
+            }
+            if !progress {
+                return Poll::Pending;
+            }
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.counters.connections.dec();
+        let err = self.reset_error();
+        // Close first, so that a caller woken by the errors below finds the handle closed and
+        // reconnects instead of queueing onto this dead connection.
+        self.rx.close();
+        if let Side::Client { pending } = &mut self.side {
+            for (_, tx) in pending.drain() {
+                let _ = tx.send(Err(err.clone()));
+            }
+        }
+        // Requests still queued to this driver get the same answer.
+        while let Ok(msg) = self.rx.try_recv() {
+            if let Outgoing::Request { reply, .. } = msg {
+                let _ = reply.send(Err(err.clone()));
+            }
+        }
+        if let Side::Server(s) = &self.side {
+            s.inflight_gauge.dec_by(i64::from(s.inflight_reqs));
+        }
+    }
+}

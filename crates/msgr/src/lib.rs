@@ -1,0 +1,144 @@
+//! The nacre messenger: framed RPC over pluggable transports, on worker event loops.
+//!
+//! A [`Messenger`] owns N worker threads (one `current_thread` tokio runtime each). Connections — both
+//! accepted by [`Messenger::serve`] and opened by a [`Client`] — are assigned to workers by an
+//! [`AssignPolicy`] and live on their worker for their whole life (until a balancer moves them).
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use nacre_msgr::{Messenger, MsgrConfig, Payload, Router, TcpTransport};
+//! use nacre_proto::msg::sys::{Echo, EchoResponse};
+//!
+//! let msgr = Messenger::new("demo", MsgrConfig::default(), Arc::new(TcpTransport))?;
+//! let listener = TcpTransport::listener(tokio::net::TcpListener::bind("127.0.0.1:0").await?);
+//! let addr = listener.local_addr()?;
+//! let router = Router::new().route::<Echo, _, _>(|_req, incoming| async move {
+//!     Ok((EchoResponse {}, incoming.data))
+//! });
+//! let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+//! let server = tokio::spawn(msgr.serve(listener, Arc::new(router), async { let _ = stopped.await; }));
+//! let client = msgr.client();
+//! let (_resp, data) = client
+//!     .call::<Echo>(&addr, &Default::default(), Payload::new(bytes::Bytes::from_static(b"hi")))
+//!     .await?;
+//! assert_eq!(&data.bytes[..], b"hi");
+//! let _ = stop.send(());
+//! server.await??;
+//! # Ok(()) }
+//! ```
+
+mod client;
+mod config;
+mod conn;
+mod error;
+mod handler;
+pub mod mem;
+mod metrics;
+pub mod policy;
+mod server;
+pub mod transport;
+mod worker;
+
+use std::future::Future;
+use std::io;
+use std::sync::Arc;
+
+use prometheus_client::registry::Registry;
+
+pub use client::{CallOptions, Client};
+pub use config::MsgrConfig;
+pub use error::MsgrError;
+pub use handler::{Handler, Incoming, Payload, Reply, Request, Router};
+pub use metrics::MsgrMetrics;
+pub use policy::{AssignKind, AssignPolicy, WorkerLoad};
+pub use transport::{BoxFuture, DetachedStream, Listener, Stream, TcpTransport, Transport};
+pub use worker::{Worker, Workers};
+
+pub(crate) struct Shared {
+    pub(crate) name: String,
+    pub(crate) config: MsgrConfig,
+    pub(crate) workers: Workers,
+    pub(crate) transport: Arc<dyn Transport>,
+    pub(crate) metrics: MsgrMetrics,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Messenger")
+            .field("name", &self.name)
+            .field("workers", &self.workers.len())
+            .field("transport", &self.transport)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A messenger: worker threads, a transport, metrics. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Messenger {
+    shared: Arc<Shared>,
+}
+
+impl Messenger {
+    /// Starts the worker threads. `name` prefixes thread names (e.g. `meta-2`).
+    pub fn new(name: &str, config: MsgrConfig, transport: Arc<dyn Transport>) -> io::Result<Self> {
+        config.validate().map_err(io::Error::other)?;
+        let metrics = MsgrMetrics::default();
+        let workers = Workers::start(name, config.workers, config.assign.build(), &metrics)?;
+        Ok(Self {
+            shared: Arc::new(Shared {
+                name: name.to_string(),
+                config,
+                workers,
+                transport,
+                metrics,
+            }),
+        })
+    }
+
+    /// The configuration this messenger runs with.
+    pub fn config(&self) -> &MsgrConfig {
+        &self.shared.config
+    }
+
+    /// The transport, for binding listeners.
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.shared.transport
+    }
+
+    /// The worker pool (to run latency-sensitive work next to its connections).
+    pub fn workers(&self) -> &Workers {
+        &self.shared.workers
+    }
+
+    /// Registers the messenger's metrics in `registry`.
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        self.shared.metrics.register(registry);
+    }
+
+    /// A client whose connections live on this messenger's workers. Clients share nothing with each
+    /// other but the workers: each has its own connections and in-flight budget.
+    pub fn client(&self) -> Client {
+        Client::new(Arc::clone(&self.shared))
+    }
+
+    /// Serves `handler` on every connection `listener` accepts until `shutdown` completes, then closes
+    /// connections gracefully (in-flight requests are answered) and returns.
+    pub fn serve<F>(
+        &self,
+        listener: Box<dyn Listener>,
+        handler: Arc<dyn Handler>,
+        shutdown: F,
+    ) -> impl Future<Output = io::Result<()>> + Send + 'static
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        server::serve(Arc::clone(&self.shared), listener, handler, shutdown)
+    }
+
+    /// Stops the worker threads and waits for them; connections still open are dropped. Must not be
+    /// called from inside a worker.
+    pub fn shutdown(&self) {
+        self.shared.workers.shutdown();
+    }
+}

@@ -1,0 +1,113 @@
+//! Messenger metrics for Prometheus.
+//!
+//! Hot-path counters are resolved once per worker (label lookups happen at start, not per frame), and
+//! each worker only touches its own counters, so counting costs an uncontended atomic add.
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub(crate) enum Dir {
+    In,
+    Out,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct WorkerDir {
+    worker: String,
+    dir: Dir,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct WorkerLabel {
+    worker: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct KindLabel {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct SideLabel {
+    side: &'static str,
+}
+
+/// All messenger metric families of one messenger.
+#[derive(Clone, Debug, Default)]
+pub struct MsgrMetrics {
+    frames: Family<WorkerDir, Counter>,
+    bytes: Family<WorkerDir, Counter>,
+    connections: Family<WorkerLabel, Gauge>,
+    errors: Family<KindLabel, Counter>,
+    inflight: Family<SideLabel, Gauge>,
+}
+
+/// The counters one worker updates.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct WorkerCounters {
+    pub frames_in: Counter,
+    pub frames_out: Counter,
+    pub bytes_in: Counter,
+    pub bytes_out: Counter,
+    pub connections: Gauge,
+}
+
+impl MsgrMetrics {
+    /// Registers every family under `nacre_msgr_*`.
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("nacre_msgr");
+        r.register(
+            "frames",
+            "Frames read (dir=in) and written (dir=out), per worker",
+            self.frames.clone(),
+        );
+        r.register(
+            "bytes",
+            "Bytes read and written on connections, per worker (the worker's load)",
+            self.bytes.clone(),
+        );
+        r.register(
+            "connections",
+            "Open connections owned by each worker",
+            self.connections.clone(),
+        );
+        r.register(
+            "errors",
+            "Errors by kind (connect, reset, timeout, remote, frame, decode, accept, ...)",
+            self.errors.clone(),
+        );
+        r.register(
+            "inflight_requests",
+            "Requests in flight (side=client: awaiting a reply; side=server: being served)",
+            self.inflight.clone(),
+        );
+    }
+
+    pub(crate) fn worker(&self, index: usize) -> WorkerCounters {
+        let wd = |dir| WorkerDir {
+            worker: index.to_string(),
+            dir,
+        };
+        WorkerCounters {
+            frames_in: self.frames.get_or_create_owned(&wd(Dir::In)),
+            frames_out: self.frames.get_or_create_owned(&wd(Dir::Out)),
+            bytes_in: self.bytes.get_or_create_owned(&wd(Dir::In)),
+            bytes_out: self.bytes.get_or_create_owned(&wd(Dir::Out)),
+            connections: self.connections.get_or_create_owned(&WorkerLabel {
+                worker: index.to_string(),
+            }),
+        }
+    }
+
+    pub(crate) fn error(&self, kind: &'static str) {
+        self.errors.get_or_create(&KindLabel { kind }).inc();
+    }
+
+    pub(crate) fn inflight(&self, side: &'static str) -> Gauge {
+        self.inflight.get_or_create_owned(&SideLabel { side })
+    }
+}

@@ -1,0 +1,4 @@
+//! `nacre bench …`: benchmarks that print a table, or JSON lines with `--json`.
+
+pub mod msgr;
+pub mod report;

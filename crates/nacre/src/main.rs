@@ -1,0 +1,318 @@
+//! `nacre`: one binary for every role of a nacre cluster, its CLI and its benchmarks.
+
+mod bench;
+mod config;
+mod http;
+mod node;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use clap::{Args, Parser, Subcommand};
+use nacre_msgr::{Messenger, MsgrConfig, Payload, TcpTransport};
+use nacre_proto::msg::sys::{Echo, EchoRequest, Ping, PingRequest};
+
+use crate::bench::report::{self, parse_size};
+use crate::node::{Node, NodeConfig};
+
+/// nacre: a programmable distributed file and object store for container platforms.
+///
+/// Run `nacre up` to start a local cluster in one process, `nacre server --config FILE` to run one
+/// node of a real deployment, and `nacre bench …` to measure. Logs go to stderr; set NACRE_LOG
+/// (e.g. `NACRE_LOG=debug` or `NACRE_LOG=nacre_msgr=trace`) to change their level.
+#[derive(Debug, Parser)]
+#[command(name = "nacre", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run one nacre node from a TOML config file (NACRE_* variables override its keys).
+    ///
+    /// Example: `NACRE_MSGR__WORKERS=4 nacre server --config node.toml`. Keys: name, listen,
+    /// metrics_listen, [msgr] workers, assign, max_frame, conns_per_peer, max_inflight_per_conn,
+    /// max_inflight_bytes_per_conn, max_inflight_total, max_inflight_bytes_total,
+    /// connect_timeout_ms, default_deadline_ms. Without --config, defaults and NACRE_* apply.
+    Server(ServerArgs),
+    /// Start a local cluster in this process and keep it running until Ctrl-C.
+    ///
+    /// Today this starts one node serving the messenger's system ops (ping, echo) and the metrics
+    /// endpoint; the master, meta and data roles join it as they are built. Addresses are printed and
+    /// written to DIR/up.json.
+    Up(UpArgs),
+    /// Send ping (or echo) requests to a node and print round-trip times.
+    Ping(PingArgs),
+    /// Benchmarks. Each prints a table, or one JSON object per line with --json.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Debug, Args)]
+struct ServerArgs {
+    /// TOML configuration file.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Print the effective configuration (after NACRE_* overrides) and exit.
+    #[arg(long)]
+    print_config: bool,
+}
+
+#[derive(Debug, Args)]
+struct UpArgs {
+    /// Directory for the cluster's state (created if missing).
+    #[arg(long, default_value = ".nacre")]
+    dir: PathBuf,
+    /// Messenger listen address of the node.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// Metrics listen address.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    metrics_listen: String,
+}
+
+#[derive(Debug, Args)]
+struct PingArgs {
+    /// Address of the node (`host:port`).
+    addr: String,
+    /// Number of requests.
+    #[arg(long, short = 'n', default_value_t = 5)]
+    count: u32,
+    /// Send echo requests carrying this many bytes (e.g. 4k) instead of pings.
+    #[arg(long, value_parser = parse_size)]
+    size: Option<usize>,
+    /// Per-request timeout in milliseconds.
+    #[arg(long, default_value_t = 3000)]
+    timeout_ms: u64,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCmd {
+    /// Echo RPCs through the messenger on loopback, beside raw blocking TCP in the same run.
+    Msgr(BenchMsgrArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchMsgrArgs {
+    /// Message sizes (comma-separated; units k, m).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "4k,64k,1m")]
+    sizes: Vec<usize>,
+    /// Requests in flight (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,16,128")]
+    inflight: Vec<usize>,
+    /// Measured seconds per configuration and implementation.
+    #[arg(long, default_value_t = 2.0)]
+    secs: f64,
+    /// Warm-up seconds before each measurement.
+    #[arg(long, default_value_t = 0.5)]
+    warmup_secs: f64,
+    /// Skip the raw TCP baseline.
+    #[arg(long)]
+    no_baseline: bool,
+    /// Server messenger workers.
+    #[arg(long, default_value_t = 1)]
+    server_workers: usize,
+    /// Client messenger workers.
+    #[arg(long, default_value_t = 1)]
+    client_workers: usize,
+    /// Client connections to the server.
+    #[arg(long, default_value_t = 1)]
+    conns: usize,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_logging();
+    match cli.cmd {
+        Cmd::Server(a) => server(a),
+        Cmd::Up(a) => up(a),
+        Cmd::Ping(a) => ping(a),
+        Cmd::Bench(BenchCmd::Msgr(a)) => bench_msgr(a),
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("NACRE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("nacre-ctl")
+        .enable_all()
+        .build()?)
+}
+
+/// Resolves when the process is asked to stop (Ctrl-C or SIGTERM).
+async fn stop_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        _ = term => {},
+    }
+}
+
+fn server(a: ServerArgs) -> anyhow::Result<()> {
+    let cfg: NodeConfig = config::load_from_process_env(a.config.as_deref())?;
+    if a.print_config {
+        print!("{}", toml::to_string_pretty(&cfg)?);
+        return Ok(());
+    }
+    runtime()?.block_on(async {
+        let node = Node::start(&cfg).await?;
+        println!("nacre node {} listening on {}", node.name, node.addr);
+        if let Some(m) = &node.metrics_addr {
+            println!("metrics: http://{m}/metrics");
+        }
+        stop_signal().await;
+        node.stop().await
+    })
+}
+
+fn up(a: UpArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&a.dir)
+        .with_context(|| format!("cannot create {}", a.dir.display()))?;
+    let cfg = NodeConfig {
+        name: "up-0".into(),
+        listen: a.listen,
+        metrics_listen: a.metrics_listen,
+        ..NodeConfig::default()
+    };
+    runtime()?.block_on(async {
+        let node = Node::start(&cfg).await?;
+        let info = serde_json::json!({
+            "pid": std::process::id(),
+            "nodes": [{ "name": node.name, "addr": node.addr, "metrics": node.metrics_addr }],
+        });
+        let path = a.dir.join("up.json");
+        write_atomic(&path, serde_json::to_string_pretty(&info)?.as_bytes())?;
+        println!("nacre is up (state in {})", a.dir.display());
+        println!("  node {}  {}", node.name, node.addr);
+        if let Some(m) = &node.metrics_addr {
+            println!("  metrics   http://{m}/metrics");
+        }
+        println!("try: nacre ping {}", node.addr);
+        println!("Ctrl-C stops it.");
+        stop_signal().await;
+        println!("stopping…");
+        let r = node.stop().await;
+        let _ = std::fs::remove_file(&path);
+        r
+    })
+}
+
+/// temp → fsync → rename → fsync dir, so readers never see a half-written file.
+fn write_atomic(path: &std::path::Path, contents: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let tmp = path.with_extension("tmp");
+    let mut f =
+        std::fs::File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    f.write_all(contents)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
+    std::fs::File::open(dir)?.sync_all()?;
+    Ok(())
+}
+
+fn ping(a: PingArgs) -> anyhow::Result<()> {
+    runtime()?.block_on(async {
+        let cfg = MsgrConfig {
+            workers: 1,
+            default_deadline: Duration::from_millis(a.timeout_ms),
+            connect_timeout: Duration::from_millis(a.timeout_ms),
+            ..MsgrConfig::default()
+        };
+        let msgr = Messenger::new("ping", cfg, Arc::new(TcpTransport))?;
+        let client = msgr.client();
+        let data = a.size.map(|n| Bytes::from(vec![0x5a; n]));
+        let mut failures = 0;
+        for seq in 0..a.count {
+            let t = Instant::now();
+            let what = match &data {
+                None => client
+                    .call::<Ping>(&a.addr, &PingRequest {}, Payload::none())
+                    .await
+                    .map(|(r, _)| format!("{} (version {})", r.name, r.version)),
+                Some(d) => client
+                    .call::<Echo>(&a.addr, &EchoRequest {}, Payload::new(d.clone()))
+                    .await
+                    .map(|(_, p)| format!("{} bytes echoed", p.len())),
+            };
+            match what {
+                Ok(w) => println!(
+                    "{}: seq={seq} time={:.1} µs",
+                    w,
+                    t.elapsed().as_secs_f64() * 1e6
+                ),
+                Err(e) => {
+                    failures += 1;
+                    println!("seq={seq} error: {e}");
+                }
+            }
+        }
+        let m = msgr.clone();
+        tokio::task::spawn_blocking(move || m.shutdown()).await?;
+        anyhow::ensure!(failures == 0, "{failures} of {} requests failed", a.count);
+        Ok(())
+    })
+}
+
+fn bench_msgr(a: BenchMsgrArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.secs > 0.0, "--secs must be positive");
+    anyhow::ensure!(
+        a.inflight.iter().all(|&n| n > 0),
+        "--inflight values must be at least 1"
+    );
+    let p = bench::msgr::Params {
+        sizes: a.sizes,
+        inflight: a.inflight,
+        duration: Duration::from_secs_f64(a.secs),
+        warmup: Duration::from_secs_f64(a.warmup_secs.max(0.0)),
+        baseline: !a.no_baseline,
+        server_workers: a.server_workers,
+        client_workers: a.client_workers,
+        conns: a.conns,
+    };
+    let json = a.json;
+    let rows = bench::msgr::run(&p, |r| {
+        if json {
+            let _ = report::print_json(std::slice::from_ref(r));
+        } else {
+            eprintln!(
+                "  {} size={} inflight={}: {:.0} ops/s",
+                r.implementation,
+                report::human_size(r.size),
+                r.inflight,
+                r.ops_per_s
+            );
+        }
+    })?;
+    if !json {
+        report::print_table(&rows);
+    }
+    Ok(())
+}
