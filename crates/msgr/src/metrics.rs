@@ -3,22 +3,17 @@
 //! Hot-path counters are resolved once per worker (label lookups happen at start, not per frame), and
 //! each worker only touches its own counters, so counting costs an uncontended atomic add.
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
-pub(crate) enum Dir {
-    In,
-    Out,
-}
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct WorkerDir {
     worker: String,
-    dir: Dir,
+    /// `in` or `out`.
+    dir: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -93,10 +88,10 @@ impl MsgrMetrics {
             dir,
         };
         WorkerCounters {
-            frames_in: self.frames.get_or_create_owned(&wd(Dir::In)),
-            frames_out: self.frames.get_or_create_owned(&wd(Dir::Out)),
-            bytes_in: self.bytes.get_or_create_owned(&wd(Dir::In)),
-            bytes_out: self.bytes.get_or_create_owned(&wd(Dir::Out)),
+            frames_in: self.frames.get_or_create_owned(&wd("in")),
+            frames_out: self.frames.get_or_create_owned(&wd("out")),
+            bytes_in: self.bytes.get_or_create_owned(&wd("in")),
+            bytes_out: self.bytes.get_or_create_owned(&wd("out")),
             connections: self.connections.get_or_create_owned(&WorkerLabel {
                 worker: index.to_string(),
             }),

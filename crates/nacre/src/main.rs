@@ -128,6 +128,7 @@ struct BenchMsgrArgs {
 }
 
 fn main() -> anyhow::Result<()> {
+    tune_allocator();
     let cli = Cli::parse();
     init_logging();
     match cli.cmd {
@@ -137,6 +138,25 @@ fn main() -> anyhow::Result<()> {
         Cmd::Bench(BenchCmd::Msgr(a)) => bench_msgr(a),
     }
 }
+
+/// Keeps glibc malloc from returning large freed buffers to the kernel at once.
+///
+/// With the defaults, every allocation of 128 KiB or more (a 1 MiB frame, a 128 KiB packet) is a fresh
+/// `mmap` and every free a `munmap` or heap trim, so each buffer is page-faulted in again: `nacre bench
+/// msgr` measured about 200 minor faults per 1 MiB round trip and ~40% lower throughput. Serving them
+/// from the heap and trimming only past 512 MiB of free memory removes that.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn tune_allocator() {
+    // SAFETY: mallopt only adjusts allocator parameters; it is called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn tune_allocator() {}
 
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("NACRE_LOG")

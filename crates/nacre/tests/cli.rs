@@ -1,0 +1,185 @@
+//! The `nacre` binary as a user runs it: config file plus environment overrides, ping, metrics,
+//! clean stop on SIGTERM.
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+
+const BIN: &str = env!("CARGO_BIN_EXE_nacre");
+
+/// Kills the child on drop so a failing test leaves no process behind.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn http_get(addr: &str, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn server_runs_from_config_with_env_overrides_and_stops_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("node.toml");
+    std::fs::write(
+        &cfg,
+        "name = \"from-file\"\nlisten = \"127.0.0.1:0\"\nmetrics_listen = \"127.0.0.1:0\"\n[msgr]\nworkers = 1\n",
+    )
+    .unwrap();
+
+    // --print-config shows the file merged with NACRE_* overrides.
+    let out = Command::new(BIN)
+        .args(["server", "--print-config", "--config"])
+        .arg(&cfg)
+        .env("NACRE_NAME", "from-env")
+        .env("NACRE_MSGR__WORKERS", "3")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("name = \"from-env\""), "{text}");
+    assert!(text.contains("workers = 3"), "{text}");
+
+    let mut child = Proc(
+        Command::new(BIN)
+            .args(["server", "--config"])
+            .arg(&cfg)
+            .env("NACRE_NAME", "from-env")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let addr = first.rsplit(' ').next().unwrap().to_string();
+    let second = lines.next().unwrap().unwrap();
+    let metrics = second
+        .trim_start_matches("metrics: http://")
+        .trim_end_matches("/metrics")
+        .to_string();
+
+    let ping = Command::new(BIN)
+        .args(["ping", &addr, "-n", "2"])
+        .output()
+        .unwrap();
+    let ping_out = String::from_utf8_lossy(&ping.stdout);
+    assert!(ping.status.success(), "{ping_out}");
+    assert!(ping_out.contains("from-env"), "{ping_out}");
+    let echo = Command::new(BIN)
+        .args(["ping", &addr, "-n", "1", "--size", "64k"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&echo.stdout).contains("65536 bytes echoed"));
+
+    let m = http_get(&metrics, "/metrics");
+    assert!(m.starts_with("HTTP/1.1 200"), "{m}");
+    assert!(
+        m.contains("nacre_msgr_frames_total{worker=\"0\",dir=\"in\"}"),
+        "{m}"
+    );
+    assert!(http_get(&metrics, "/health").contains("ok"));
+
+    let st = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let status = child.0.wait().unwrap();
+    assert!(status.success(), "server exited with {status}");
+}
+
+#[test]
+fn bad_config_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("node.toml");
+    std::fs::write(&cfg, "listen = \"127.0.0.1:0\"\nlisten_typo = 1\n").unwrap();
+    let out = Command::new(BIN)
+        .args(["server", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("listen_typo"), "{err}");
+
+    let out = Command::new(BIN)
+        .args(["server", "--print-config"])
+        .env("NACRE_MSGR__ASSIGN", "fastest")
+        .output()
+        .unwrap();
+    // Printing does not validate; starting does.
+    assert!(out.status.success());
+    let out = Command::new(BIN)
+        .args(["server"])
+        .env("NACRE_MSGR__ASSIGN", "fastest")
+        .env("NACRE_LISTEN", "127.0.0.1:0")
+        .env("NACRE_METRICS_LISTEN", "")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("unknown connection assignment policy"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bench_msgr_prints_json_rows_with_units() {
+    let out = Command::new(BIN)
+        .args([
+            "bench",
+            "msgr",
+            "--sizes",
+            "4k",
+            "--inflight",
+            "1,4",
+            "--secs",
+            "0.1",
+            "--warmup-secs",
+            "0",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 4, "{text}");
+    for r in &rows {
+        assert_eq!(r["bench"], "msgr");
+        assert_eq!(r["size"], 4096);
+        for k in ["ops_per_s", "mib_per_s", "p50_us", "p99_us"] {
+            assert!(r[k].as_f64().unwrap() > 0.0, "{k} in {r}");
+        }
+    }
+    assert!(rows.iter().any(|r| r["impl"] == "raw-tcp"));
+    assert!(
+        rows.iter()
+            .any(|r| r["impl"] == "nacre" && r["vs_baseline"].is_number())
+    );
+}
