@@ -110,6 +110,9 @@ struct BenchMsgrArgs {
     /// Warm-up seconds before each measurement.
     #[arg(long, default_value_t = 0.5)]
     warmup_secs: f64,
+    /// The measured time is split into this many rounds, alternating raw and nacre.
+    #[arg(long, default_value_t = 4)]
+    rounds: usize,
     /// Skip the raw TCP baseline.
     #[arg(long)]
     no_baseline: bool,
@@ -163,6 +166,7 @@ fn init_logging() {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
 }
@@ -312,6 +316,7 @@ fn bench_msgr(a: BenchMsgrArgs) -> anyhow::Result<()> {
         inflight: a.inflight,
         duration: Duration::from_secs_f64(a.secs),
         warmup: Duration::from_secs_f64(a.warmup_secs.max(0.0)),
+        rounds: a.rounds.max(1),
         baseline: !a.no_baseline,
         server_workers: a.server_workers,
         client_workers: a.client_workers,

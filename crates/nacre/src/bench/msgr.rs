@@ -28,14 +28,16 @@ pub struct Params {
     pub inflight: Vec<usize>,
     pub duration: Duration,
     pub warmup: Duration,
+    /// Alternating raw/nacre rounds the measured time is split into.
+    pub rounds: usize,
     pub baseline: bool,
     pub server_workers: usize,
     pub client_workers: usize,
     pub conns: usize,
 }
 
-/// Runs every (size, inflight) cell: raw baseline first, then nacre, so each ratio compares two
-/// measurements taken seconds apart on the same machine.
+/// Runs every (size, inflight) cell, alternating raw and nacre rounds so that each ratio compares
+/// measurements interleaved in time on the same machine.
 pub fn run(p: &Params, mut on_row: impl FnMut(&MsgrRow)) -> anyhow::Result<Vec<MsgrRow>> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -72,21 +74,60 @@ pub fn run(p: &Params, mut on_row: impl FnMut(&MsgrRow)) -> anyhow::Result<Vec<M
     let mut rows = Vec::new();
     for &size in &p.sizes {
         for &inflight in &p.inflight {
-            let base = match &raw {
-                Some(raw) => {
-                    let r = raw_echo(raw.addr, size, inflight, p.warmup, p.duration).with_context(
-                        || format!("raw baseline, size {size}, inflight {inflight}"),
-                    )?;
-                    on_row(&r);
-                    let ops = r.ops_per_s;
-                    rows.push(r);
-                    Some(ops)
+            let cell = format!("size {size}, inflight {inflight}");
+            let payload = echo_payload(size);
+            let client = client_msgr.client();
+            // Warm up both (connect, grow buffers), then alternate short rounds so that a change in
+            // the machine's load affects both implementations alike.
+            let round = p.duration.div_f64(p.rounds as f64);
+            let mut raw_total: Option<Sample> = raw.as_ref().map(|_| Sample::default());
+            let mut nacre_total = Sample::default();
+            if let Some(raw) = &raw {
+                raw_measure(raw.addr, size, inflight, p.warmup)
+                    .with_context(|| format!("raw baseline, {cell}"))?;
+            }
+            rt.block_on(run_load(
+                &client_msgr,
+                &client,
+                &addr,
+                &payload,
+                inflight,
+                p.warmup,
+            ))
+            .with_context(|| format!("nacre, {cell}"))?;
+            for _ in 0..p.rounds {
+                if let (Some(raw), Some(total)) = (&raw, raw_total.as_mut()) {
+                    total.add(
+                        raw_measure(raw.addr, size, inflight, round)
+                            .with_context(|| format!("raw baseline, {cell}"))?,
+                    );
                 }
-                None => None,
-            };
-            let mut r = rt
-                .block_on(nacre_echo(&client_msgr, &addr, size, inflight, p))
-                .with_context(|| format!("nacre, size {size}, inflight {inflight}"))?;
+                nacre_total.add(
+                    rt.block_on(run_load(
+                        &client_msgr,
+                        &client,
+                        &addr,
+                        &payload,
+                        inflight,
+                        round,
+                    ))
+                    .with_context(|| format!("nacre, {cell}"))?,
+                );
+            }
+            let base = raw_total.map(|mut t| {
+                let r = row("raw-tcp", size, inflight, t.secs, &mut t.lat);
+                on_row(&r);
+                let ops = r.ops_per_s;
+                rows.push(r);
+                ops
+            });
+            let mut r = row(
+                "nacre",
+                size,
+                inflight,
+                nacre_total.secs,
+                &mut nacre_total.lat,
+            );
             r.vs_baseline = base.map(|b| r.ops_per_s / b);
             on_row(&r);
             rows.push(r);
@@ -99,23 +140,26 @@ pub fn run(p: &Params, mut on_row: impl FnMut(&MsgrRow)) -> anyhow::Result<Vec<M
     Ok(rows)
 }
 
-async fn nacre_echo(
-    msgr: &Messenger,
-    addr: &str,
-    size: usize,
-    inflight: usize,
-    p: &Params,
-) -> anyhow::Result<MsgrRow> {
-    let data = Bytes::from(vec![0xa5u8; size]);
-    // The payload's CRC is computed once, as the data path does with block CRCs it keeps; every
-    // receiver still verifies every byte.
-    let payload = Payload::new(data);
-    let payload = Payload::with_crc(payload.bytes.clone(), payload.crc());
-    let client = msgr.client();
-    // Warm up (connect, grow buffers), then measure.
-    let _ = run_load(msgr, &client, addr, &payload, inflight, p.warmup).await?;
-    let (secs, mut lat) = run_load(msgr, &client, addr, &payload, inflight, p.duration).await?;
-    Ok(row("nacre", size, inflight, secs, &mut lat))
+/// The echo payload. Its CRC is computed once, as the data path does with the block CRCs it keeps;
+/// every receiver still verifies every byte.
+fn echo_payload(size: usize) -> Payload {
+    let p = Payload::new(Bytes::from(vec![0xa5u8; size]));
+    let crc = p.crc();
+    Payload::with_crc(p.bytes, crc)
+}
+
+/// Elapsed seconds and per-operation latencies (ns) of one or more measurement rounds.
+#[derive(Debug, Default)]
+struct Sample {
+    secs: f64,
+    lat: Vec<u64>,
+}
+
+impl Sample {
+    fn add(&mut self, (secs, lat): (f64, Vec<u64>)) {
+        self.secs += secs;
+        self.lat.extend(lat);
+    }
 }
 
 /// Runs `inflight` closed loops on the client's first worker for `dur`; returns elapsed seconds and
@@ -219,23 +263,17 @@ impl RawServer {
     }
 }
 
-fn raw_echo(
+fn raw_measure(
     addr: std::net::SocketAddr,
     size: usize,
     inflight: usize,
-    warmup: Duration,
     dur: Duration,
-) -> anyhow::Result<MsgrRow> {
-    let measure = |d: Duration| -> anyhow::Result<(f64, Vec<u64>)> {
-        if inflight <= 1 {
-            raw_ping_pong(addr, size, d)
-        } else {
-            raw_pipelined(addr, size, inflight, d)
-        }
-    };
-    let _ = measure(warmup)?;
-    let (secs, mut lat) = measure(dur)?;
-    Ok(row("raw-tcp", size, inflight, secs, &mut lat))
+) -> anyhow::Result<(f64, Vec<u64>)> {
+    if inflight <= 1 {
+        raw_ping_pong(addr, size, dur)
+    } else {
+        raw_pipelined(addr, size, inflight, dur)
+    }
 }
 
 fn raw_ping_pong(
