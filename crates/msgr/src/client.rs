@@ -129,46 +129,12 @@ impl Client {
         let deadline = Instant::now() + timeout;
         let mut frame = self.frame(Kind::Request, op, body, data)?;
         frame.header.flags = opts.flags;
-        let id = frame.header.request_id;
         let cost = self.cost(&frame);
         inner.inflight.inc();
-        let mut sent_on = None;
-        let result = tokio::time::timeout_at(deadline, async {
-            let conn = self.conn(addr, deadline).await?;
-            let _permits = (
-                acquire(&inner.total_reqs, 1).await?,
-                acquire(&inner.total_bytes, cost).await?,
-                acquire(&conn.reqs, 1).await?,
-                acquire(&conn.bytes, cost).await?,
-            );
-            let (tx, rx) = oneshot::channel();
-            conn.tx
-                .send(Outgoing::Request { frame, reply: tx })
-                .map_err(|_| MsgrError::Reset {
-                    peer: addr.to_string(),
-                    reason: "connection closed".into(),
-                })?;
-            sent_on = Some(conn.tx.clone());
-            rx.await.map_err(|_| MsgrError::Reset {
-                peer: addr.to_string(),
-                reason: "connection dropped".into(),
-            })?
-        })
-        .await;
+        let result = self
+            .send_request(addr, frame, cost, deadline, timeout)
+            .await;
         inner.inflight.dec();
-        let result = match result {
-            Ok(r) => r,
-            Err(_) => {
-                if let Some(tx) = sent_on {
-                    let _ = tx.send(Outgoing::Cancel(id));
-                }
-                Err(MsgrError::Timeout {
-                    peer: addr.to_string(),
-                    op: "call",
-                    after: timeout,
-                })
-            }
-        };
         let frame = result.inspect_err(|e| inner.shared.metrics.error(e.kind_label()))?;
         if frame.header.kind == Kind::Error {
             inner.shared.metrics.error("remote");
@@ -181,6 +147,57 @@ impl Client {
             });
         }
         Ok(frame)
+    }
+
+    /// Sends a request on a connection to `addr` and waits for its answer. Without contention this
+    /// arms no timer: the connection enforces the deadline once the request is queued on it.
+    async fn send_request(
+        &self,
+        addr: &str,
+        frame: Frame,
+        cost: u32,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Frame, MsgrError> {
+        let inner = &*self.inner;
+        let timed_out = || MsgrError::Timeout {
+            peer: addr.to_string(),
+            op: "call",
+            after: timeout,
+        };
+        let conn = match self.live_conn(addr) {
+            Some(c) => c,
+            None => tokio::time::timeout_at(deadline, self.conn(addr, deadline))
+                .await
+                .map_err(|_| timed_out())??,
+        };
+        let budgets = [
+            (&*inner.total_reqs, 1),
+            (&*inner.total_bytes, cost),
+            (&*conn.reqs, 1),
+            (&*conn.bytes, cost),
+        ];
+        let _permits = match try_acquire_all(&budgets) {
+            Some(p) => p,
+            None => tokio::time::timeout_at(deadline, acquire_all(&budgets))
+                .await
+                .map_err(|_| timed_out())??,
+        };
+        let (tx, rx) = oneshot::channel();
+        let request = Outgoing::Request {
+            frame,
+            reply: tx,
+            deadline,
+            timeout,
+        };
+        conn.tx.send(request).map_err(|_| MsgrError::Reset {
+            peer: addr.to_string(),
+            reason: "connection closed".into(),
+        })?;
+        rx.await.map_err(|_| MsgrError::Reset {
+            peer: addr.to_string(),
+            reason: "connection dropped".into(),
+        })?
     }
 
     /// Queues a one-way frame for `addr`. Returns once it is queued on a connection (not when it is
@@ -249,6 +266,13 @@ impl Client {
         let len = u32::try_from(frame.body.len() + frame.data.len()).unwrap_or(u32::MAX);
         len.min(cfg.max_inflight_bytes_per_conn)
             .min(cfg.max_inflight_bytes_total)
+    }
+
+    /// A live connection to `addr` if one is open (the next slot in turn).
+    fn live_conn(&self, addr: &str) -> Option<ConnHandle> {
+        let peer = lock(&self.inner.peers).get(addr).cloned()?;
+        let slot = &peer.slots[peer.next.fetch_add(1, Ordering::Relaxed) % peer.slots.len()];
+        live(slot)
     }
 
     /// A live connection to `addr`, opening one if needed.
@@ -327,6 +351,26 @@ fn live(slot: &Slot) -> Option<ConnHandle> {
         .cloned()
 }
 
-async fn acquire(sem: &Semaphore, n: u32) -> Result<tokio::sync::SemaphorePermit<'_>, MsgrError> {
-    sem.acquire_many(n).await.map_err(|_| MsgrError::Shutdown)
+type Budgets<'a> = [(&'a Semaphore, u32); 4];
+type Held<'a> = Vec<tokio::sync::SemaphorePermit<'a>>;
+
+/// Takes every budget at once if all are available now.
+fn try_acquire_all<'a>(budgets: &Budgets<'a>) -> Option<Held<'a>> {
+    budgets
+        .iter()
+        .map(|(sem, n)| sem.try_acquire_many(*n).ok())
+        .collect()
+}
+
+/// Waits for every budget, in a fixed order so that concurrent callers cannot deadlock.
+async fn acquire_all<'a>(budgets: &Budgets<'a>) -> Result<Held<'a>, MsgrError> {
+    let mut held = Vec::with_capacity(budgets.len());
+    for (sem, n) in budgets {
+        held.push(
+            sem.acquire_many(*n)
+                .await
+                .map_err(|_| MsgrError::Shutdown)?,
+        );
+    }
+    Ok(held)
 }

@@ -23,8 +23,10 @@ use nacre_proto::msg::{RemoteError, encode_body};
 use nacre_proto::{Frame, FrameError, FrameLimits, HEADER_LEN, Kind, decode};
 use nacre_types::ErrorCode;
 use prometheus_client::metrics::gauge::Gauge;
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWrite};
 use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio::time::{Instant, Sleep};
 
 use crate::error::MsgrError;
 use crate::handler::{Handler, Payload, Reply, Request};
@@ -52,14 +54,17 @@ pub(crate) struct Permits {
 /// Messages from callers and spawned handlers to a driver.
 #[derive(Debug)]
 pub(crate) enum Outgoing {
-    /// Client: send a request and deliver its answer.
-    Request { frame: Frame, reply: ReplyTx },
+    /// Client: send a request and deliver its answer, or `Timeout` at `deadline`.
+    Request {
+        frame: Frame,
+        reply: ReplyTx,
+        deadline: Instant,
+        timeout: Duration,
+    },
     /// Send a one-way frame; the permits are released once it is written.
     OneWay { frame: Frame, permits: Permits },
     /// Server: a spawned handler finished.
     Done(Done),
-    /// Client: the caller gave up on this request id.
-    Cancel(u64),
     /// Stop reading, finish in-flight work, close.
     Close,
 }
@@ -139,8 +144,95 @@ impl ServerSide {
     }
 }
 
+/// Client-side state of a connection.
+///
+/// Deadlines are enforced here rather than by a timer per call: one timer per connection, armed at the
+/// earliest deadline and moved only when it fires, so a call costs no timer-wheel operation.
+#[derive(Default)]
+struct ClientSide {
+    pending: HashMap<u64, (ReplyTx, Duration)>,
+    /// (deadline, request id), sorted by deadline; answered entries are dropped lazily from the front.
+    deadlines: VecDeque<(Instant, u64)>,
+    timer: Option<Pin<Box<Sleep>>>,
+    /// Whether `timer` is armed (it fires at or before the front deadline).
+    armed: bool,
+}
+
+impl ClientSide {
+    fn insert(&mut self, id: u64, reply: ReplyTx, deadline: Instant, timeout: Duration) {
+        self.pending.insert(id, (reply, timeout));
+        // Calls on a connection mostly share one timeout, so this is almost always a push_back.
+        let at = self.deadlines.partition_point(|(d, _)| *d <= deadline);
+        self.deadlines.insert(at, (deadline, id));
+        let earlier = self
+            .timer
+            .as_ref()
+            .is_none_or(|t| !self.armed || deadline < t.deadline());
+        if earlier {
+            match &mut self.timer {
+                Some(t) => t.as_mut().reset(deadline),
+                None => self.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
+            }
+            self.armed = true;
+        }
+    }
+
+    fn take(&mut self, id: u64) -> Option<ReplyTx> {
+        let tx = self.pending.remove(&id).map(|(tx, _)| tx);
+        self.pop_answered();
+        tx
+    }
+
+    /// Drops answered entries from the front, so the queue holds about the requests in flight.
+    fn pop_answered(&mut self) {
+        while let Some((_, front)) = self.deadlines.front() {
+            if self.pending.contains_key(front) {
+                break;
+            }
+            self.deadlines.pop_front();
+        }
+    }
+
+    /// Fails every request past its deadline once the timer fires; re-arms for the next one.
+    fn poll_expired(&mut self, cx: &mut Context<'_>, peer: &str) -> bool {
+        if !self.armed {
+            return false;
+        }
+        let fired = self
+            .timer
+            .as_mut()
+            .is_some_and(|t| t.as_mut().poll(cx).is_ready());
+        if !fired {
+            return false;
+        }
+        let now = Instant::now();
+        while let Some(&(deadline, id)) = self.deadlines.front() {
+            if deadline > now {
+                break;
+            }
+            self.deadlines.pop_front();
+            if let Some((tx, after)) = self.pending.remove(&id) {
+                let _ = tx.send(Err(MsgrError::Timeout {
+                    peer: peer.to_string(),
+                    op: "call",
+                    after,
+                }));
+            }
+        }
+        self.pop_answered();
+        self.armed = false;
+        if let (Some(&(next, _)), Some(timer)) = (self.deadlines.front(), self.timer.as_mut()) {
+            timer.as_mut().reset(next);
+            self.armed = true;
+            // Register the waker for the new deadline.
+            let _ = timer.as_mut().poll(cx);
+        }
+        true
+    }
+}
+
 enum Side {
-    Client { pending: HashMap<u64, ReplyTx> },
+    Client(ClientSide),
     Server(Box<ServerSide>),
 }
 
@@ -179,9 +271,7 @@ impl Conn {
             peer,
             limits,
             rx,
-            Side::Client {
-                pending: HashMap::new(),
-            },
+            Side::Client(ClientSide::default()),
             counters,
             metrics,
         )
@@ -242,9 +332,14 @@ impl Conn {
 
     fn on_outgoing(&mut self, msg: Outgoing) {
         match msg {
-            Outgoing::Request { frame, reply } => match &mut self.side {
-                Side::Client { pending } if !self.closing => {
-                    pending.insert(frame.header.request_id, reply);
+            Outgoing::Request {
+                frame,
+                reply,
+                deadline,
+                timeout,
+            } => match &mut self.side {
+                Side::Client(c) if !self.closing => {
+                    c.insert(frame.header.request_id, reply, deadline, timeout);
                     self.push(frame, Permits::default());
                 }
                 _ => {
@@ -253,11 +348,6 @@ impl Conn {
             },
             Outgoing::OneWay { frame, permits } => self.push(frame, permits),
             Outgoing::Done(done) => self.on_done(done),
-            Outgoing::Cancel(id) => {
-                if let Side::Client { pending } = &mut self.side {
-                    pending.remove(&id);
-                }
-            }
             Outgoing::Close => self.begin_close("closed by local shutdown"),
         }
     }
@@ -377,7 +467,7 @@ impl Conn {
     /// Whether the driver may decode and admit another frame now.
     fn may_admit(&self) -> bool {
         match &self.side {
-            Side::Client { .. } => true,
+            Side::Client(_) => true,
             Side::Server(s) => s.stalled.is_none() && !self.closing,
         }
     }
@@ -422,10 +512,10 @@ impl Conn {
 
     fn on_frame(&mut self, frame: Frame, cx: &mut Context<'_>) {
         match &mut self.side {
-            Side::Client { pending } => match frame.header.kind {
+            Side::Client(c) => match frame.header.kind {
                 Kind::Response | Kind::Error => {
-                    // A missing entry is a request whose caller gave up; its answer is dropped.
-                    if let Some(tx) = pending.remove(&frame.header.request_id) {
+                    // A missing entry is a request that timed out; its late answer is dropped.
+                    if let Some(tx) = c.take(frame.header.request_id) {
                         let _ = tx.send(Ok(frame));
                     }
                 }
@@ -558,7 +648,7 @@ impl Conn {
     /// Whether a closing connection has nothing left to do.
     fn drained(&self) -> bool {
         let idle = match &self.side {
-            Side::Client { pending } => pending.is_empty(),
+            Side::Client(c) => c.pending.is_empty(),
             Side::Server(s) => s.inflight_reqs == 0,
         };
         self.closing && idle && self.wq.is_empty()
@@ -569,7 +659,7 @@ impl Conn {
             Closed::Eof => {
                 self.begin_close("closed by peer");
                 // A client has nobody to answer its pending requests any more.
-                matches!(self.side, Side::Client { .. })
+                matches!(self.side, Side::Client(_))
             }
             Closed::Io(e) => {
                 self.metrics.error("reset");
@@ -628,6 +718,9 @@ impl Future for Conn {
                     Poll::Pending => break,
                 }
             }
+            if let Side::Client(c) = &mut this.side {
+                progress |= c.poll_expired(cx, &this.peer);
+            }
             match this.poll_write_queue(cx) {
                 Ok(p) => progress |= p,
                 Err(e) => {
@@ -665,8 +758,8 @@ impl Drop for Conn {
         // Close first, so that a caller woken by the errors below finds the handle closed and
         // reconnects instead of queueing onto this dead connection.
         self.rx.close();
-        if let Side::Client { pending } = &mut self.side {
-            for (_, tx) in pending.drain() {
+        if let Side::Client(c) = &mut self.side {
+            for (_, (tx, _)) in c.pending.drain() {
                 let _ = tx.send(Err(err.clone()));
             }
         }

@@ -526,3 +526,43 @@ async fn metrics_count_frames_and_bytes_per_worker() {
     assert!(text.contains("nacre_msgr_connections{worker=\""), "{text}");
     srv.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shorter_deadline_queued_behind_a_longer_one_still_fires_first() {
+    let gate = Arc::new(Semaphore::new(0));
+    let g = Arc::clone(&gate);
+    let router = Router::new().route::<Ping, _, _>(move |_r, _i| {
+        let g = Arc::clone(&g);
+        async move {
+            let _ = g.acquire().await;
+            Err::<(PingResponse, Payload), _>(RemoteError::new(ErrorCode::Internal, "late"))
+        }
+    });
+    let srv = Server::start(MsgrConfig::default(), Arc::new(router)).await;
+    let cm = client_msgr();
+    let client = cm.client();
+    let call = |secs: f64| {
+        let (c, a) = (client.clone(), srv.addr.clone());
+        tokio::spawn(async move {
+            let opts = CallOptions {
+                timeout: Some(Duration::from_secs_f64(secs)),
+                ..Default::default()
+            };
+            let t = std::time::Instant::now();
+            let r = c
+                .call_with::<Ping>(&a, &PingRequest {}, Payload::none(), opts)
+                .await;
+            (r, t.elapsed())
+        })
+    };
+    let long = call(30.0);
+    let short = call(0.05);
+    let (r, took) = short.await.unwrap();
+    assert!(matches!(r, Err(MsgrError::Timeout { .. })), "{r:?}");
+    // Far below the long call's 30 s deadline: the connection's timer moved to the earlier one.
+    assert!(took < Duration::from_secs(15), "short call took {took:?}");
+    gate.add_permits(2);
+    let (r, _) = long.await.unwrap();
+    assert_eq!(r.unwrap_err().remote_code(), Some(ErrorCode::Internal));
+    srv.stop().await;
+}
