@@ -15,7 +15,7 @@
 use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
 use nacre_proto::{
-    DEFAULT_MAX_FRAME, Frame, FrameError, FrameLimits, HEADER_LEN, decode, decode_exact,
+    DEFAULT_MAX_FRAME, Decoder, Frame, FrameError, FrameLimits, HEADER_LEN, decode_exact,
 };
 
 const SMALL: FrameLimits = FrameLimits { max_frame: 64 };
@@ -33,6 +33,8 @@ struct Stream {
 }
 
 fn stream_decode(wire: &[u8], chunk: usize, limits: FrameLimits) -> Stream {
+    // The stateful decoder a connection keeps, which checksums data as it arrives.
+    let mut decoder = Decoder::new(limits);
     let mut buf = BytesMut::new();
     let mut frames = Vec::new();
     // Offset in `wire` of the first byte not yet consumed by a decoded frame.
@@ -42,7 +44,7 @@ fn stream_decode(wire: &[u8], chunk: usize, limits: FrameLimits) -> Stream {
         loop {
             let before = buf.len();
             let before_bytes = buf.to_vec();
-            match decode(&mut buf, limits) {
+            match decoder.decode(&mut buf) {
                 Ok(Some(frame)) => {
                     let used = before - buf.len();
                     assert!(

@@ -20,7 +20,7 @@ use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use nacre_proto::msg::{RemoteError, encode_body};
-use nacre_proto::{Frame, FrameError, FrameLimits, HEADER_LEN, Kind, decode};
+use nacre_proto::{Decoder, Frame, FrameError, FrameLimits, HEADER_LEN, Kind};
 use nacre_types::ErrorCode;
 use prometheus_client::metrics::gauge::Gauge;
 use std::time::Duration;
@@ -242,6 +242,7 @@ pub(crate) struct Conn {
     io: Stream,
     peer: Arc<str>,
     limits: FrameLimits,
+    decoder: Decoder,
     rbuf: BytesMut,
     wq: VecDeque<Queued>,
     wq_bytes: usize,
@@ -311,6 +312,7 @@ impl Conn {
             io,
             peer,
             limits,
+            decoder: Decoder::new(limits),
             rbuf: BytesMut::with_capacity(READ_CHUNK),
             wq: VecDeque::new(),
             wq_bytes: 0,
@@ -497,7 +499,7 @@ impl Conn {
             Poll::Ready(Err(e)) => return Err(Closed::Io(e)),
         }
         while self.may_admit() {
-            match decode(&mut self.rbuf, self.limits) {
+            match self.decoder.decode(&mut self.rbuf) {
                 Ok(Some(frame)) => {
                     progress = true;
                     self.counters.frames_in.inc();

@@ -1,7 +1,7 @@
 //! Frame header encoding and the check-then-parse decoder.
 
 use bytes::{Buf, Bytes, BytesMut};
-use nacre_types::crc32c;
+use nacre_types::{crc32c, crc32c_append};
 use thiserror::Error;
 
 use crate::msg::Op;
@@ -242,26 +242,90 @@ impl Frame {
     }
 }
 
-/// Streaming decode from a connection's read buffer.
+/// Streaming decode from a connection's read buffer, for a single call.
 ///
 /// Returns `Ok(None)` when `buf` does not yet hold a whole frame (incomplete is not an error); the caller
 /// reads more and calls again. On success the frame's bytes are split off `buf` without copying.
-/// A header error is returned as soon as the 48 header bytes are present.
+/// A header error is returned as soon as the 48 header bytes are present. A connection should keep a
+/// [`Decoder`] instead, which does not checksum the same bytes again on every call.
 pub fn decode(buf: &mut BytesMut, limits: FrameLimits) -> Result<Option<Frame>, FrameError> {
-    let Some(header) = peek_header(buf, limits)? else {
-        return Ok(None);
-    };
-    let total = HEADER_LEN + header.payload_len();
-    if buf.len() < total {
-        // Make room for the rest of the frame in one allocation rather than growing step by step.
-        buf.reserve(total - buf.len());
-        return Ok(None);
+    Decoder::new(limits).decode(buf)
+}
+
+/// The streaming decoder of one connection.
+///
+/// It checksums a frame's data segment as the bytes arrive, while they are still in cache and while the
+/// rest of the frame is in flight, so that completing a large frame costs no separate pass over it.
+#[derive(Clone, Debug)]
+pub struct Decoder {
+    limits: FrameLimits,
+    partial: Option<Partial>,
+}
+
+/// A frame whose header has been validated but whose payload is not complete yet.
+#[derive(Clone, Copy, Debug)]
+struct Partial {
+    header: Header,
+    /// Data bytes already covered by `data_crc`.
+    data_done: usize,
+    data_crc: u32,
+}
+
+impl Decoder {
+    pub fn new(limits: FrameLimits) -> Self {
+        Self {
+            limits,
+            partial: None,
+        }
     }
-    buf.advance(HEADER_LEN);
-    let body = buf.split_to(header.body_len as usize).freeze();
-    let data = buf.split_to(header.data_len as usize).freeze();
-    verify_payload(&header, &body, &data)?;
-    Ok(Some(Frame { header, body, data }))
+
+    /// Like [`decode`], but remembers the header and the data checksum so far between calls. `buf`
+    /// must be the same buffer on every call, only ever appended to between calls.
+    pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
+        let p = match &mut self.partial {
+            Some(p) => p,
+            None => {
+                let Some(header) = peek_header(buf, self.limits)? else {
+                    return Ok(None);
+                };
+                self.partial.insert(Partial {
+                    header,
+                    data_done: 0,
+                    data_crc: 0,
+                })
+            }
+        };
+        let h = p.header;
+        let data_start = HEADER_LEN + h.body_len as usize;
+        let total = data_start + h.data_len as usize;
+        let available = buf.len().min(total);
+        if available > data_start + p.data_done {
+            p.data_crc = crc32c_append(p.data_crc, &buf[data_start + p.data_done..available]);
+            p.data_done = available - data_start;
+        }
+        if buf.len() < total {
+            // Make room for the rest of the frame in one allocation rather than growing step by step.
+            buf.reserve(total - buf.len());
+            return Ok(None);
+        }
+        let data_crc = p.data_crc;
+        self.partial = None;
+        buf.advance(HEADER_LEN);
+        let body = buf.split_to(h.body_len as usize).freeze();
+        let data = buf.split_to(h.data_len as usize).freeze();
+        verify_body(&h, &body)?;
+        if data_crc != h.data_crc {
+            return Err(FrameError::DataCrc {
+                expected: h.data_crc,
+                actual: data_crc,
+            });
+        }
+        Ok(Some(Frame {
+            header: h,
+            body,
+            data,
+        }))
+    }
 }
 
 /// Parses the header at the front of `buf` if all of it is present.
@@ -296,7 +360,7 @@ pub fn decode_exact(input: &[u8], limits: FrameLimits) -> Result<Frame, FrameErr
     Ok(Frame { header, body, data })
 }
 
-fn verify_payload(header: &Header, body: &[u8], data: &[u8]) -> Result<(), FrameError> {
+fn verify_body(header: &Header, body: &[u8]) -> Result<(), FrameError> {
     let actual = crc32c(body);
     if actual != header.body_crc {
         return Err(FrameError::BodyCrc {
@@ -304,7 +368,13 @@ fn verify_payload(header: &Header, body: &[u8], data: &[u8]) -> Result<(), Frame
             actual,
         });
     }
-    let actual = if data.is_empty() { 0 } else { crc32c(data) };
+    Ok(())
+}
+
+fn verify_payload(header: &Header, body: &[u8], data: &[u8]) -> Result<(), FrameError> {
+    verify_body(header, body)?;
+    // The CRC of no bytes is 0, which is also what a frame without data carries.
+    let actual = crc32c(data);
     if actual != header.data_crc {
         return Err(FrameError::DataCrc {
             expected: header.data_crc,
@@ -453,6 +523,38 @@ mod tests {
             prop_assert_eq!(&decode_exact(&wire, FrameLimits::default())?, &f);
             let mut buf = BytesMut::from(&wire[..]);
             prop_assert_eq!(decode(&mut buf, FrameLimits::default())?, Some(f));
+            prop_assert!(buf.is_empty());
+        }
+
+        #[test]
+        fn stateful_decoder_matches_exact_decoding_under_any_chunking(
+            frames in proptest::collection::vec(
+                (arb_kind(), any::<u64>(), proptest::collection::vec(any::<u8>(), 0..64),
+                 proptest::collection::vec(any::<u8>(), 0..3000)),
+                1..6,
+            ),
+            chunks in proptest::collection::vec(1usize..700, 1..40),
+        ) {
+            let frames: Vec<Frame> = frames
+                .into_iter()
+                .map(|(k, id, b, d)| Frame::new(k, Op(3), id, Bytes::from(b), Bytes::from(d)))
+                .collect();
+            let wire: Vec<u8> = frames.iter().flat_map(|f| f.to_bytes()).collect();
+            let mut dec = Decoder::new(FrameLimits::default());
+            let mut buf = BytesMut::new();
+            let mut out = Vec::new();
+            let mut rest = &wire[..];
+            let mut i = 0;
+            while !rest.is_empty() {
+                let n = chunks[i % chunks.len()].min(rest.len());
+                buf.extend_from_slice(&rest[..n]);
+                rest = &rest[n..];
+                i += 1;
+                while let Some(f) = dec.decode(&mut buf)? {
+                    out.push(f);
+                }
+            }
+            prop_assert_eq!(out, frames);
             prop_assert!(buf.is_empty());
         }
 

@@ -28,7 +28,7 @@ pub mod frame;
 pub mod msg;
 
 pub use frame::{
-    DEFAULT_MAX_FRAME, Flags, Frame, FrameError, FrameLimits, HEADER_LEN, Header, Kind, MAGIC,
-    VERSION, decode, decode_exact,
+    DEFAULT_MAX_FRAME, Decoder, Flags, Frame, FrameError, FrameLimits, HEADER_LEN, Header, Kind,
+    MAGIC, VERSION, decode, decode_exact,
 };
 pub use msg::{DecodeError, Op, Rpc, decode_body, encode_body};

@@ -163,6 +163,8 @@ mod tests {
     fn crc_append_matches_whole() {
         let (a, b) = (b"hello ".as_slice(), b"world".as_slice());
         assert_eq!(crc32c_append(crc32c(a), b), crc32c(b"hello world"));
+        assert_eq!(crc32c_append(0, b"hello world"), crc32c(b"hello world"));
+        assert_eq!(crc32c(b""), 0);
         // The standard check value of CRC-32C.
         assert_eq!(crc32c(b"123456789"), 0xE306_9283);
     }
