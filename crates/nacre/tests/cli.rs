@@ -17,6 +17,17 @@ impl Drop for Proc {
     }
 }
 
+/// Runs a command to completion, fails the test with its stderr if it fails, returns its stdout.
+fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 fn http_get(addr: &str, path: &str) -> String {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     write!(
@@ -40,19 +51,13 @@ fn server_runs_from_config_with_env_overrides_and_stops_on_sigterm() {
     .unwrap();
 
     // --print-config shows the file merged with NACRE_* overrides.
-    let out = Command::new(BIN)
-        .args(["server", "--print-config", "--config"])
-        .arg(&cfg)
-        .env("NACRE_NAME", "from-env")
-        .env("NACRE_MSGR__WORKERS", "3")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let text = run_ok(
+        Command::new(BIN)
+            .args(["server", "--print-config", "--config"])
+            .arg(&cfg)
+            .env("NACRE_NAME", "from-env")
+            .env("NACRE_MSGR__WORKERS", "3"),
     );
-    let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("name = \"from-env\""), "{text}");
     assert!(text.contains("workers = 3"), "{text}");
 
@@ -143,28 +148,19 @@ fn bad_config_is_a_clear_error() {
 
 #[test]
 fn bench_msgr_prints_json_rows_with_units() {
-    let out = Command::new(BIN)
-        .args([
-            "bench",
-            "msgr",
-            "--sizes",
-            "4k",
-            "--inflight",
-            "1,4",
-            "--secs",
-            "0.1",
-            "--warmup-secs",
-            "0",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = run_ok(Command::new(BIN).args([
+        "bench",
+        "msgr",
+        "--sizes",
+        "4k",
+        "--inflight",
+        "1,4",
+        "--secs",
+        "0.1",
+        "--warmup-secs",
+        "0",
+        "--json",
+    ]));
     let rows: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())

@@ -80,39 +80,32 @@ pub fn run(p: &Params, mut on_row: impl FnMut(&MsgrRow)) -> anyhow::Result<Vec<M
             // Warm up both (connect, grow buffers), then alternate short rounds so that a change in
             // the machine's load affects both implementations alike.
             let round = p.duration.div_f64(p.rounds as f64);
+            let nacre = |d| {
+                rt.block_on(run_load(
+                    &client_msgr,
+                    &client,
+                    &addr,
+                    &payload,
+                    inflight,
+                    d,
+                ))
+                .with_context(|| format!("nacre, {cell}"))
+            };
+            let baseline = |raw: &RawServer, d| {
+                raw_measure(raw.addr, size, inflight, d)
+                    .with_context(|| format!("raw baseline, {cell}"))
+            };
             let mut raw_total: Option<Sample> = raw.as_ref().map(|_| Sample::default());
             let mut nacre_total = Sample::default();
             if let Some(raw) = &raw {
-                raw_measure(raw.addr, size, inflight, p.warmup)
-                    .with_context(|| format!("raw baseline, {cell}"))?;
+                baseline(raw, p.warmup)?;
             }
-            rt.block_on(run_load(
-                &client_msgr,
-                &client,
-                &addr,
-                &payload,
-                inflight,
-                p.warmup,
-            ))
-            .with_context(|| format!("nacre, {cell}"))?;
+            nacre(p.warmup)?;
             for _ in 0..p.rounds {
                 if let (Some(raw), Some(total)) = (&raw, raw_total.as_mut()) {
-                    total.add(
-                        raw_measure(raw.addr, size, inflight, round)
-                            .with_context(|| format!("raw baseline, {cell}"))?,
-                    );
+                    total.add(baseline(raw, round)?);
                 }
-                nacre_total.add(
-                    rt.block_on(run_load(
-                        &client_msgr,
-                        &client,
-                        &addr,
-                        &payload,
-                        inflight,
-                        round,
-                    ))
-                    .with_context(|| format!("nacre, {cell}"))?,
-                );
+                nacre_total.add(nacre(round)?);
             }
             let base = raw_total.map(|mut t| {
                 let r = row("raw-tcp", size, inflight, t.secs, &mut t.lat);
