@@ -165,9 +165,10 @@ impl Client {
             op: "call",
             after: timeout,
         };
-        let conn = match self.live_conn(addr) {
+        let (peer, slot) = self.pick(addr);
+        let conn = match live(&peer.slots[slot]) {
             Some(c) => c,
-            None => tokio::time::timeout_at(deadline, self.conn(addr, deadline))
+            None => tokio::time::timeout_at(deadline, self.conn(&peer, slot, deadline))
                 .await
                 .map_err(|_| timed_out())??,
         };
@@ -214,7 +215,8 @@ impl Client {
         let frame = self.frame(Kind::OneWay, op, body, data)?;
         let cost = self.cost(&frame);
         let sent = tokio::time::timeout_at(deadline, async {
-            let conn = self.conn(addr, deadline).await?;
+            let (peer, slot) = self.pick(addr);
+            let conn = self.conn(&peer, slot, deadline).await?;
             let reqs = Arc::clone(&inner.total_reqs)
                 .acquire_owned()
                 .await
@@ -268,15 +270,8 @@ impl Client {
             .min(cfg.max_inflight_bytes_total)
     }
 
-    /// A live connection to `addr` if one is open (the next slot in turn).
-    fn live_conn(&self, addr: &str) -> Option<ConnHandle> {
-        let peer = lock(&self.inner.peers).get(addr).cloned()?;
-        let slot = &peer.slots[peer.next.fetch_add(1, Ordering::Relaxed) % peer.slots.len()];
-        live(slot)
-    }
-
-    /// A live connection to `addr`, opening one if needed.
-    async fn conn(&self, addr: &str, deadline: Instant) -> Result<ConnHandle, MsgrError> {
+    /// The peer entry for `addr` (created on first use) and the slot the next call uses.
+    fn pick(&self, addr: &str) -> (Arc<Peer>, usize) {
         let inner = &*self.inner;
         let peer = {
             let mut peers = lock(&inner.peers);
@@ -295,7 +290,18 @@ impl Client {
                 }
             }
         };
-        let slot = &peer.slots[peer.next.fetch_add(1, Ordering::Relaxed) % peer.slots.len()];
+        let i = peer.next.fetch_add(1, Ordering::Relaxed) % peer.slots.len();
+        (peer, i)
+    }
+
+    /// The live connection of slot `i` of `peer`, opening it if needed.
+    async fn conn(
+        &self,
+        peer: &Peer,
+        i: usize,
+        deadline: Instant,
+    ) -> Result<ConnHandle, MsgrError> {
+        let slot = &peer.slots[i];
         if let Some(h) = live(slot) {
             return Ok(h);
         }

@@ -100,3 +100,29 @@ async fn blackholed_link_times_out_at_the_deadline() {
     assert!(matches!(err, MsgrError::Timeout { .. }), "{err}");
     let _ = c.stop.send(());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_are_spread_over_conns_per_peer_connections() {
+    let net = MemNetwork::new(1);
+    let server = Messenger::new("a", MsgrConfig::default(), Arc::new(net.transport("a"))).unwrap();
+    let cfg = MsgrConfig {
+        conns_per_peer: 3,
+        ..MsgrConfig::default()
+    };
+    let client = Messenger::new("b", cfg, Arc::new(net.transport("b"))).unwrap();
+    let listener = server.transport().bind("a:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router =
+        Router::new().route::<Echo, _, _>(|_r, inc| async move { Ok((EchoResponse {}, inc.data)) });
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(server.serve(listener, Arc::new(router), async {
+        let _ = stopped.await;
+    }));
+    let c = client.client();
+    for _ in 0..9 {
+        echo(&c, &addr, Duration::from_secs(5)).await.unwrap();
+    }
+    assert_eq!(net.connections("b", "a"), 3);
+    let _ = stop.send(());
+    serving.await.unwrap().unwrap();
+}

@@ -566,3 +566,84 @@ async fn a_shorter_deadline_queued_behind_a_longer_one_still_fires_first() {
     assert_eq!(r.unwrap_err().remote_code(), Some(ErrorCode::Internal));
     srv.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_connections_policy_spreads_connections_over_workers() {
+    let config = MsgrConfig {
+        workers: 2,
+        assign: nacre_msgr::AssignKind::LeastConnections,
+        ..MsgrConfig::default()
+    };
+    let srv = Server::start(config, Arc::new(echo_router())).await;
+    let cfg = MsgrConfig {
+        conns_per_peer: 4,
+        ..MsgrConfig::default()
+    };
+    let cm = Messenger::new("test-cli", cfg, Arc::new(TcpTransport)).unwrap();
+    let client = cm.client();
+    for _ in 0..8 {
+        client
+            .call::<Ping>(&srv.addr, &PingRequest {}, Payload::none())
+            .await
+            .unwrap();
+    }
+    let per_worker: Vec<u64> = srv
+        .msgr
+        .workers()
+        .loads()
+        .iter()
+        .map(|l| l.connections)
+        .collect();
+    assert_eq!(per_worker, vec![2, 2]);
+    srv.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_byte_budget_bounds_requests_in_flight_on_a_connection() {
+    let h = Gated {
+        gate: Arc::new(Semaphore::new(0)),
+        running: Arc::default(),
+        max: Arc::default(),
+        arrived: Arc::default(),
+    };
+    let (gate, running, max, arrived) = (
+        Arc::clone(&h.gate),
+        Arc::clone(&h.running),
+        Arc::clone(&h.max),
+        Arc::clone(&h.arrived),
+    );
+    let srv = Server::start(MsgrConfig::default(), Arc::new(h)).await;
+    // Two 64 KiB requests fit in the client's per-connection byte budget; a third must wait.
+    let cfg = MsgrConfig {
+        max_frame: 64 << 10,
+        max_inflight_bytes_per_conn: 128 << 10,
+        max_inflight_bytes_total: 1 << 20,
+        ..MsgrConfig::default()
+    };
+    let cm = Messenger::new("test-cli", cfg, Arc::new(TcpTransport)).unwrap();
+    let client = cm.client();
+    let data = Bytes::from(vec![7u8; 64 << 10]);
+    let mut calls = Vec::new();
+    for _ in 0..10 {
+        let (c, a, d) = (client.clone(), srv.addr.clone(), data.clone());
+        calls.push(tokio::spawn(async move {
+            c.call_raw(
+                &a,
+                Op(9),
+                Bytes::new(),
+                Payload::new(d),
+                CallOptions::default(),
+            )
+            .await
+        }));
+    }
+    while running.load(Ordering::SeqCst) < 2 {
+        arrived.notified().await;
+    }
+    gate.add_permits(10);
+    for c in calls {
+        assert_eq!(c.await.unwrap().unwrap().data.len(), 64 << 10);
+    }
+    assert_eq!(max.load(Ordering::SeqCst), 2);
+    srv.stop().await;
+}
