@@ -704,9 +704,14 @@ impl Future for Conn {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let this = &mut *self;
+        // A source that returned Pending during this call has registered the waker; polling it again
+        // before anything changed would only repeat the registration.
+        let mut rx_waiting = false;
+        let mut timer_waiting = false;
+        let mut read_waiting = false;
         for _ in 0..BUDGET {
             let mut progress = false;
-            while this.wq_bytes < WRITE_QUEUE_HIGH {
+            while !rx_waiting && this.wq_bytes < WRITE_QUEUE_HIGH {
                 match this.rx.poll_recv(cx) {
                     Poll::Ready(Some(msg)) => {
                         progress = true;
@@ -715,13 +720,25 @@ impl Future for Conn {
                     Poll::Ready(None) => {
                         // Every handle is gone: nobody can send more requests.
                         this.begin_close("client dropped");
-                        break;
+                        rx_waiting = true;
                     }
-                    Poll::Pending => break,
+                    Poll::Pending => rx_waiting = true,
                 }
             }
-            if let Side::Client(c) = &mut this.side {
-                progress |= c.poll_expired(cx, &this.peer);
+            if progress {
+                // A finished request may have returned the budget a stalled frame waits for.
+                read_waiting = false;
+            }
+            if !timer_waiting {
+                let fired = match &mut this.side {
+                    Side::Client(c) => c.poll_expired(cx, &this.peer),
+                    Side::Server(_) => false,
+                };
+                if fired {
+                    progress = true;
+                } else {
+                    timer_waiting = true;
+                }
             }
             match this.poll_write_queue(cx) {
                 Ok(p) => progress |= p,
@@ -731,12 +748,15 @@ impl Future for Conn {
                     return Poll::Ready(());
                 }
             }
-            match this.poll_read(cx) {
-                Ok(p) => progress |= p,
-                Err(closed) => {
-                    progress = true;
-                    if this.handle_closed(closed) {
-                        return Poll::Ready(());
+            if !read_waiting {
+                match this.poll_read(cx) {
+                    Ok(true) => progress = true,
+                    Ok(false) => read_waiting = true,
+                    Err(closed) => {
+                        progress = true;
+                        if this.handle_closed(closed) {
+                            return Poll::Ready(());
+                        }
                     }
                 }
             }
