@@ -1,0 +1,300 @@
+//! [`LogStore`] on tikv's `raft-engine`: one append-only log for every group of a node, with group
+//! commit (concurrent synced writes share one `fdatasync`) and per-group in-memory indexes.
+//!
+//! Layout per group (raft-engine "region" = our group id): the entries, plus three keys —
+//! `hs` (the `HardState`), `cs` (the `ConfState`) and `tr` (the truncation point: index and term,
+//! 16 bytes little-endian; written with the group's first write, so it also marks that the group
+//! exists). Installing a snapshot cleans the group and writes the keys again in the
+//! same batch, so a crash leaves either the old log or the new one.
+//!
+//! **One engine per thread.** raft-engine 0.4 caches the last entry block it read in a thread-local
+//! keyed by file position only, not by engine. A thread that reads from two engines (two nodes in one
+//! process, or two tests on one thread) can be served another engine's block: raft-engine then panics
+//! on an index mismatch or, worse, returns the wrong entry. Every engine must therefore be read from
+//! threads that read no other engine — in nacre, the node's raft store thread. Reopening an engine on
+//! the same thread after a clean close is safe (file positions are not reused).
+
+use std::path::Path;
+
+use raft::eraftpb::{ConfState, Entry, HardState};
+use raft_engine::{Command, Config, Engine, LogBatch, MessageExt};
+
+use crate::log::{GroupId, GroupState, LogError, LogStore, LogWrite, validate};
+use crate::mem_log::check_range;
+
+const KEY_HARD_STATE: &[u8] = b"hs";
+const KEY_CONF_STATE: &[u8] = b"cs";
+const KEY_TRUNCATED: &[u8] = b"tr";
+
+#[derive(Clone, Debug)]
+struct EntryExt;
+
+impl MessageExt for EntryExt {
+    type Entry = Entry;
+
+    fn index(e: &Entry) -> u64 {
+        e.index
+    }
+}
+
+/// What a batch under construction has done to one group so far.
+struct Pending {
+    group: GroupId,
+    bounds: (u64, u64),
+    truncated: (u64, u64),
+    hard_state: Option<HardState>,
+    /// Terms of the entries this batch appends: (index of the first, terms in order).
+    appended: Option<(u64, Vec<u64>)>,
+}
+
+/// The raft-engine backed log of a node.
+pub struct EngineLogStore {
+    engine: Engine,
+}
+
+impl std::fmt::Debug for EngineLogStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineLogStore")
+            .field("dir", &self.engine.path())
+            .finish()
+    }
+}
+
+fn io(e: raft_engine::Error) -> LogError {
+    LogError::Io(e.to_string())
+}
+
+impl EngineLogStore {
+    /// Opens (or creates) the log in `dir`, replaying it: the state is as of the last write that
+    /// reached the disk.
+    pub fn open(dir: &Path) -> Result<Self, LogError> {
+        let cfg = Config {
+            dir: dir.to_string_lossy().into_owned(),
+            ..Config::default()
+        };
+        Ok(Self {
+            engine: Engine::open(cfg).map_err(io)?,
+        })
+    }
+
+    fn truncated(&self, group: GroupId) -> Result<(u64, u64), LogError> {
+        match self.engine.get(group, KEY_TRUNCATED) {
+            None => Ok((0, 0)),
+            Some(v) => {
+                let raw: [u8; 16] = v.as_slice().try_into().map_err(|_| LogError::Corrupt {
+                    group,
+                    reason: format!("truncation record of {} bytes, expected 16", v.len()),
+                })?;
+                let (i, t) = raw.split_at(8);
+                let word = |b: &[u8]| {
+                    let mut w = [0u8; 8];
+                    w.copy_from_slice(b);
+                    u64::from_le_bytes(w)
+                };
+                Ok((word(i), word(t)))
+            }
+        }
+    }
+
+    fn bounds(&self, group: GroupId) -> Result<(u64, u64), LogError> {
+        let (ti, _) = self.truncated(group)?;
+        let last = self.engine.last_index(group).unwrap_or(ti).max(ti);
+        Ok((ti + 1, last))
+    }
+
+    /// Term of `index` as it will be once the batch under construction is applied.
+    fn term_in_batch(&self, p: &Pending, index: u64) -> Result<u64, LogError> {
+        if let Some((first, terms)) = &p.appended
+            && index >= *first
+            && let Some(t) = terms.get((index - first) as usize)
+        {
+            return Ok(*t);
+        }
+        if index == p.truncated.0 {
+            return Ok(p.truncated.1);
+        }
+        let e = self
+            .engine
+            .get_entry::<EntryExt>(p.group, index)
+            .map_err(io)?
+            .ok_or(LogError::Unavailable {
+                group: p.group,
+                index,
+                last: p.bounds.1,
+            })?;
+        Ok(e.term)
+    }
+
+    fn put_truncated(
+        batch: &mut LogBatch,
+        group: GroupId,
+        index: u64,
+        term: u64,
+    ) -> Result<(), LogError> {
+        let mut v = Vec::with_capacity(16);
+        v.extend_from_slice(&index.to_le_bytes());
+        v.extend_from_slice(&term.to_le_bytes());
+        batch.put(group, KEY_TRUNCATED.to_vec(), v).map_err(io)
+    }
+}
+
+impl LogStore for EngineLogStore {
+    fn write(&self, write: &LogWrite, sync: bool) -> Result<(), LogError> {
+        let mut batch = LogBatch::default();
+        // A group may appear more than once in a batch: earlier writes move its bounds and may set a
+        // hard state that a later snapshot install in the same batch must keep.
+        let mut seen: Vec<Pending> = Vec::new();
+        for w in &write.groups {
+            let g = w.group;
+            if w.is_empty() {
+                continue;
+            }
+            let idx = match seen.iter().position(|p| p.group == g) {
+                Some(i) => i,
+                None => {
+                    if self.engine.get(g, KEY_TRUNCATED).is_none() {
+                        // The truncation record marks the group as existing from its first write.
+                        Self::put_truncated(&mut batch, g, 0, 0)?;
+                    }
+                    seen.push(Pending {
+                        group: g,
+                        bounds: self.bounds(g)?,
+                        truncated: self.truncated(g)?,
+                        hard_state: None,
+                        appended: None,
+                    });
+                    seen.len() - 1
+                }
+            };
+            let p = &mut seen[idx];
+            if let Some(m) = &w.snapshot {
+                batch.add_command(g, Command::Clean);
+                p.truncated = (m.index, m.term);
+                p.bounds = (m.index + 1, m.index);
+                p.appended = None;
+                Self::put_truncated(&mut batch, g, m.index, m.term)?;
+                batch
+                    .put_message(g, KEY_CONF_STATE.to_vec(), m.get_conf_state())
+                    .map_err(io)?;
+                // `Clean` dropped the hard state too: write it again unless this write sets it.
+                let hs = match p.hard_state.clone() {
+                    Some(hs) => Some(hs),
+                    None => self
+                        .engine
+                        .get_message::<HardState>(g, KEY_HARD_STATE)
+                        .map_err(io)?,
+                };
+                if let (Some(hs), None) = (hs, &w.hard_state) {
+                    batch
+                        .put_message(g, KEY_HARD_STATE.to_vec(), &hs)
+                        .map_err(io)?;
+                }
+            }
+            validate(w, p.bounds.0, p.bounds.1)?;
+            if let Some(e) = w.entries.first() {
+                batch.add_entries::<EntryExt>(g, &w.entries).map_err(io)?;
+                p.bounds.1 = e.index + w.entries.len() as u64 - 1;
+                let terms = w.entries.iter().map(|e| e.term);
+                match &mut p.appended {
+                    Some((first, old)) if e.index >= *first => {
+                        old.truncate((e.index - *first) as usize);
+                        old.extend(terms);
+                    }
+                    _ => p.appended = Some((e.index, terms.collect())),
+                }
+            }
+            if let Some(hs) = &w.hard_state {
+                batch
+                    .put_message(g, KEY_HARD_STATE.to_vec(), hs)
+                    .map_err(io)?;
+                p.hard_state = Some(hs.clone());
+            }
+            if let Some(cs) = &w.conf_state {
+                batch
+                    .put_message(g, KEY_CONF_STATE.to_vec(), cs)
+                    .map_err(io)?;
+            }
+            if let Some(c) = w.compact_to
+                && c > p.bounds.0
+            {
+                let term = self.term_in_batch(p, c - 1)?;
+                batch.add_command(g, Command::Compact { index: c });
+                Self::put_truncated(&mut batch, g, c - 1, term)?;
+                p.truncated = (c - 1, term);
+                p.bounds.0 = c;
+            }
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        self.engine.write(&mut batch, sync).map_err(io)?;
+        Ok(())
+    }
+
+    fn state(&self, group: GroupId) -> Result<Option<GroupState>, LogError> {
+        let hs = self
+            .engine
+            .get_message::<HardState>(group, KEY_HARD_STATE)
+            .map_err(io)?;
+        let cs = self
+            .engine
+            .get_message::<ConfState>(group, KEY_CONF_STATE)
+            .map_err(io)?;
+        if self.engine.get(group, KEY_TRUNCATED).is_none() {
+            return Ok(None);
+        }
+        let (truncated_index, truncated_term) = self.truncated(group)?;
+        Ok(Some(GroupState {
+            hard_state: hs.unwrap_or_default(),
+            conf_state: cs.unwrap_or_default(),
+            truncated_index,
+            truncated_term,
+        }))
+    }
+
+    fn entries(
+        &self,
+        group: GroupId,
+        low: u64,
+        high: u64,
+        max_size: Option<u64>,
+    ) -> Result<Vec<Entry>, LogError> {
+        let (first, last) = self.bounds(group)?;
+        check_range(group, low, high, first, last)?;
+        let mut out = Vec::with_capacity((high - low).min(1024) as usize);
+        if low == high {
+            return Ok(out);
+        }
+        let max = max_size.map(|m| usize::try_from(m).unwrap_or(usize::MAX));
+        self.engine
+            .fetch_entries_to::<EntryExt>(group, low, high, max, &mut out)
+            .map_err(io)?;
+        if out.is_empty() {
+            // raft-engine returns nothing rather than one entry when the first is over the limit.
+            self.engine
+                .fetch_entries_to::<EntryExt>(group, low, low + 1, None, &mut out)
+                .map_err(io)?;
+        }
+        if out.first().is_some_and(|e| e.index != low) {
+            return Err(LogError::Corrupt {
+                group,
+                reason: format!("asked for entry {low}, got {}", out[0].index),
+            });
+        }
+        Ok(out)
+    }
+
+    fn first_index(&self, group: GroupId) -> Result<u64, LogError> {
+        Ok(self.bounds(group)?.0)
+    }
+
+    fn last_index(&self, group: GroupId) -> Result<u64, LogError> {
+        Ok(self.bounds(group)?.1)
+    }
+
+    fn groups(&self) -> Vec<GroupId> {
+        let mut v = self.engine.raft_groups();
+        v.sort_unstable();
+        v
+    }
+}
