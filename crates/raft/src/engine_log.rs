@@ -2,9 +2,10 @@
 //! commit (concurrent synced writes share one `fdatasync`) and per-group in-memory indexes.
 //!
 //! Layout per group (raft-engine "region" = our group id): the entries, plus three keys —
-//! `hs` (the `HardState`), `cs` (the `ConfState`) and `tr` (the truncation point: index and term,
+//! `hs` (the `HardState`), `cs` (the `ConfState`), `tr` (the truncation point: index and term,
 //! 16 bytes little-endian; written with the group's first write, so it also marks that the group
-//! exists). Installing a snapshot cleans the group and writes the keys again in the
+//! exists) and `sn` (the last saved state-machine snapshot, data included — fine for metadata-sized
+//! state; large state machines will want snapshot files beside the log). Installing a snapshot cleans the group and writes the keys again in the
 //! same batch, so a crash leaves either the old log or the new one.
 //!
 //! **One engine per thread.** raft-engine 0.4 caches the last entry block it read in a thread-local
@@ -16,7 +17,7 @@
 
 use std::path::Path;
 
-use raft::eraftpb::{ConfState, Entry, HardState};
+use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
 use raft_engine::{Command, Config, Engine, LogBatch, MessageExt};
 
 use crate::log::{GroupId, GroupState, LogError, LogStore, LogWrite, validate};
@@ -25,6 +26,7 @@ use crate::mem_log::check_range;
 const KEY_HARD_STATE: &[u8] = b"hs";
 const KEY_CONF_STATE: &[u8] = b"cs";
 const KEY_TRUNCATED: &[u8] = b"tr";
+const KEY_SNAPSHOT: &[u8] = b"sn";
 
 #[derive(Clone, Debug)]
 struct EntryExt;
@@ -45,6 +47,8 @@ struct Pending {
     hard_state: Option<HardState>,
     /// Terms of the entries this batch appends: (index of the first, terms in order).
     appended: Option<(u64, Vec<u64>)>,
+    /// A snapshot this batch saves.
+    saved: Option<Snapshot>,
 }
 
 /// The raft-engine backed log of a node.
@@ -162,6 +166,7 @@ impl LogStore for EngineLogStore {
                         truncated: self.truncated(g)?,
                         hard_state: None,
                         appended: None,
+                        saved: None,
                     });
                     seen.len() - 1
                 }
@@ -187,6 +192,20 @@ impl LogStore for EngineLogStore {
                 if let (Some(hs), None) = (hs, &w.hard_state) {
                     batch
                         .put_message(g, KEY_HARD_STATE.to_vec(), &hs)
+                        .map_err(io)?;
+                }
+                // ... and the saved state-machine snapshot, unless this write replaces it.
+                let saved = match (&w.save_snapshot, &p.saved) {
+                    (Some(_), _) => None,
+                    (None, Some(s)) => Some(s.clone()),
+                    (None, None) => self
+                        .engine
+                        .get_message::<Snapshot>(g, KEY_SNAPSHOT)
+                        .map_err(io)?,
+                };
+                if let Some(s) = saved {
+                    batch
+                        .put_message(g, KEY_SNAPSHOT.to_vec(), &s)
                         .map_err(io)?;
                 }
             }
@@ -222,6 +241,12 @@ impl LogStore for EngineLogStore {
                 Self::put_truncated(&mut batch, g, c - 1, term)?;
                 p.truncated = (c - 1, term);
                 p.bounds.0 = c;
+            }
+            if let Some(snap) = &w.save_snapshot {
+                batch
+                    .put_message(g, KEY_SNAPSHOT.to_vec(), snap)
+                    .map_err(io)?;
+                p.saved = Some(snap.clone());
             }
         }
         if batch.is_empty() {
@@ -290,6 +315,12 @@ impl LogStore for EngineLogStore {
 
     fn last_index(&self, group: GroupId) -> Result<u64, LogError> {
         Ok(self.bounds(group)?.1)
+    }
+
+    fn saved_snapshot(&self, group: GroupId) -> Result<Option<Snapshot>, LogError> {
+        self.engine
+            .get_message::<Snapshot>(group, KEY_SNAPSHOT)
+            .map_err(io)
     }
 
     fn groups(&self) -> Vec<GroupId> {

@@ -6,16 +6,25 @@
 //!   in-memory implementation that can simulate crashes ([`MemLogStore`]) and one on `raft-engine`
 //!   ([`EngineLogStore`]).
 //!
-//! The raft store itself (one tick wheel, one `Ready` loop for all groups, per-peer message batching,
-//! hibernation, state machines, reads, membership change, snapshots) builds on these.
+//! - [`RaftNode`]: the synchronous raft store of one node — every group it hosts advanced by one tick
+//!   and one `Ready` round that persists all groups with a single log write, applies committed entries
+//!   to each group's [`StateMachine`] and reports proposal outcomes; snapshots and log compaction.
+//!
+//! Still to come: the driver that runs a `RaftNode` on its own thread over the messenger (per-peer
+//! message batching, hibernation of idle groups), linearizable reads, leader transfer and membership
+//! change exposed to the master, and the benchmark.
 
 mod engine_log;
 mod log;
 mod mem_log;
+mod node;
+mod storage;
 
 pub use engine_log::EngineLogStore;
 pub use log::{GroupId, GroupState, GroupWrite, LogError, LogStore, LogWrite};
 pub use mem_log::MemLogStore;
+pub use node::{NodeConfig, ProposalId, RaftError, RaftNode, ReadyOutput, StateMachine};
+pub use storage::GroupStorage;
 
 /// The Raft protocol types (entries, hard state, conf state, messages) of tikv `raft`.
 pub use raft::eraftpb;

@@ -11,7 +11,7 @@
 //!   truncation point is the last entry dropped by compaction or covered by an installed snapshot;
 //! - a write is atomic across all the groups it touches, and durable when written with `sync`.
 
-use raft::eraftpb::{ConfState, Entry, HardState, SnapshotMetadata};
+use raft::eraftpb::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use thiserror::Error;
 
 /// Identifies a Raft group (a meta or data partition, or the master group) on a node.
@@ -47,6 +47,10 @@ pub struct GroupWrite {
     /// Drops every entry before this index (the state machine has applied them and can produce a
     /// snapshot covering them). At most `last_index + 1`; a value at or below the first index is a no-op.
     pub compact_to: Option<u64>,
+    /// Stores the group's latest state-machine snapshot (data and metadata), replacing the previous
+    /// one. Written with the compaction it allows, so entries are never dropped before the state they
+    /// produced is durable.
+    pub save_snapshot: Option<Snapshot>,
 }
 
 impl GroupWrite {
@@ -64,6 +68,7 @@ impl GroupWrite {
             && self.hard_state.is_none()
             && self.conf_state.is_none()
             && self.compact_to.is_none()
+            && self.save_snapshot.is_none()
     }
 }
 
@@ -156,6 +161,9 @@ pub trait LogStore: Send + Sync + 'static {
             .map(|e| e.term)
             .ok_or(LogError::Unavailable { group, index, last })
     }
+
+    /// The snapshot last stored with [`GroupWrite::save_snapshot`], if any.
+    fn saved_snapshot(&self, group: GroupId) -> Result<Option<Snapshot>, LogError>;
 
     /// Every group with state in the store.
     fn groups(&self) -> Vec<GroupId>;

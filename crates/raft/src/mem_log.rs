@@ -15,6 +15,7 @@ use crate::log::{GroupId, GroupState, GroupWrite, LogError, LogStore, LogWrite, 
 #[derive(Clone, Debug, Default)]
 struct Group {
     state: GroupState,
+    saved: Option<raft::eraftpb::Snapshot>,
     /// `entries[0].index == state.truncated_index + 1` when not empty.
     entries: VecDeque<Entry>,
 }
@@ -55,6 +56,9 @@ impl Group {
             }
             self.entries.drain(..drop);
             self.state.truncated_index = c - 1;
+        }
+        if let Some(snap) = &w.save_snapshot {
+            self.saved = Some(snap.clone());
         }
     }
 }
@@ -187,6 +191,10 @@ impl LogStore for MemLogStore {
             .get(&group)
             .ok_or(LogError::UnknownGroup(group))?
             .last())
+    }
+
+    fn saved_snapshot(&self, group: GroupId) -> Result<Option<raft::eraftpb::Snapshot>, LogError> {
+        Ok(self.lock().live.get(&group).and_then(|g| g.saved.clone()))
     }
 
     fn groups(&self) -> Vec<GroupId> {

@@ -390,3 +390,47 @@ fn overwriting_the_whole_log_survives_a_reopen() {
         assert_eq!(terms, vec![4, 4, 4, 4], "after reopen, sync {sync}");
     }
 }
+
+#[test]
+fn a_saved_snapshot_survives_reopen_compaction_and_a_later_install() {
+    use nacre_raft::eraftpb::Snapshot;
+    let dir = tempfile::tempdir().unwrap();
+    let snap = |index: u64, data: &str| {
+        let mut s = Snapshot {
+            data: data.as_bytes().to_vec().into(),
+            ..Default::default()
+        };
+        s.mut_metadata().index = index;
+        s.mut_metadata().term = 1;
+        s
+    };
+    {
+        let store = EngineLogStore::open(dir.path()).unwrap();
+        let mut w = GroupWrite::new(1);
+        w.entries = (1..=10).map(|i| entry(i, 1)).collect();
+        store.write(&LogWrite { groups: vec![w] }, true).unwrap();
+        let mut w = GroupWrite::new(1);
+        w.compact_to = Some(6);
+        w.save_snapshot = Some(snap(8, "state@8"));
+        store.write(&LogWrite { groups: vec![w] }, true).unwrap();
+    }
+    let store = EngineLogStore::open(dir.path()).unwrap();
+    assert_eq!(store.saved_snapshot(1).unwrap(), Some(snap(8, "state@8")));
+    assert_eq!(store.first_index(1).unwrap(), 6);
+    // Installing a snapshot from a leader cleans the group but keeps the saved state consistent.
+    let mut w = GroupWrite::new(1);
+    let mut meta = snap(20, "").take_metadata();
+    meta.term = 2;
+    w.snapshot = Some(meta);
+    w.save_snapshot = Some(snap(20, "state@20"));
+    store.write(&LogWrite { groups: vec![w] }, true).unwrap();
+    assert_eq!(store.saved_snapshot(1).unwrap(), Some(snap(20, "state@20")));
+    assert_eq!(store.first_index(1).unwrap(), 21);
+    // A later install without a saved snapshot keeps the previous one.
+    let mut w = GroupWrite::new(1);
+    let mut meta = snap(30, "").take_metadata();
+    meta.term = 3;
+    w.snapshot = Some(meta);
+    store.write(&LogWrite { groups: vec![w] }, true).unwrap();
+    assert_eq!(store.saved_snapshot(1).unwrap(), Some(snap(20, "state@20")));
+}

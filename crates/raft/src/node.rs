@@ -1,0 +1,445 @@
+//! The raft store of one node: every group it hosts, driven by one tick and one `Ready` round.
+//!
+//! This is a synchronous state machine in the style of raft-rs: the caller feeds it ticks, messages
+//! from peers and proposals, then calls [`RaftNode::process_ready`], which persists what every group
+//! needs in **one** log write (group commit), applies committed entries, and returns the messages to
+//! send and the outcomes of finished proposals. Sockets, threads and clocks belong to the caller, so
+//! whole clusters can be driven deterministically in tests.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use protobuf::Message as _;
+use raft::eraftpb::{ConfChange, ConfChangeV2, Entry, EntryType, Message, Snapshot};
+use raft::{Config, RawNode, StateRole};
+use thiserror::Error;
+
+use crate::log::{GroupId, GroupWrite, LogError, LogStore, LogWrite};
+use crate::storage::GroupStorage;
+
+/// A replicated state machine. `apply` is called once per committed command, in log order, on every
+/// replica; it must be deterministic.
+pub trait StateMachine: Send + 'static {
+    /// Applies the command at `index` and returns the response for its proposer.
+    fn apply(&mut self, index: u64, command: &[u8]) -> Vec<u8>;
+    /// The whole state, to send to a replica that is too far behind for the log.
+    fn snapshot(&self) -> Vec<u8>;
+    /// Replaces the state with a snapshot's.
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String>;
+}
+
+/// Identifies a proposal until its outcome is reported.
+pub type ProposalId = u64;
+
+/// Why a proposal or an operation on a group failed.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum RaftError {
+    /// This replica is not the leader; `leader` is the node it believes is (0 if unknown).
+    #[error("not the leader of group {group} (leader hint: node {leader})")]
+    NotLeader { group: GroupId, leader: u64 },
+    #[error("group {0} is not hosted on this node")]
+    UnknownGroup(GroupId),
+    #[error("group {0} already exists on this node")]
+    GroupExists(GroupId),
+    /// The proposal's log position was taken by another leader's entry: it was not applied.
+    #[error("proposal dropped by a change of leader in group {0}")]
+    Dropped(GroupId),
+    #[error(transparent)]
+    Log(#[from] LogError),
+    /// raft-rs rejected the operation (e.g. a proposal while a leader transfer is in progress).
+    #[error("raft: {0}")]
+    Raft(String),
+    #[error("state machine of group {group} rejected a snapshot: {reason}")]
+    Restore { group: GroupId, reason: String },
+}
+
+impl From<raft::Error> for RaftError {
+    fn from(e: raft::Error) -> Self {
+        Self::Raft(e.to_string())
+    }
+}
+
+/// What one [`RaftNode::process_ready`] produced.
+#[derive(Debug, Default)]
+pub struct ReadyOutput {
+    /// Messages to deliver, each with its group.
+    pub messages: Vec<(GroupId, Message)>,
+    /// Outcomes of proposals made on this node: the state machine's response, or why not applied.
+    pub finished: Vec<(ProposalId, Result<Vec<u8>, RaftError>)>,
+}
+
+/// Timing and sizing of every group on a node.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// Ticks without a heartbeat before a follower campaigns (randomized up to twice this).
+    pub election_tick: usize,
+    pub heartbeat_tick: usize,
+    pub max_size_per_msg: u64,
+    pub max_inflight_msgs: usize,
+    /// Entries kept in the log beyond the applied index before it is compacted behind a snapshot.
+    pub compact_after: u64,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            election_tick: 10,
+            heartbeat_tick: 2,
+            max_size_per_msg: 1 << 20,
+            max_inflight_msgs: 256,
+            compact_after: 10_000,
+        }
+    }
+}
+
+struct Group<S> {
+    node: RawNode<GroupStorage>,
+    sm: S,
+    /// index → (term, proposal) for proposals made here that are not applied yet.
+    pending: BTreeMap<u64, (u64, ProposalId)>,
+}
+
+/// All Raft groups hosted by one node.
+pub struct RaftNode<S: StateMachine> {
+    id: u64,
+    config: NodeConfig,
+    log: Arc<dyn LogStore>,
+    groups: BTreeMap<GroupId, Group<S>>,
+    next_proposal: ProposalId,
+    logger: slog::Logger,
+}
+
+impl<S: StateMachine> std::fmt::Debug for RaftNode<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RaftNode")
+            .field("id", &self.id)
+            .field("groups", &self.groups.len())
+            .finish()
+    }
+}
+
+impl<S: StateMachine> RaftNode<S> {
+    /// A node with id `id` (non-zero) whose groups persist into `log`.
+    pub fn new(id: u64, config: NodeConfig, log: Arc<dyn LogStore>) -> Self {
+        Self {
+            id,
+            config,
+            log,
+            groups: BTreeMap::new(),
+            next_proposal: 1,
+            logger: slog::Logger::root(slog::Discard, slog::o!()),
+        }
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Hosts `group`. If the log has no state for it, the group is created with `voters` as its
+    /// members (every replica of a new group must be created with the same voters); otherwise it is
+    /// restarted from the log and `voters` is ignored. Committed entries that the state machine has
+    /// not seen are applied again from the log (or from the last snapshot) by `process_ready`.
+    pub fn add_group(&mut self, group: GroupId, voters: &[u64], sm: S) -> Result<(), RaftError> {
+        if self.groups.contains_key(&group) {
+            return Err(RaftError::GroupExists(group));
+        }
+        if self.log.state(group)?.is_none() {
+            let mut w = GroupWrite::new(group);
+            w.conf_state = Some(raft::eraftpb::ConfState {
+                voters: voters.to_vec(),
+                ..Default::default()
+            });
+            self.log.write(&LogWrite { groups: vec![w] }, true)?;
+        }
+        let mut storage = GroupStorage::new(group, Arc::clone(&self.log));
+        let mut sm = sm;
+        let mut applied = 0;
+        if let Some(snap) = self.log.saved_snapshot(group)? {
+            // Restart: the state machine resumes from its last durable snapshot; raft-rs replays the
+            // committed entries after it.
+            sm.restore(&snap.data)
+                .map_err(|reason| RaftError::Restore { group, reason })?;
+            applied = snap.get_metadata().index;
+            storage.set_snapshot(snap);
+        }
+        let cfg = Config {
+            id: self.id,
+            election_tick: self.config.election_tick,
+            heartbeat_tick: self.config.heartbeat_tick,
+            max_size_per_msg: self.config.max_size_per_msg,
+            max_inflight_msgs: self.config.max_inflight_msgs,
+            check_quorum: true,
+            pre_vote: true,
+            applied,
+            ..Config::default()
+        };
+        cfg.validate()?;
+        let node = RawNode::new(&cfg, storage, &self.logger)?;
+        self.groups.insert(
+            group,
+            Group {
+                node,
+                sm,
+                pending: BTreeMap::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Groups hosted here.
+    pub fn groups(&self) -> impl Iterator<Item = GroupId> + '_ {
+        self.groups.keys().copied()
+    }
+
+    /// The state machine of `group`.
+    pub fn state_machine(&self, group: GroupId) -> Option<&S> {
+        self.groups.get(&group).map(|g| &g.sm)
+    }
+
+    /// Whether this node leads `group`.
+    pub fn is_leader(&self, group: GroupId) -> bool {
+        self.groups
+            .get(&group)
+            .is_some_and(|g| g.node.raft.state == StateRole::Leader)
+    }
+
+    /// The leader of `group` as this node knows it (0 if unknown).
+    pub fn leader(&self, group: GroupId) -> u64 {
+        self.groups.get(&group).map_or(0, |g| g.node.raft.leader_id)
+    }
+
+    /// The term of `group` on this node.
+    pub fn term(&self, group: GroupId) -> u64 {
+        self.groups.get(&group).map_or(0, |g| g.node.raft.term)
+    }
+
+    /// Advances every group's logical clock by one tick.
+    pub fn tick(&mut self) {
+        for g in self.groups.values_mut() {
+            g.node.tick();
+        }
+    }
+
+    /// Makes this replica campaign for leadership of `group` now.
+    pub fn campaign(&mut self, group: GroupId) -> Result<(), RaftError> {
+        self.group_mut(group)?.node.campaign()?;
+        Ok(())
+    }
+
+    /// Hands a message from a peer to `group`.
+    pub fn step(&mut self, group: GroupId, msg: Message) -> Result<(), RaftError> {
+        self.group_mut(group)?.node.step(msg)?;
+        Ok(())
+    }
+
+    /// Proposes `command` to `group`. The outcome arrives in a later [`ReadyOutput::finished`].
+    pub fn propose(&mut self, group: GroupId, command: Vec<u8>) -> Result<ProposalId, RaftError> {
+        let id = self.next_proposal;
+        let g = self
+            .groups
+            .get_mut(&group)
+            .ok_or(RaftError::UnknownGroup(group))?;
+        if g.node.raft.state != StateRole::Leader {
+            return Err(RaftError::NotLeader {
+                group,
+                leader: g.node.raft.leader_id,
+            });
+        }
+        let before = g.node.raft.raft_log.last_index();
+        g.node.propose(Vec::new(), command)?;
+        let index = g.node.raft.raft_log.last_index();
+        if index != before + 1 {
+            // raft-rs dropped the proposal (e.g. during a leader transfer) without an error.
+            return Err(RaftError::Dropped(group));
+        }
+        g.pending.insert(index, (g.node.raft.term, id));
+        self.next_proposal += 1;
+        Ok(id)
+    }
+
+    /// Proposes a membership change of `group`.
+    pub fn propose_conf_change(
+        &mut self,
+        group: GroupId,
+        cc: ConfChangeV2,
+    ) -> Result<ProposalId, RaftError> {
+        let id = self.next_proposal;
+        let g = self.group_mut(group)?;
+        if g.node.raft.state != StateRole::Leader {
+            return Err(RaftError::NotLeader {
+                group,
+                leader: g.node.raft.leader_id,
+            });
+        }
+        let before = g.node.raft.raft_log.last_index();
+        g.node.propose_conf_change(Vec::new(), cc)?;
+        let index = g.node.raft.raft_log.last_index();
+        if index != before + 1 {
+            return Err(RaftError::Dropped(group));
+        }
+        let term = g.node.raft.term;
+        g.pending.insert(index, (term, id));
+        self.next_proposal += 1;
+        Ok(id)
+    }
+
+    fn group_mut(&mut self, group: GroupId) -> Result<&mut Group<S>, RaftError> {
+        self.groups
+            .get_mut(&group)
+            .ok_or(RaftError::UnknownGroup(group))
+    }
+
+    /// Runs one `Ready` round for every group with something to do: one log write for all of them,
+    /// then messages and applied results.
+    pub fn process_ready(&mut self) -> Result<ReadyOutput, RaftError> {
+        let mut out = ReadyOutput::default();
+        let mut write = LogWrite::default();
+        let mut readies = Vec::new();
+        let mut sync = false;
+        for (&gid, g) in self.groups.iter_mut() {
+            if !g.node.has_ready() {
+                continue;
+            }
+            let mut rd = g.node.ready();
+            out.messages
+                .extend(rd.take_messages().into_iter().map(|m| (gid, m)));
+            let mut gw = GroupWrite::new(gid);
+            if !rd.snapshot().is_empty() {
+                let snap = rd.snapshot().clone();
+                g.sm.restore(&snap.data)
+                    .map_err(|reason| RaftError::Restore { group: gid, reason })?;
+                gw.snapshot = Some(snap.get_metadata().clone());
+                gw.save_snapshot = Some(snap.clone());
+                g.node.mut_store().set_snapshot(snap);
+            }
+            let committed = rd.take_committed_entries();
+            let mut conf = apply_entries(gid, g, committed, &mut out)?;
+            gw.entries = rd.take_entries();
+            gw.hard_state = rd.hs().cloned();
+            if conf.is_some() {
+                gw.conf_state = conf.take();
+            }
+            sync |= rd.must_sync() || gw.conf_state.is_some() || gw.snapshot.is_some();
+            write.groups.push(gw);
+            readies.push((gid, rd));
+        }
+        if readies.is_empty() {
+            return Ok(out);
+        }
+        self.log.write(&write, sync)?;
+
+        let mut after = LogWrite::default();
+        let mut after_sync = false;
+        for (gid, rd) in readies {
+            let Some(g) = self.groups.get_mut(&gid) else {
+                continue;
+            };
+            let mut rd = rd;
+            out.messages
+                .extend(rd.take_persisted_messages().into_iter().map(|m| (gid, m)));
+            let mut light = g.node.advance(rd);
+            let mut gw = GroupWrite::new(gid);
+            if let Some(commit) = light.commit_index() {
+                let mut hs = g.node.raft.hard_state();
+                hs.commit = commit;
+                gw.hard_state = Some(hs);
+            }
+            out.messages
+                .extend(light.take_messages().into_iter().map(|m| (gid, m)));
+            let committed = light.take_committed_entries();
+            if let Some(cs) = apply_entries(gid, g, committed, &mut out)? {
+                gw.conf_state = Some(cs);
+                after_sync = true;
+            }
+            g.node.advance_apply();
+            self.maybe_compact(gid, &mut gw);
+            if !gw.is_empty() {
+                after.groups.push(gw);
+            }
+        }
+        if !after.is_empty() {
+            self.log.write(&after, after_sync)?;
+        }
+        Ok(out)
+    }
+
+    /// Snapshots a group's state machine and drops applied entries when the log has grown past
+    /// `compact_after` entries beyond the last snapshot, or when raft-rs asked for a newer snapshot.
+    fn maybe_compact(&mut self, gid: GroupId, gw: &mut GroupWrite) {
+        let Some(g) = self.groups.get_mut(&gid) else {
+            return;
+        };
+        let applied = g.node.raft.raft_log.applied;
+        let first = g.node.raft.raft_log.first_index();
+        let wanted = g.node.store().take_snapshot_request();
+        if applied < first || (!wanted && applied - first < self.config.compact_after) {
+            return;
+        }
+        let Ok(term) = g.node.raft.raft_log.term(applied) else {
+            return;
+        };
+        let mut snap = Snapshot {
+            data: g.sm.snapshot().into(),
+            ..Default::default()
+        };
+        let meta = snap.mut_metadata();
+        meta.index = applied;
+        meta.term = term;
+        meta.set_conf_state(g.node.raft.prs().conf().to_conf_state());
+        // Saved in the same write as the compaction: the log never loses entries whose effects are
+        // not durable in a snapshot.
+        gw.save_snapshot = Some(snap.clone());
+        g.node.mut_store().set_snapshot(snap);
+        // Keep the last entries so that a follower slightly behind catches up from the log.
+        let keep = self.config.compact_after / 2;
+        let compact_to = applied.saturating_sub(keep);
+        if compact_to > first {
+            gw.compact_to = Some(compact_to);
+        }
+    }
+}
+
+/// Applies committed entries to the group's state machine and reports the outcomes of proposals made
+/// here. Returns the conf state if a membership change was applied.
+fn apply_entries<S: StateMachine>(
+    gid: GroupId,
+    g: &mut Group<S>,
+    entries: Vec<Entry>,
+    out: &mut ReadyOutput,
+) -> Result<Option<raft::eraftpb::ConfState>, RaftError> {
+    let mut conf = None;
+    for e in entries {
+        let result = match e.get_entry_type() {
+            EntryType::EntryNormal if e.data.is_empty() => Vec::new(),
+            EntryType::EntryNormal => g.sm.apply(e.index, &e.data),
+            EntryType::EntryConfChange => {
+                let cc = ConfChange::parse_from_bytes(&e.data)
+                    .map_err(|err| RaftError::Raft(format!("bad conf change: {err}")))?;
+                conf = Some(g.node.apply_conf_change(&cc)?);
+                Vec::new()
+            }
+            EntryType::EntryConfChangeV2 => {
+                let cc = ConfChangeV2::parse_from_bytes(&e.data)
+                    .map_err(|err| RaftError::Raft(format!("bad conf change: {err}")))?;
+                conf = Some(g.node.apply_conf_change(&cc)?);
+                Vec::new()
+            }
+        };
+        // Proposals at positions that were overwritten before this index can never be applied.
+        while let Some((&idx, _)) = g.pending.first_key_value() {
+            if idx > e.index {
+                break;
+            }
+            let Some((idx, (term, pid))) = g.pending.pop_first() else {
+                break;
+            };
+            let outcome = if idx == e.index && term == e.term {
+                Ok(result.clone())
+            } else {
+                Err(RaftError::Dropped(gid))
+            };
+            out.finished.push((pid, outcome));
+        }
+    }
+    Ok(conf)
+}

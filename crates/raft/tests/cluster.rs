@@ -1,0 +1,358 @@
+//! Scenario tests of the raft store: whole clusters of `RaftNode`s in one thread, messages delivered
+//! by the test (so faults are exact and runs are deterministic), logs in `MemLogStore`s that can lose
+//! unsynced writes on a crash. Tests are named after the Raft paper section they check.
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use nacre_raft::{
+    GroupId, LogStore, MemLogStore, NodeConfig, ProposalId, RaftError, RaftNode, StateMachine,
+};
+
+/// A key-value map; a command is `key=value`, the response the previous value.
+#[derive(Debug, Default)]
+struct Kv {
+    map: BTreeMap<String, String>,
+    applied: Vec<u64>,
+}
+
+impl StateMachine for Kv {
+    fn apply(&mut self, index: u64, command: &[u8]) -> Vec<u8> {
+        self.applied.push(index);
+        let text = String::from_utf8_lossy(command);
+        let (k, v) = text.split_once('=').unwrap_or((&text, ""));
+        self.map
+            .insert(k.to_string(), v.to_string())
+            .unwrap_or_default()
+            .into_bytes()
+    }
+
+    fn snapshot(&self) -> Vec<u8> {
+        self.map
+            .iter()
+            .map(|(k, v)| format!("{k}={v}\n"))
+            .collect::<String>()
+            .into_bytes()
+    }
+
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
+        let text = std::str::from_utf8(snapshot).map_err(|e| e.to_string())?;
+        self.map = text
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Ok(())
+    }
+}
+
+struct Cluster {
+    config: NodeConfig,
+    nodes: BTreeMap<u64, Option<RaftNode<Kv>>>,
+    logs: BTreeMap<u64, Arc<MemLogStore>>,
+    /// Nodes cut off from every other node.
+    isolated: BTreeSet<u64>,
+    results: BTreeMap<(u64, ProposalId), Result<Vec<u8>, RaftError>>,
+    groups: Vec<GroupId>,
+}
+
+impl Cluster {
+    fn new(n: u64, groups: &[GroupId], config: NodeConfig) -> Self {
+        let mut c = Cluster {
+            config,
+            nodes: BTreeMap::new(),
+            logs: BTreeMap::new(),
+            isolated: BTreeSet::new(),
+            results: BTreeMap::new(),
+            groups: groups.to_vec(),
+        };
+        for id in 1..=n {
+            c.logs.insert(id, Arc::new(MemLogStore::new()));
+        }
+        for id in 1..=n {
+            c.start(id);
+        }
+        c
+    }
+
+    fn voters(&self) -> Vec<u64> {
+        self.logs.keys().copied().collect()
+    }
+
+    /// (Re)starts node `id` from whatever its log holds.
+    fn start(&mut self, id: u64) {
+        let log: Arc<dyn LogStore> = self.logs[&id].clone();
+        let mut node = RaftNode::new(id, self.config.clone(), log);
+        let voters = self.voters();
+        for &g in &self.groups {
+            node.add_group(g, &voters, Kv::default()).unwrap();
+        }
+        self.nodes.insert(id, Some(node));
+    }
+
+    /// Kills node `id`: its process state is gone and its log loses unsynced writes.
+    fn crash(&mut self, id: u64) {
+        self.nodes.insert(id, None);
+        self.logs[&id].crash();
+    }
+
+    fn node(&mut self, id: u64) -> &mut RaftNode<Kv> {
+        self.nodes.get_mut(&id).unwrap().as_mut().unwrap()
+    }
+
+    fn live(&self) -> Vec<u64> {
+        self.nodes
+            .iter()
+            .filter(|(_, n)| n.is_some())
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    fn connected(&self, a: u64, b: u64) -> bool {
+        a == b || (!self.isolated.contains(&a) && !self.isolated.contains(&b))
+    }
+
+    /// Runs Ready rounds and delivers messages until nothing moves (bounded).
+    fn pump(&mut self) {
+        for _ in 0..10_000 {
+            let mut moved = false;
+            for id in self.live() {
+                let out = self.node(id).process_ready().unwrap();
+                for (pid, r) in out.finished {
+                    self.results.insert((id, pid), r);
+                }
+                for (g, m) in out.messages {
+                    moved = true;
+                    let to = m.to;
+                    if self.connected(id, to)
+                        && let Some(Some(n)) = self.nodes.get_mut(&to)
+                    {
+                        let _ = n.step(g, m);
+                    }
+                }
+            }
+            if !moved {
+                return;
+            }
+        }
+        panic!("cluster did not quiesce");
+    }
+
+    fn tick(&mut self, n: usize) {
+        for _ in 0..n {
+            for id in self.live() {
+                self.node(id).tick();
+            }
+            self.pump();
+        }
+    }
+
+    /// The leader of `g` among connected live nodes, ticking until there is exactly one (bounded).
+    fn leader(&mut self, g: GroupId) -> u64 {
+        for _ in 0..500 {
+            let leaders: Vec<u64> = self
+                .live()
+                .into_iter()
+                .filter(|id| !self.isolated.contains(id))
+                .filter(|&id| self.nodes[&id].as_ref().unwrap().is_leader(g))
+                .collect();
+            if leaders.len() == 1 {
+                return leaders[0];
+            }
+            self.tick(1);
+        }
+        panic!("no single leader for group {g}");
+    }
+
+    fn propose(&mut self, node: u64, g: GroupId, cmd: &str) -> Result<ProposalId, RaftError> {
+        self.node(node).propose(g, cmd.as_bytes().to_vec())
+    }
+
+    fn map(&self, node: u64, g: GroupId) -> BTreeMap<String, String> {
+        self.nodes[&node]
+            .as_ref()
+            .unwrap()
+            .state_machine(g)
+            .unwrap()
+            .map
+            .clone()
+    }
+}
+
+#[test]
+fn raft_5_2_election_elects_exactly_one_leader_per_term() {
+    let mut c = Cluster::new(3, &[1], NodeConfig::default());
+    let l = c.leader(1);
+    let term = c.node(l).term(1);
+    for id in c.live() {
+        assert_eq!(c.node(id).leader(1), l, "node {id} knows the leader");
+        assert_eq!(c.node(id).term(1), term);
+    }
+}
+
+#[test]
+fn raft_5_3_replication_applies_the_same_commands_in_the_same_order_everywhere() {
+    let mut c = Cluster::new(3, &[1], NodeConfig::default());
+    let l = c.leader(1);
+    let ids: Vec<_> = (0..100)
+        .map(|i| c.propose(l, 1, &format!("k{}={i}", i % 10)).unwrap())
+        .collect();
+    c.pump();
+    for (i, pid) in ids.iter().enumerate() {
+        let prev = if i < 10 {
+            String::new()
+        } else {
+            (i - 10).to_string()
+        };
+        assert_eq!(c.results[&(l, *pid)], Ok(prev.into_bytes()), "proposal {i}");
+    }
+    let want = c.map(l, 1);
+    assert_eq!(want.len(), 10);
+    for id in c.live() {
+        assert_eq!(c.map(id, 1), want, "state machine of node {id}");
+        let applied = &c.nodes[&id]
+            .as_ref()
+            .unwrap()
+            .state_machine(1)
+            .unwrap()
+            .applied;
+        assert_eq!(applied.len(), 100);
+    }
+    // Followers refuse proposals and name the leader.
+    let f = c.live().into_iter().find(|&id| id != l).unwrap();
+    assert_eq!(
+        c.propose(f, 1, "x=1"),
+        Err(RaftError::NotLeader {
+            group: 1,
+            leader: l
+        })
+    );
+}
+
+#[test]
+fn raft_5_4_a_committed_entry_survives_leader_crash_and_restart() {
+    let mut c = Cluster::new(3, &[1], NodeConfig::default());
+    let old = c.leader(1);
+    for i in 0..20 {
+        c.propose(old, 1, &format!("a{i}=1")).unwrap();
+    }
+    c.pump();
+    assert!(c.results.values().all(Result::is_ok));
+    c.crash(old);
+    let new = c.leader(1);
+    assert_ne!(new, old);
+    for i in 0..20 {
+        c.propose(new, 1, &format!("b{i}=2")).unwrap();
+    }
+    c.pump();
+    c.start(old);
+    c.tick(5);
+    let want = c.map(new, 1);
+    assert_eq!(want.len(), 40);
+    for id in c.live() {
+        assert_eq!(c.map(id, 1), want, "node {id} after restart");
+    }
+}
+
+#[test]
+fn raft_5_4_a_minority_cannot_commit_and_its_entries_are_dropped_after_heal() {
+    let mut c = Cluster::new(3, &[1], NodeConfig::default());
+    let old = c.leader(1);
+    c.isolated.insert(old);
+    let lost = c.propose(old, 1, "lost=1").unwrap();
+    c.pump();
+    assert!(!c.results.contains_key(&(old, lost)), "minority committed");
+    let new = c.leader(1);
+    assert_ne!(new, old);
+    let kept = c.propose(new, 1, "kept=1").unwrap();
+    c.pump();
+    assert_eq!(c.results[&(new, kept)], Ok(Vec::new()));
+    c.isolated.clear();
+    c.tick(30);
+    assert_eq!(c.results[&(old, lost)], Err(RaftError::Dropped(1)));
+    for id in c.live() {
+        let m = c.map(id, 1);
+        assert!(
+            m.contains_key("kept") && !m.contains_key("lost"),
+            "node {id}: {m:?}"
+        );
+    }
+}
+
+#[test]
+fn raft_7_a_replica_behind_the_compacted_log_catches_up_by_snapshot() {
+    let config = NodeConfig {
+        compact_after: 20,
+        ..NodeConfig::default()
+    };
+    let mut c = Cluster::new(3, &[1], config);
+    let l = c.leader(1);
+    let lagging = c.live().into_iter().find(|&id| id != l).unwrap();
+    c.isolated.insert(lagging);
+    for i in 0..200 {
+        c.propose(l, 1, &format!("k{i}={i}")).unwrap();
+        c.pump();
+    }
+    let first = c.logs[&l].first_index(1).unwrap();
+    assert!(
+        first > 100,
+        "leader log not compacted (first index {first})"
+    );
+    c.isolated.clear();
+    c.tick(30);
+    assert_eq!(c.map(lagging, 1), c.map(l, 1));
+    assert_eq!(c.map(lagging, 1).len(), 200);
+}
+
+#[test]
+fn many_groups_elect_and_replicate_on_three_nodes() {
+    let groups: Vec<GroupId> = (1..=200).collect();
+    let mut c = Cluster::new(3, &groups, NodeConfig::default());
+    for &g in &groups {
+        let l = c.leader(g);
+        c.propose(l, g, &format!("g={g}")).unwrap();
+    }
+    c.pump();
+    for &g in &groups {
+        for id in c.live() {
+            assert_eq!(
+                c.map(id, g).get("g"),
+                Some(&g.to_string()),
+                "group {g} on {id}"
+            );
+        }
+    }
+}
+
+#[test]
+fn raft_7_a_restarted_replica_recovers_its_state_from_its_snapshot_and_log() {
+    let config = NodeConfig {
+        compact_after: 20,
+        ..NodeConfig::default()
+    };
+    let mut c = Cluster::new(3, &[1], config);
+    let l = c.leader(1);
+    for i in 0..150 {
+        c.propose(l, 1, &format!("k{i}={i}")).unwrap();
+        c.pump();
+    }
+    let follower = c.live().into_iter().find(|&id| id != l).unwrap();
+    assert!(
+        c.logs[&follower].first_index(1).unwrap() > 50,
+        "follower log not compacted"
+    );
+    // Restart every node, one at a time: each must come back with all 150 keys.
+    for id in c.live() {
+        c.crash(id);
+        c.start(id);
+        c.tick(20);
+        assert_eq!(c.map(id, 1).len(), 150, "node {id} after restart");
+    }
+    let l = c.leader(1);
+    c.propose(l, 1, "after=1").unwrap();
+    c.pump();
+    for id in c.live() {
+        assert_eq!(c.map(id, 1).len(), 151, "node {id}");
+    }
+}
