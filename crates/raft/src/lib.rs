@@ -23,7 +23,9 @@ mod storage;
 pub use engine_log::EngineLogStore;
 pub use log::{GroupId, GroupState, GroupWrite, LogError, LogStore, LogWrite};
 pub use mem_log::MemLogStore;
-pub use node::{NodeConfig, ProposalId, RaftError, RaftNode, ReadyOutput, StateMachine};
+pub use node::{
+    INIT_INDEX, INIT_TERM, NodeConfig, ProposalId, RaftError, RaftNode, ReadyOutput, StateMachine,
+};
 pub use storage::GroupStorage;
 
 /// The Raft protocol types (entries, hard state, conf state, messages) of tikv `raft`.

@@ -28,6 +28,11 @@ pub trait StateMachine: Send + 'static {
     fn restore(&mut self, snapshot: &[u8]) -> Result<(), String>;
 }
 
+/// Log position at which a new group starts, as if a snapshot had installed its initial membership.
+pub const INIT_INDEX: u64 = 5;
+/// Term of that position.
+pub const INIT_TERM: u64 = 5;
+
 /// Identifies a proposal until its outcome is reported.
 pub type ProposalId = u64;
 
@@ -135,18 +140,33 @@ impl<S: StateMachine> RaftNode<S> {
         self.id
     }
 
-    /// Hosts `group`. If the log has no state for it, the group is created with `voters` as its
-    /// members (every replica of a new group must be created with the same voters); otherwise it is
-    /// restarted from the log and `voters` is ignored. Committed entries that the state machine has
+    /// Hosts `group`. If the log has no state for it and `voters` is not empty, the group is created
+    /// with `voters` as its members (every initial replica must be created with the same voters); with
+    /// no voters the replica waits to be initialized by its leader (a replica being added by a
+    /// membership change). If the log has state, the group restarts from it and `voters` is ignored. Committed entries that the state machine has
     /// not seen are applied again from the log (or from the last snapshot) by `process_ready`.
     pub fn add_group(&mut self, group: GroupId, voters: &[u64], sm: S) -> Result<(), RaftError> {
         if self.groups.contains_key(&group) {
             return Err(RaftError::GroupExists(group));
         }
-        if self.log.state(group)?.is_none() {
+        if self.log.state(group)?.is_none() && !voters.is_empty() {
+            // Bootstrap as if a snapshot at INIT_INDEX carried the initial membership (TiKV's trick):
+            // a replica added later starts with an empty log, behind the truncation point, so the
+            // leader initializes it with a snapshot that includes the membership.
             let mut w = GroupWrite::new(group);
-            w.conf_state = Some(raft::eraftpb::ConfState {
+            let mut meta = raft::eraftpb::SnapshotMetadata {
+                index: INIT_INDEX,
+                term: INIT_TERM,
+                ..Default::default()
+            };
+            meta.set_conf_state(raft::eraftpb::ConfState {
                 voters: voters.to_vec(),
+                ..Default::default()
+            });
+            w.snapshot = Some(meta);
+            w.hard_state = Some(raft::eraftpb::HardState {
+                term: INIT_TERM,
+                commit: INIT_INDEX,
                 ..Default::default()
             });
             self.log.write(&LogWrite { groups: vec![w] }, true)?;

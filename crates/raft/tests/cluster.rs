@@ -356,3 +356,65 @@ fn raft_7_a_restarted_replica_recovers_its_state_from_its_snapshot_and_log() {
         assert_eq!(c.map(id, 1).len(), 151, "node {id}");
     }
 }
+
+#[test]
+fn raft_6_membership_change_under_load_adds_and_removes_replicas() {
+    use nacre_raft::eraftpb::{ConfChangeSingle, ConfChangeType, ConfChangeV2};
+    let change = |t: ConfChangeType, node: u64| {
+        let mut cc = ConfChangeV2::default();
+        cc.mut_changes().push(ConfChangeSingle {
+            change_type: t,
+            node_id: node,
+            ..Default::default()
+        });
+        cc
+    };
+    let mut c = Cluster::new(3, &[1], NodeConfig::default());
+    let l = c.leader(1);
+    for i in 0..30 {
+        c.propose(l, 1, &format!("before{i}=1")).unwrap();
+    }
+    c.pump();
+    // Node 4 joins with no membership of its own: the leader initializes it with a snapshot.
+    c.logs.insert(4, Arc::new(MemLogStore::new()));
+    let mut n4 = RaftNode::new(4, c.config.clone(), c.logs[&4].clone() as Arc<dyn LogStore>);
+    n4.add_group(1, &[], Kv::default()).unwrap();
+    c.nodes.insert(4, Some(n4));
+    let add = c
+        .node(l)
+        .propose_conf_change(1, change(ConfChangeType::AddNode, 4))
+        .unwrap();
+    // Commands keep flowing while the change commits.
+    for i in 0..30 {
+        c.propose(l, 1, &format!("during{i}=1")).unwrap();
+        c.tick(1);
+    }
+    c.tick(20);
+    assert_eq!(c.results[&(l, add)], Ok(Vec::new()));
+    assert_eq!(c.map(4, 1), c.map(l, 1), "new replica caught up");
+    assert_eq!(c.map(4, 1).len(), 60);
+
+    // Remove a follower that is not the leader; the other three keep committing.
+    let gone = c.live().into_iter().find(|&id| id != l && id != 4).unwrap();
+    let rm = c
+        .node(l)
+        .propose_conf_change(1, change(ConfChangeType::RemoveNode, gone))
+        .unwrap();
+    c.tick(5);
+    assert_eq!(c.results[&(l, rm)], Ok(Vec::new()));
+    c.crash(gone);
+    c.nodes.remove(&gone);
+    c.logs.remove(&gone);
+    for i in 0..10 {
+        c.propose(l, 1, &format!("after{i}=1")).unwrap();
+    }
+    c.pump();
+    for id in c.live() {
+        assert_eq!(c.map(id, 1).len(), 70, "node {id}");
+    }
+    // With the removed node gone, a majority of the remaining three (2) still elects a leader.
+    let old = c.leader(1);
+    c.crash(old);
+    let new = c.leader(1);
+    assert_ne!(new, old);
+}
