@@ -71,6 +71,9 @@ pub struct ReadyOutput {
     pub messages: Vec<(GroupId, Message)>,
     /// Outcomes of proposals made on this node: the state machine's response, or why not applied.
     pub finished: Vec<(ProposalId, Result<Vec<u8>, RaftError>)>,
+    /// Reads started with [`RaftNode::read_index`] that may now be served from the group's state
+    /// machine: everything committed before the read started has been applied.
+    pub reads: Vec<(GroupId, ProposalId)>,
 }
 
 /// Timing and sizing of every group on a node.
@@ -83,6 +86,9 @@ pub struct NodeConfig {
     pub max_inflight_msgs: usize,
     /// Entries kept in the log beyond the applied index before it is compacted behind a snapshot.
     pub compact_after: u64,
+    /// Serve reads on the leader's lease (no round trip, relies on bounded clock drift) instead of
+    /// confirming leadership with a quorum first (ReadIndex).
+    pub lease_reads: bool,
 }
 
 impl Default for NodeConfig {
@@ -93,6 +99,7 @@ impl Default for NodeConfig {
             max_size_per_msg: 1 << 20,
             max_inflight_msgs: 256,
             compact_after: 10_000,
+            lease_reads: false,
         }
     }
 }
@@ -102,6 +109,8 @@ struct Group<S> {
     sm: S,
     /// index → (term, proposal) for proposals made here that are not applied yet.
     pending: BTreeMap<u64, (u64, ProposalId)>,
+    /// Reads whose read index is known, waiting for the state machine to apply up to it.
+    reads: Vec<(u64, ProposalId)>,
 }
 
 /// All Raft groups hosted by one node.
@@ -191,6 +200,11 @@ impl<S: StateMachine> RaftNode<S> {
             check_quorum: true,
             pre_vote: true,
             applied,
+            read_only_option: if self.config.lease_reads {
+                raft::ReadOnlyOption::LeaseBased
+            } else {
+                raft::ReadOnlyOption::Safe
+            },
             ..Config::default()
         };
         cfg.validate()?;
@@ -201,6 +215,7 @@ impl<S: StateMachine> RaftNode<S> {
                 node,
                 sm,
                 pending: BTreeMap::new(),
+                reads: Vec::new(),
             },
         );
         Ok(())
@@ -277,6 +292,22 @@ impl<S: StateMachine> RaftNode<S> {
         Ok(id)
     }
 
+    /// Starts a linearizable read of `group` on its leader. When it appears in
+    /// [`ReadyOutput::reads`], the state machine reflects every write committed before this call.
+    pub fn read_index(&mut self, group: GroupId) -> Result<ProposalId, RaftError> {
+        let id = self.next_proposal;
+        let g = self.group_mut(group)?;
+        if g.node.raft.state != StateRole::Leader {
+            return Err(RaftError::NotLeader {
+                group,
+                leader: g.node.raft.leader_id,
+            });
+        }
+        g.node.read_index(id.to_le_bytes().to_vec());
+        self.next_proposal += 1;
+        Ok(id)
+    }
+
     /// Proposes a membership change of `group`.
     pub fn propose_conf_change(
         &mut self,
@@ -323,6 +354,11 @@ impl<S: StateMachine> RaftNode<S> {
             let mut rd = g.node.ready();
             out.messages
                 .extend(rd.take_messages().into_iter().map(|m| (gid, m)));
+            for rs in rd.take_read_states() {
+                if let Ok(raw) = <[u8; 8]>::try_from(rs.request_ctx.as_slice()) {
+                    g.reads.push((rs.index, u64::from_le_bytes(raw)));
+                }
+            }
             let mut gw = GroupWrite::new(gid);
             if !rd.snapshot().is_empty() {
                 let snap = rd.snapshot().clone();
@@ -372,6 +408,14 @@ impl<S: StateMachine> RaftNode<S> {
                 after_sync = true;
             }
             g.node.advance_apply();
+            let applied = g.node.raft.raft_log.applied;
+            g.reads.retain(|&(index, id)| {
+                let ready = index <= applied;
+                if ready {
+                    out.reads.push((gid, id));
+                }
+                !ready
+            });
             self.maybe_compact(gid, &mut gw);
             if !gw.is_empty() {
                 after.groups.push(gw);
