@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use protobuf::Message as _;
-use raft::eraftpb::{ConfChange, ConfChangeV2, Entry, EntryType, Message, Snapshot};
+use raft::eraftpb::{ConfChange, ConfChangeV2, Entry, EntryType, Message, MessageType, Snapshot};
 use raft::{Config, RawNode, StateRole};
 use thiserror::Error;
 
@@ -89,6 +89,12 @@ pub struct NodeConfig {
     /// Serve reads on the leader's lease (no round trip, relies on bounded clock drift) instead of
     /// confirming leadership with a quorum first (ReadIndex).
     pub lease_reads: bool,
+    /// Ticks a group must be idle (nothing to replicate, everyone caught up) before it hibernates:
+    /// it stops ticking, so its leader sends no heartbeats and its followers start no elections.
+    /// Followers hibernate after this many ticks, leaders after twice as many. A follower wakes on
+    /// any message but a heartbeat, and when the node hosting its leader is reported down
+    /// ([`RaftNode::set_peer_alive`]). 0 disables hibernation.
+    pub hibernate_after: usize,
 }
 
 impl Default for NodeConfig {
@@ -100,6 +106,7 @@ impl Default for NodeConfig {
             max_inflight_msgs: 256,
             compact_after: 10_000,
             lease_reads: false,
+            hibernate_after: 20,
         }
     }
 }
@@ -111,6 +118,37 @@ struct Group<S> {
     pending: BTreeMap<u64, (u64, ProposalId)>,
     /// Reads whose read index is known, waiting for the state machine to apply up to it.
     reads: Vec<(u64, ProposalId)>,
+    /// Ticks since the group last had something to do.
+    idle_ticks: usize,
+    hibernating: bool,
+}
+
+impl<S> Group<S> {
+    /// Whether the group has nothing in flight: an idle leader with every voter caught up, or a
+    /// follower whose leader is alive and whose log is applied up to the end.
+    fn quiescent(&self, peer_alive: impl Fn(u64) -> bool) -> bool {
+        let r = &self.node.raft;
+        let log = &r.raft_log;
+        let settled = log.committed == log.last_index()
+            && log.applied == log.committed
+            && self.pending.is_empty()
+            && self.reads.is_empty()
+            && !self.node.has_ready();
+        match r.state {
+            StateRole::Leader => {
+                settled
+                    && r.lead_transferee.is_none()
+                    && r.prs().iter().all(|(_, p)| p.matched == log.last_index())
+            }
+            StateRole::Follower => settled && r.leader_id != 0 && peer_alive(r.leader_id),
+            StateRole::Candidate | StateRole::PreCandidate => false,
+        }
+    }
+
+    fn wake(&mut self) {
+        self.hibernating = false;
+        self.idle_ticks = 0;
+    }
 }
 
 /// All Raft groups hosted by one node.
@@ -121,6 +159,8 @@ pub struct RaftNode<S: StateMachine> {
     groups: BTreeMap<GroupId, Group<S>>,
     next_proposal: ProposalId,
     logger: slog::Logger,
+    /// Peers known to be down (from node-level liveness, not per-group heartbeats).
+    dead_peers: std::collections::BTreeSet<u64>,
 }
 
 impl<S: StateMachine> std::fmt::Debug for RaftNode<S> {
@@ -142,6 +182,7 @@ impl<S: StateMachine> RaftNode<S> {
             groups: BTreeMap::new(),
             next_proposal: 1,
             logger: slog::Logger::root(slog::Discard, slog::o!()),
+            dead_peers: std::collections::BTreeSet::new(),
         }
     }
 
@@ -216,6 +257,8 @@ impl<S: StateMachine> RaftNode<S> {
                 sm,
                 pending: BTreeMap::new(),
                 reads: Vec::new(),
+                idle_ticks: 0,
+                hibernating: false,
             },
         );
         Ok(())
@@ -250,20 +293,73 @@ impl<S: StateMachine> RaftNode<S> {
 
     /// Advances every group's logical clock by one tick.
     pub fn tick(&mut self) {
+        let dead = &self.dead_peers;
+        let after = self.config.hibernate_after;
         for g in self.groups.values_mut() {
+            if g.hibernating {
+                continue;
+            }
+            // Judged before the tick: a leader's tick queues heartbeats, which are not work.
+            let quiet = after > 0 && g.quiescent(|p| !dead.contains(&p));
             g.node.tick();
+            if !quiet {
+                g.idle_ticks = 0;
+                continue;
+            }
+            g.idle_ticks += 1;
+            // A leader waits twice as long, so its followers are asleep before its heartbeats
+            // stop (a follower still awake would otherwise time out and campaign).
+            let needed = if g.node.raft.state == StateRole::Leader {
+                2 * after
+            } else {
+                after
+            };
+            if g.idle_ticks >= needed {
+                g.hibernating = true;
+            }
         }
+    }
+
+    /// Records node-level liveness of a peer (the driver's per-node heartbeats). Hibernating
+    /// followers whose leader is on a peer that went down wake up, so they can elect a new leader.
+    pub fn set_peer_alive(&mut self, peer: u64, alive: bool) {
+        if alive {
+            self.dead_peers.remove(&peer);
+            return;
+        }
+        self.dead_peers.insert(peer);
+        for g in self.groups.values_mut() {
+            if g.node.raft.leader_id == peer {
+                g.wake();
+            }
+        }
+    }
+
+    /// Groups hosted here that are hibernating.
+    pub fn hibernating(&self) -> usize {
+        self.groups.values().filter(|g| g.hibernating).count()
     }
 
     /// Makes this replica campaign for leadership of `group` now.
     pub fn campaign(&mut self, group: GroupId) -> Result<(), RaftError> {
-        self.group_mut(group)?.node.campaign()?;
+        let g = self.group_mut(group)?;
+        g.wake();
+        g.node.campaign()?;
         Ok(())
     }
 
     /// Hands a message from a peer to `group`.
     pub fn step(&mut self, group: GroupId, msg: Message) -> Result<(), RaftError> {
-        self.group_mut(group)?.node.step(msg)?;
+        let g = self.group_mut(group)?;
+        // Heartbeats keep a hibernating follower's view of its leader fresh without waking it; any
+        // other message means there is work (entries, votes, reads): resume ticking.
+        if !matches!(
+            msg.get_msg_type(),
+            MessageType::MsgHeartbeat | MessageType::MsgHeartbeatResponse
+        ) {
+            g.wake();
+        }
+        g.node.step(msg)?;
         Ok(())
     }
 
@@ -280,6 +376,7 @@ impl<S: StateMachine> RaftNode<S> {
                 leader: g.node.raft.leader_id,
             });
         }
+        g.wake();
         let before = g.node.raft.raft_log.last_index();
         g.node.propose(Vec::new(), command)?;
         let index = g.node.raft.raft_log.last_index();
@@ -303,6 +400,7 @@ impl<S: StateMachine> RaftNode<S> {
                 leader: g.node.raft.leader_id,
             });
         }
+        g.wake();
         g.node.read_index(id.to_le_bytes().to_vec());
         self.next_proposal += 1;
         Ok(id)
@@ -322,6 +420,7 @@ impl<S: StateMachine> RaftNode<S> {
                 leader: g.node.raft.leader_id,
             });
         }
+        g.wake();
         let before = g.node.raft.raft_log.last_index();
         g.node.propose_conf_change(Vec::new(), cc)?;
         let index = g.node.raft.raft_log.last_index();

@@ -89,7 +89,7 @@ fn raft_5_4_a_committed_entry_survives_leader_crash_and_restart() {
 fn raft_5_4_a_minority_cannot_commit_and_its_entries_are_dropped_after_heal() {
     let mut c = Cluster::new(3, &[1], NodeConfig::default());
     let old = c.leader(1);
-    c.isolated.insert(old);
+    c.isolate(old);
     let lost = c.propose(old, 1, "lost=1").unwrap();
     c.pump();
     assert!(!c.results.contains_key(&(old, lost)), "minority committed");
@@ -98,7 +98,7 @@ fn raft_5_4_a_minority_cannot_commit_and_its_entries_are_dropped_after_heal() {
     let kept = c.propose(new, 1, "kept=1").unwrap();
     c.pump();
     assert_eq!(c.results[&(new, kept)], Ok(Vec::new()));
-    c.isolated.clear();
+    c.heal();
     c.tick(30);
     assert_eq!(c.results[&(old, lost)], Err(RaftError::Dropped(1)));
     for id in c.live() {
@@ -119,7 +119,7 @@ fn raft_7_a_replica_behind_the_compacted_log_catches_up_by_snapshot() {
     let mut c = Cluster::new(3, &[1], config);
     let l = c.leader(1);
     let lagging = c.live().into_iter().find(|&id| id != l).unwrap();
-    c.isolated.insert(lagging);
+    c.isolate(lagging);
     for i in 0..200 {
         c.propose(l, 1, &format!("k{i}={i}")).unwrap();
         c.pump();
@@ -129,7 +129,7 @@ fn raft_7_a_replica_behind_the_compacted_log_catches_up_by_snapshot() {
         first > 100,
         "leader log not compacted (first index {first})"
     );
-    c.isolated.clear();
+    c.heal();
     c.tick(30);
     assert_eq!(c.map(lagging, 1), c.map(l, 1));
     assert_eq!(c.map(lagging, 1).len(), 200);
@@ -247,4 +247,47 @@ fn raft_6_membership_change_under_load_adds_and_removes_replicas() {
     c.crash(old);
     let new = c.leader(1);
     assert_ne!(new, old);
+}
+
+#[test]
+fn idle_groups_hibernate_and_wake_on_proposals_and_leader_loss() {
+    let groups: Vec<GroupId> = (1..=300).collect();
+    let mut c = Cluster::new(3, &groups, NodeConfig::default());
+    for &g in &groups {
+        c.leader(g);
+    }
+    // Let every group settle and hibernate, then count what an idle cluster sends.
+    c.tick(60);
+    for id in c.live() {
+        assert_eq!(c.node(id).hibernating(), groups.len(), "node {id}");
+    }
+    let before = c.messages;
+    c.tick(200);
+    assert_eq!(c.messages, before, "an idle cluster sent messages");
+
+    // A proposal wakes its group and commits.
+    let l = c
+        .live()
+        .into_iter()
+        .find(|&id| c.node(id).is_leader(7))
+        .unwrap();
+    let pid = c.propose(l, 7, "woke=1").unwrap();
+    c.pump();
+    assert_eq!(c.results[&(l, pid)], Ok(Vec::new()));
+
+    // Losing the leader's node wakes the followers of its groups, which elect new leaders.
+    let led: Vec<GroupId> = groups
+        .iter()
+        .copied()
+        .filter(|&g| c.node(l).is_leader(g))
+        .collect();
+    assert!(!led.is_empty());
+    c.crash(l);
+    for &g in &led {
+        let nl = c.leader(g);
+        assert_ne!(nl, l);
+        let pid = c.propose(nl, g, "after=1").unwrap();
+        c.pump();
+        assert_eq!(c.results[&(nl, pid)], Ok(Vec::new()), "group {g}");
+    }
 }

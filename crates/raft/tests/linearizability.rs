@@ -140,7 +140,7 @@ fn run(seed: u64, read_index: bool) -> Vec<Op> {
             // Faults: isolate or crash a node, or heal everything and restart the dead.
             0 => {
                 let n = 1 + rng.below(3);
-                c.isolated.insert(n);
+                c.isolate(n);
             }
             1 => {
                 let n = 1 + rng.below(3);
@@ -157,7 +157,7 @@ fn run(seed: u64, read_index: bool) -> Vec<Op> {
                 }
             }
             2 => {
-                c.isolated.clear();
+                c.heal();
                 for n in 1..=3 {
                     if c.nodes[&n].is_none() {
                         c.start(n);

@@ -60,6 +60,8 @@ pub struct Cluster {
     /// When each proposal or read finished, in `step`s.
     pub finished_at: BTreeMap<(u64, ProposalId), u64>,
     pub groups: Vec<GroupId>,
+    /// Messages sent so far (delivered or not).
+    pub messages: u64,
 }
 
 impl Cluster {
@@ -74,6 +76,7 @@ impl Cluster {
             step: 0,
             finished_at: BTreeMap::new(),
             groups: groups.to_vec(),
+            messages: 0,
         };
         for id in 1..=n {
             c.logs.insert(id, Arc::new(MemLogStore::new()));
@@ -101,12 +104,47 @@ impl Cluster {
             node.add_group(g, &voters, Kv::default()).unwrap();
         }
         self.nodes.insert(id, Some(node));
+        for other in self.live() {
+            if other != id {
+                self.node(other).set_peer_alive(id, true);
+            }
+        }
     }
 
     /// Kills node `id`: its process state is gone and its log loses unsynced writes.
     pub fn crash(&mut self, id: u64) {
         self.nodes.insert(id, None);
         self.logs[&id].crash();
+        // The driver's node-level heartbeats would notice; tell the survivors.
+        for other in self.live() {
+            self.node(other).set_peer_alive(id, false);
+        }
+    }
+
+    /// Cuts `id` off from every other node; node-level liveness on both sides notices.
+    pub fn isolate(&mut self, id: u64) {
+        self.isolated.insert(id);
+        for other in self.live() {
+            if other != id {
+                self.node(other).set_peer_alive(id, false);
+                if self.nodes[&id].is_some() {
+                    self.node(id).set_peer_alive(other, false);
+                }
+            }
+        }
+    }
+
+    /// Ends every isolation.
+    pub fn heal(&mut self) {
+        self.isolated.clear();
+        let live = self.live();
+        for &a in &live {
+            for &b in &live {
+                if a != b {
+                    self.node(a).set_peer_alive(b, true);
+                }
+            }
+        }
     }
 
     pub fn node(&mut self, id: u64) -> &mut RaftNode<Kv> {
@@ -143,6 +181,7 @@ impl Cluster {
                 }
                 for (g, m) in out.messages {
                     moved = true;
+                    self.messages += 1;
                     let to = m.to;
                     if self.connected(id, to)
                         && let Some(Some(n)) = self.nodes.get_mut(&to)
