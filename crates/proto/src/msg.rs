@@ -158,3 +158,34 @@ mod tests {
         assert!(r.is_err());
     }
 }
+
+/// Raft traffic between nodes.
+pub mod raft {
+    use super::*;
+
+    /// All Raft messages from one node to another since the last flush, in one frame (one-way).
+    /// An empty batch is the node-level keepalive that tells a peer this node is up.
+    #[derive(Debug)]
+    pub struct RaftBatchRpc;
+
+    #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct RaftBatch {
+        /// The sending node.
+        pub from: u64,
+        pub msgs: Vec<RaftEnvelope>,
+    }
+
+    /// One raft-rs message (protobuf-encoded `eraftpb::Message`) for one group.
+    #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct RaftEnvelope {
+        pub group: u64,
+        pub msg: Bytes,
+    }
+
+    impl Rpc for RaftBatchRpc {
+        const OP: Op = Op(0x0401);
+        const NAME: &'static str = "raft_batch";
+        type Request = RaftBatch;
+        type Response = ();
+    }
+}

@@ -19,6 +19,7 @@ mod log;
 mod mem_log;
 mod node;
 mod storage;
+pub mod store;
 
 pub use engine_log::EngineLogStore;
 pub use log::{GroupId, GroupState, GroupWrite, LogError, LogStore, LogWrite};
@@ -27,6 +28,7 @@ pub use node::{
     INIT_INDEX, INIT_TERM, NodeConfig, ProposalId, RaftError, RaftNode, ReadyOutput, StateMachine,
 };
 pub use storage::GroupStorage;
+pub use store::{RaftHandle, StoreConfig, StoreStatus};
 
 /// The Raft protocol types (entries, hard state, conf state, messages) of tikv `raft`.
 pub use raft::eraftpb;

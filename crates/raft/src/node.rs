@@ -54,6 +54,9 @@ pub enum RaftError {
     /// raft-rs rejected the operation (e.g. a proposal while a leader transfer is in progress).
     #[error("raft: {0}")]
     Raft(String),
+    /// No outcome in time; the command may still be applied.
+    #[error("no outcome in time (the command may still be applied)")]
+    Timeout,
     #[error("state machine of group {group} rejected a snapshot: {reason}")]
     Restore { group: GroupId, reason: String },
 }

@@ -1,0 +1,426 @@
+//! The raft store driver: runs a node's [`RaftNode`] on a thread of its own and connects it to its
+//! peers through the messenger.
+//!
+//! One loop per node: every `tick_interval` it ticks all awake groups (hibernating ones cost nothing),
+//! drains commands and inbound messages, runs one `Ready` round (one log write for every group), and
+//! sends what every group has for a peer in **one** frame per peer. Each node also sends an empty
+//! batch to every peer every `keepalive_ticks` ticks; a peer not heard from for `peer_timeout_ticks`
+//! is reported down to the `RaftNode`, which wakes the hibernating followers of groups it led.
+//!
+//! The thread is dedicated because raft-engine's read cache is per thread (see `EngineLogStore`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use bytes::Bytes;
+use nacre_msgr::{Client, Payload};
+use nacre_proto::msg::raft::{RaftBatch, RaftBatchRpc, RaftEnvelope};
+use nacre_proto::msg::{Rpc, encode_body};
+use protobuf::Message as _;
+use raft::eraftpb::Message;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::log::{GroupId, LogStore};
+use crate::node::{NodeConfig, ProposalId, RaftError, RaftNode, StateMachine};
+
+/// Settings of a raft store.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    pub node: NodeConfig,
+    /// Length of one logical tick.
+    pub tick_interval: Duration,
+    /// Ticks between node-level keepalives to each peer.
+    pub keepalive_ticks: u64,
+    /// Ticks without hearing from a peer before it is considered down.
+    pub peer_timeout_ticks: u64,
+    /// Ticks after which a proposal or read still unanswered fails with [`RaftError::Timeout`] (its
+    /// outcome is then unknown: it may still be applied).
+    pub request_timeout_ticks: u64,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            node: NodeConfig::default(),
+            tick_interval: Duration::from_millis(100),
+            keepalive_ticks: 5,
+            peer_timeout_ticks: 20,
+            request_timeout_ticks: 100,
+        }
+    }
+}
+
+type Reader<S> = Box<dyn FnOnce(Result<&S, RaftError>) + Send>;
+type Reply = oneshot::Sender<Result<Vec<u8>, RaftError>>;
+
+enum Cmd<S> {
+    AddGroup {
+        group: GroupId,
+        voters: Vec<u64>,
+        sm: S,
+        reply: oneshot::Sender<Result<(), RaftError>>,
+    },
+    Propose {
+        group: GroupId,
+        command: Vec<u8>,
+        reply: oneshot::Sender<Result<Vec<u8>, RaftError>>,
+    },
+    Read {
+        group: GroupId,
+        reader: Reader<S>,
+    },
+    Inbound(RaftBatch),
+    Status {
+        reply: oneshot::Sender<StoreStatus>,
+    },
+}
+
+/// A snapshot of a store's groups, for tests, metrics and the master.
+#[derive(Clone, Debug, Default)]
+pub struct StoreStatus {
+    pub groups: usize,
+    pub leaders: usize,
+    pub hibernating: usize,
+}
+
+/// Talks to a running raft store. Cheap to clone; the store stops when every handle is dropped.
+pub struct RaftHandle<S: StateMachine> {
+    id: u64,
+    tx: mpsc::UnboundedSender<Cmd<S>>,
+}
+
+impl<S: StateMachine> Clone for RaftHandle<S> {
+    fn clone(&self) -> Self {
+        Self {
+            id: self.id,
+            tx: self.tx.clone(),
+        }
+    }
+}
+
+impl<S: StateMachine> std::fmt::Debug for RaftHandle<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RaftHandle").field("id", &self.id).finish()
+    }
+}
+
+fn stopped() -> RaftError {
+    RaftError::Raft("raft store stopped".into())
+}
+
+impl<S: StateMachine> RaftHandle<S> {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Hosts a group (see [`RaftNode::add_group`]).
+    pub async fn add_group(&self, group: GroupId, voters: &[u64], sm: S) -> Result<(), RaftError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Cmd::AddGroup {
+                group,
+                voters: voters.to_vec(),
+                sm,
+                reply,
+            })
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?
+    }
+
+    /// Proposes `command` to `group` on this node and waits until it is applied here (the state
+    /// machine's response) or fails. Not leader: [`RaftError::NotLeader`] at once, with a hint.
+    pub async fn propose(&self, group: GroupId, command: Vec<u8>) -> Result<Vec<u8>, RaftError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Cmd::Propose {
+                group,
+                command,
+                reply,
+            })
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?
+    }
+
+    /// A linearizable read: once the leader has confirmed its leadership and applied everything
+    /// committed before the call, `f` runs on the group's state machine.
+    pub async fn read<R, F>(&self, group: GroupId, f: F) -> Result<R, RaftError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&S) -> R + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        let reader: Reader<S> = Box::new(move |sm| {
+            let _ = tx.send(sm.map(f));
+        });
+        self.tx
+            .send(Cmd::Read { group, reader })
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?
+    }
+
+    pub async fn status(&self) -> Result<StoreStatus, RaftError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Cmd::Status { reply }).map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
+    }
+
+    /// Delivers a batch received from a peer (the messenger handler calls this).
+    pub fn deliver(&self, batch: RaftBatch) {
+        let _ = self.tx.send(Cmd::Inbound(batch));
+    }
+
+    /// A messenger router serving this store's inbound raft traffic.
+    pub fn router(&self) -> nacre_msgr::Router {
+        let h = self.clone();
+        nacre_msgr::Router::new().route::<RaftBatchRpc, _, _>(move |batch, _inc| {
+            h.deliver(batch);
+            async { Ok(((), Payload::none())) }
+        })
+    }
+}
+
+/// Starts the raft store of node `id` on a thread of its own. `peers` maps every other node id to
+/// its messenger address; `client` sends to them.
+pub fn start<S: StateMachine>(
+    id: u64,
+    config: StoreConfig,
+    log: Arc<dyn LogStore>,
+    peers: BTreeMap<u64, String>,
+    client: Client,
+) -> std::io::Result<RaftHandle<S>> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    thread::Builder::new()
+        .name(format!("raft-{id}"))
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    tracing::error!(node = id, error = %e, "cannot start the raft store runtime");
+                    return;
+                }
+            };
+            let node = RaftNode::new(id, config.node.clone(), log);
+            rt.block_on(run(node, config, rx, peers, client));
+        })?;
+    Ok(RaftHandle { id, tx })
+}
+
+struct Loop<S: StateMachine> {
+    node: RaftNode<S>,
+    /// Proposal → (tick it was made, who waits for it).
+    proposals: HashMap<ProposalId, (u64, Reply)>,
+    reads: HashMap<ProposalId, (u64, Reader<S>)>,
+    /// Tick at which each peer was last heard from, and whether it is considered up.
+    heard: BTreeMap<u64, (u64, bool)>,
+    outboxes: BTreeMap<u64, mpsc::UnboundedSender<Bytes>>,
+    ticks: u64,
+}
+
+async fn run<S: StateMachine>(
+    node: RaftNode<S>,
+    config: StoreConfig,
+    mut rx: mpsc::UnboundedReceiver<Cmd<S>>,
+    peers: BTreeMap<u64, String>,
+    client: Client,
+) {
+    let id = node.id();
+    // One sender task per peer keeps frames to that peer in order.
+    let mut outboxes = BTreeMap::new();
+    for (&peer, addr) in &peers {
+        let (otx, mut orx) = mpsc::unbounded_channel::<Bytes>();
+        let (client, addr) = (client.clone(), addr.clone());
+        tokio::spawn(async move {
+            while let Some(body) = orx.recv().await {
+                // Raft tolerates lost messages; a failed send is retried by raft itself.
+                if let Err(e) = client
+                    .send_oneway(&addr, RaftBatchRpc::OP, body, Payload::none())
+                    .await
+                {
+                    tracing::debug!(%addr, error = %e, "raft batch not sent");
+                }
+            }
+        });
+        outboxes.insert(peer, otx);
+    }
+    let mut lp = Loop {
+        node,
+        proposals: HashMap::new(),
+        reads: HashMap::new(),
+        heard: peers.keys().map(|&p| (p, (0, true))).collect(),
+        outboxes,
+        ticks: 0,
+    };
+    let mut tick = tokio::time::interval(config.tick_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            cmd = rx.recv() => match cmd {
+                Some(cmd) => lp.handle(cmd),
+                None => break,
+            },
+            _ = tick.tick() => lp.on_tick(&config),
+        }
+        // Take everything already queued before the Ready round, so it shares one log write.
+        while let Ok(cmd) = rx.try_recv() {
+            lp.handle(cmd);
+        }
+        if let Err(e) = lp.ready() {
+            // A failed log write leaves the log in an unknown state: stop serving.
+            tracing::error!(node = id, error = %e, "raft store stopped");
+            break;
+        }
+    }
+    for (_, (_, tx)) in lp.proposals.drain() {
+        let _ = tx.send(Err(stopped()));
+    }
+    for (_, (_, reader)) in lp.reads.drain() {
+        reader(Err(stopped()));
+    }
+}
+
+impl<S: StateMachine> Loop<S> {
+    fn handle(&mut self, cmd: Cmd<S>) {
+        match cmd {
+            Cmd::AddGroup {
+                group,
+                voters,
+                sm,
+                reply,
+            } => {
+                let _ = reply.send(self.node.add_group(group, &voters, sm));
+            }
+            Cmd::Propose {
+                group,
+                command,
+                reply,
+            } => match self.node.propose(group, command) {
+                Ok(pid) => {
+                    self.proposals.insert(pid, (self.ticks, reply));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Cmd::Read { group, reader } => match self.node.read_index(group) {
+                Ok(rid) => {
+                    self.reads.insert(rid, (self.ticks, reader));
+                }
+                Err(e) => reader(Err(e)),
+            },
+            Cmd::Inbound(batch) => {
+                let from = batch.from;
+                if let Some(h) = self.heard.get_mut(&from) {
+                    if !h.1 {
+                        self.node.set_peer_alive(from, true);
+                    }
+                    *h = (self.ticks, true);
+                }
+                for env in batch.msgs {
+                    match Message::parse_from_bytes(&env.msg) {
+                        Ok(m) => {
+                            if let Err(e) = self.node.step(env.group, m) {
+                                tracing::debug!(group = env.group, error = %e, "raft message dropped");
+                            }
+                        }
+                        Err(e) => tracing::warn!(from, error = %e, "undecodable raft message"),
+                    }
+                }
+            }
+            Cmd::Status { reply } => {
+                let groups: Vec<_> = self.node.groups().collect();
+                let _ = reply.send(StoreStatus {
+                    groups: groups.len(),
+                    leaders: groups.iter().filter(|&&g| self.node.is_leader(g)).count(),
+                    hibernating: self.node.hibernating(),
+                });
+            }
+        }
+    }
+
+    fn on_tick(&mut self, config: &StoreConfig) {
+        self.ticks += 1;
+        self.node.tick();
+        let now = self.ticks;
+        let expired = |since: &u64| now.saturating_sub(*since) > config.request_timeout_ticks;
+        let late: Vec<_> = self
+            .proposals
+            .iter()
+            .filter(|(_, (t, _))| expired(t))
+            .map(|(k, _)| *k)
+            .collect();
+        for pid in late {
+            if let Some((_, tx)) = self.proposals.remove(&pid) {
+                let _ = tx.send(Err(RaftError::Timeout));
+            }
+        }
+        let late: Vec<_> = self
+            .reads
+            .iter()
+            .filter(|(_, (t, _))| expired(t))
+            .map(|(k, _)| *k)
+            .collect();
+        for rid in late {
+            if let Some((_, reader)) = self.reads.remove(&rid) {
+                reader(Err(RaftError::Timeout));
+            }
+        }
+        for (&peer, h) in self.heard.iter_mut() {
+            if h.1 && self.ticks.saturating_sub(h.0) > config.peer_timeout_ticks {
+                h.1 = false;
+                self.node.set_peer_alive(peer, false);
+            }
+        }
+        if self.ticks.is_multiple_of(config.keepalive_ticks.max(1)) {
+            for tx in self.outboxes.values() {
+                let batch = RaftBatch {
+                    from: self.node.id(),
+                    msgs: Vec::new(),
+                };
+                let _ = tx.send(encode_body(&batch));
+            }
+        }
+    }
+
+    fn ready(&mut self) -> Result<(), RaftError> {
+        let out = self.node.process_ready()?;
+        let mut per_peer: BTreeMap<u64, Vec<RaftEnvelope>> = BTreeMap::new();
+        for (group, m) in out.messages {
+            let to = m.to;
+            match m.write_to_bytes() {
+                Ok(bytes) => per_peer.entry(to).or_default().push(RaftEnvelope {
+                    group,
+                    msg: Bytes::from(bytes),
+                }),
+                Err(e) => tracing::error!(group, error = %e, "cannot encode a raft message"),
+            }
+        }
+        for (peer, msgs) in per_peer {
+            if let Some(tx) = self.outboxes.get(&peer) {
+                let batch = RaftBatch {
+                    from: self.node.id(),
+                    msgs,
+                };
+                let _ = tx.send(encode_body(&batch));
+            }
+        }
+        for (pid, result) in out.finished {
+            if let Some((_, tx)) = self.proposals.remove(&pid) {
+                let _ = tx.send(result);
+            }
+        }
+        for (group, rid) in out.reads {
+            if let Some((_, reader)) = self.reads.remove(&rid) {
+                match self.node.state_machine(group) {
+                    Some(sm) => reader(Ok(sm)),
+                    None => reader(Err(RaftError::UnknownGroup(group))),
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,188 @@
+//! Raft stores on their own threads, talking through the messenger over the in-memory network.
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::Kv;
+use nacre_msgr::mem::MemNetwork;
+use nacre_msgr::{Messenger, MsgrConfig};
+use nacre_raft::store::start;
+use nacre_raft::{GroupId, LogStore, MemLogStore, NodeConfig, RaftError, RaftHandle, StoreConfig};
+
+struct Node {
+    handle: RaftHandle<Kv>,
+    msgr: Messenger,
+    stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn cluster(net: &MemNetwork, n: u64, config: &StoreConfig) -> BTreeMap<u64, Node> {
+    let mut listeners = BTreeMap::new();
+    let mut msgrs = BTreeMap::new();
+    for id in 1..=n {
+        let host = format!("n{id}");
+        let cfg = MsgrConfig {
+            workers: 1,
+            ..MsgrConfig::default()
+        };
+        let m = Messenger::new(&host, cfg, Arc::new(net.transport(&host))).unwrap();
+        let l = m.transport().bind(&format!("{host}:0")).await.unwrap();
+        listeners.insert(id, l);
+        msgrs.insert(id, m);
+    }
+    let addrs: BTreeMap<u64, String> = listeners
+        .iter()
+        .map(|(id, l)| (*id, l.local_addr().unwrap()))
+        .collect();
+    let mut nodes = BTreeMap::new();
+    for (id, l) in listeners {
+        let m = msgrs.remove(&id).unwrap();
+        let peers = addrs
+            .iter()
+            .filter(|(p, _)| **p != id)
+            .map(|(p, a)| (*p, a.clone()))
+            .collect();
+        let log: Arc<dyn LogStore> = Arc::new(MemLogStore::new());
+        let handle = start::<Kv>(id, config.clone(), log, peers, m.client()).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(m.serve(l, Arc::new(handle.router()), async {
+            let _ = stopped.await;
+        }));
+        nodes.insert(
+            id,
+            Node {
+                handle,
+                msgr: m,
+                stop,
+            },
+        );
+    }
+    nodes
+}
+
+/// Proposes on whichever node leads, following NotLeader hints, until `deadline`.
+async fn propose(
+    nodes: &BTreeMap<u64, Node>,
+    group: GroupId,
+    cmd: &str,
+    deadline: Instant,
+) -> Result<Vec<u8>, RaftError> {
+    let mut target = *nodes.keys().next().unwrap();
+    loop {
+        match nodes[&target]
+            .handle
+            .propose(group, cmd.as_bytes().to_vec())
+            .await
+        {
+            Err(RaftError::NotLeader { leader, .. }) if Instant::now() < deadline => {
+                target = if leader != 0 && nodes.contains_key(&leader) {
+                    leader
+                } else {
+                    target % nodes.len() as u64 + 1
+                };
+                // No leader yet: wait for the next tick rather than spinning.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            r => return r,
+        }
+    }
+}
+
+fn fast() -> StoreConfig {
+    StoreConfig {
+        node: NodeConfig::default(),
+        tick_interval: Duration::from_millis(10),
+        ..StoreConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stores_elect_replicate_and_serve_linearizable_reads_over_the_messenger() {
+    let net = MemNetwork::new(3);
+    let nodes = cluster(&net, 3, &fast()).await;
+    for n in nodes.values() {
+        n.handle
+            .add_group(1, &[1, 2, 3], Kv::default())
+            .await
+            .unwrap();
+        n.handle
+            .add_group(2, &[1, 2, 3], Kv::default())
+            .await
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for i in 0..50 {
+        propose(&nodes, 1, &format!("k{i}={i}"), deadline)
+            .await
+            .unwrap();
+    }
+    propose(&nodes, 2, "other=1", deadline).await.unwrap();
+    // A read on the leader sees every acknowledged write.
+    let mut seen = None;
+    for n in nodes.values() {
+        if let Ok(len) = n.handle.read(1, |kv: &Kv| kv.map.len()).await {
+            seen = Some(len);
+        }
+    }
+    assert_eq!(seen, Some(50));
+    for n in nodes.into_values() {
+        let _ = n.stop.send(());
+        let m = n.msgr.clone();
+        tokio::task::spawn_blocking(move || m.shutdown())
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_isolated_leader_is_replaced_and_the_cluster_keeps_committing() {
+    let net = MemNetwork::new(4);
+    let nodes = cluster(&net, 3, &fast()).await;
+    for n in nodes.values() {
+        n.handle
+            .add_group(1, &[1, 2, 3], Kv::default())
+            .await
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    propose(&nodes, 1, "a=1", deadline).await.unwrap();
+    let mut leader = 0;
+    for (id, n) in &nodes {
+        if n.handle.status().await.unwrap().leaders == 1 {
+            leader = *id;
+        }
+    }
+    assert_ne!(leader, 0);
+    net.isolate(&format!("n{leader}"));
+    let rest: BTreeMap<u64, &Node> = nodes
+        .iter()
+        .filter(|(id, _)| **id != leader)
+        .map(|(id, n)| (*id, n))
+        .collect();
+    // The majority elects a new leader and commits.
+    let mut committed = false;
+    while !committed && Instant::now() < deadline {
+        for n in rest.values() {
+            if n.handle.propose(1, b"b=2".to_vec()).await.is_ok() {
+                committed = true;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        committed,
+        "the majority did not commit after the leader was isolated"
+    );
+    net.heal_host(&format!("n{leader}"));
+    for n in nodes.into_values() {
+        let _ = n.stop.send(());
+        let m = n.msgr.clone();
+        tokio::task::spawn_blocking(move || m.shutdown())
+            .await
+            .unwrap();
+    }
+}
