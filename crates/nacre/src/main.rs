@@ -94,6 +94,31 @@ struct PingArgs {
 enum BenchCmd {
     /// Echo RPCs through the messenger on loopback, beside raw blocking TCP in the same run.
     Msgr(BenchMsgrArgs),
+    /// Raft replication: 3 stores in this process (loopback TCP, raft-engine logs in a temp dir);
+    /// proposals/s and commit latency, idle CPU and memory per group.
+    Raft(BenchRaftArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchRaftArgs {
+    /// Numbers of groups (each on all 3 nodes), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,1000")]
+    groups: Vec<usize>,
+    /// Command sizes, comma-separated (units k, m).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "64,4k")]
+    sizes: Vec<usize>,
+    /// Proposals in flight (closed-loop clients spread over the groups).
+    #[arg(long, default_value_t = 64)]
+    inflight: usize,
+    /// Measured seconds per configuration.
+    #[arg(long, default_value_t = 5.0)]
+    secs: f64,
+    /// Seconds of CPU measurement while every group hibernates.
+    #[arg(long, default_value_t = 5.0)]
+    idle_secs: f64,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -139,6 +164,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Up(a) => up(a),
         Cmd::Ping(a) => ping(a),
         Cmd::Bench(BenchCmd::Msgr(a)) => bench_msgr(a),
+        Cmd::Bench(BenchCmd::Raft(a)) => bench_raft(a),
     }
 }
 
@@ -163,7 +189,7 @@ fn tune_allocator() {}
 
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("NACRE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,raft_engine=warn"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -338,6 +364,43 @@ fn bench_msgr(a: BenchMsgrArgs) -> anyhow::Result<()> {
     })?;
     if !json {
         report::print_table(&rows);
+    }
+    Ok(())
+}
+
+fn bench_raft(a: BenchRaftArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.secs > 0.0 && a.idle_secs > 0.0,
+        "--secs and --idle-secs must be positive"
+    );
+    anyhow::ensure!(
+        a.inflight > 0 && a.groups.iter().all(|&g| g > 0),
+        "--inflight and --groups must be at least 1"
+    );
+    let p = bench::raft::Params {
+        groups: a.groups,
+        sizes: a.sizes,
+        inflight: a.inflight,
+        duration: Duration::from_secs_f64(a.secs),
+        idle: Duration::from_secs_f64(a.idle_secs),
+    };
+    let json = a.json;
+    let rows = runtime()?.block_on(bench::raft::run(&p, |r| {
+        if json {
+            if let Ok(line) = serde_json::to_string(r) {
+                println!("{line}");
+            }
+        } else {
+            eprintln!(
+                "  groups={} size={}: {:.0} proposals/s",
+                r.groups,
+                report::human_size(r.size),
+                r.ops_per_s
+            );
+        }
+    }))?;
+    if !json {
+        bench::raft::print_table(&rows);
     }
     Ok(())
 }

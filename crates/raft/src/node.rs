@@ -164,6 +164,9 @@ pub struct RaftNode<S: StateMachine> {
     logger: slog::Logger,
     /// Peers known to be down (from node-level liveness, not per-group heartbeats).
     dead_peers: std::collections::BTreeSet<u64>,
+    /// Groups touched since the last Ready round: only they can have a `Ready`, so an idle node
+    /// does not even look at its hibernating groups.
+    dirty: std::collections::BTreeSet<GroupId>,
 }
 
 impl<S: StateMachine> std::fmt::Debug for RaftNode<S> {
@@ -186,6 +189,7 @@ impl<S: StateMachine> RaftNode<S> {
             next_proposal: 1,
             logger: slog::Logger::root(slog::Discard, slog::o!()),
             dead_peers: std::collections::BTreeSet::new(),
+            dirty: std::collections::BTreeSet::new(),
         }
     }
 
@@ -264,6 +268,7 @@ impl<S: StateMachine> RaftNode<S> {
                 hibernating: false,
             },
         );
+        self.dirty.insert(group);
         Ok(())
     }
 
@@ -298,10 +303,11 @@ impl<S: StateMachine> RaftNode<S> {
     pub fn tick(&mut self) {
         let dead = &self.dead_peers;
         let after = self.config.hibernate_after;
-        for g in self.groups.values_mut() {
+        for (&gid, g) in self.groups.iter_mut() {
             if g.hibernating {
                 continue;
             }
+            self.dirty.insert(gid);
             // Judged before the tick: a leader's tick queues heartbeats, which are not work.
             let quiet = after > 0 && g.quiescent(|p| !dead.contains(&p));
             g.node.tick();
@@ -331,9 +337,10 @@ impl<S: StateMachine> RaftNode<S> {
             return;
         }
         self.dead_peers.insert(peer);
-        for g in self.groups.values_mut() {
+        for (&gid, g) in self.groups.iter_mut() {
             if g.node.raft.leader_id == peer {
                 g.wake();
+                self.dirty.insert(gid);
             }
         }
     }
@@ -369,10 +376,7 @@ impl<S: StateMachine> RaftNode<S> {
     /// Proposes `command` to `group`. The outcome arrives in a later [`ReadyOutput::finished`].
     pub fn propose(&mut self, group: GroupId, command: Vec<u8>) -> Result<ProposalId, RaftError> {
         let id = self.next_proposal;
-        let g = self
-            .groups
-            .get_mut(&group)
-            .ok_or(RaftError::UnknownGroup(group))?;
+        let g = self.group_mut(group)?;
         if g.node.raft.state != StateRole::Leader {
             return Err(RaftError::NotLeader {
                 group,
@@ -436,10 +440,14 @@ impl<S: StateMachine> RaftNode<S> {
         Ok(id)
     }
 
+    /// The group, marked as touched (it may have a `Ready` now).
     fn group_mut(&mut self, group: GroupId) -> Result<&mut Group<S>, RaftError> {
-        self.groups
+        let g = self
+            .groups
             .get_mut(&group)
-            .ok_or(RaftError::UnknownGroup(group))
+            .ok_or(RaftError::UnknownGroup(group))?;
+        self.dirty.insert(group);
+        Ok(g)
     }
 
     /// Runs one `Ready` round for every group with something to do: one log write for all of them,
@@ -449,7 +457,10 @@ impl<S: StateMachine> RaftNode<S> {
         let mut write = LogWrite::default();
         let mut readies = Vec::new();
         let mut sync = false;
-        for (&gid, g) in self.groups.iter_mut() {
+        for gid in std::mem::take(&mut self.dirty) {
+            let Some(g) = self.groups.get_mut(&gid) else {
+                continue;
+            };
             if !g.node.has_ready() {
                 continue;
             }
@@ -521,6 +532,10 @@ impl<S: StateMachine> RaftNode<S> {
             self.maybe_compact(gid, &mut gw);
             if !gw.is_empty() {
                 after.groups.push(gw);
+            }
+            // More to do (e.g. committed entries beyond one fetch): look again next round.
+            if self.groups.get(&gid).is_some_and(|g| g.node.has_ready()) {
+                self.dirty.insert(gid);
             }
         }
         if !after.is_empty() {

@@ -1,4 +1,5 @@
 //! `nacre bench …`: benchmarks that print a table, or JSON lines with `--json`.
 
 pub mod msgr;
+pub mod raft;
 pub mod report;
