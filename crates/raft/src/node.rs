@@ -413,6 +413,22 @@ impl<S: StateMachine> RaftNode<S> {
         Ok(id)
     }
 
+    /// Asks the leader of `group` (this node) to hand leadership to `to`, which must be a voter. The
+    /// transfer completes when `to` wins the election it is told to start; proposals are refused
+    /// meanwhile.
+    pub fn transfer_leader(&mut self, group: GroupId, to: u64) -> Result<(), RaftError> {
+        let g = self.group_mut(group)?;
+        if g.node.raft.state != StateRole::Leader {
+            return Err(RaftError::NotLeader {
+                group,
+                leader: g.node.raft.leader_id,
+            });
+        }
+        g.wake();
+        g.node.transfer_leader(to);
+        Ok(())
+    }
+
     /// Proposes a membership change of `group`.
     pub fn propose_conf_change(
         &mut self,

@@ -19,7 +19,7 @@ use nacre_msgr::{Client, Payload};
 use nacre_proto::msg::raft::{RaftBatch, RaftBatchRpc, RaftEnvelope};
 use nacre_proto::msg::{Rpc, encode_body};
 use protobuf::Message as _;
-use raft::eraftpb::Message;
+use raft::eraftpb::{ConfChangeV2, Message};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::log::{GroupId, LogStore};
@@ -72,8 +72,25 @@ enum Cmd<S> {
         reader: Reader<S>,
     },
     Inbound(RaftBatch),
+    ChangeMembership {
+        group: GroupId,
+        change: ConfChangeV2,
+        reply: oneshot::Sender<Result<Vec<u8>, RaftError>>,
+    },
+    TransferLeader {
+        group: GroupId,
+        to: u64,
+        reply: oneshot::Sender<Result<(), RaftError>>,
+    },
     Status {
         reply: oneshot::Sender<StoreStatus>,
+    },
+    Leader {
+        group: GroupId,
+        reply: oneshot::Sender<u64>,
+    },
+    Stop {
+        reply: oneshot::Sender<()>,
     },
 }
 
@@ -158,6 +175,50 @@ impl<S: StateMachine> RaftHandle<S> {
             .send(Cmd::Read { group, reader })
             .map_err(|_| stopped())?;
         rx.await.map_err(|_| stopped())?
+    }
+
+    /// Proposes a membership change (add or remove voters or learners) on this node, the leader;
+    /// resolves when it is applied here.
+    pub async fn change_membership(
+        &self,
+        group: GroupId,
+        change: ConfChangeV2,
+    ) -> Result<(), RaftError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Cmd::ChangeMembership {
+                group,
+                change,
+                reply,
+            })
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?.map(|_| ())
+    }
+
+    /// Asks this node, the leader of `group`, to hand leadership to node `to`.
+    pub async fn transfer_leader(&self, group: GroupId, to: u64) -> Result<(), RaftError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Cmd::TransferLeader { group, to, reply })
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?
+    }
+
+    /// Stops the store and waits until its log is closed (so it can be reopened). Requests still
+    /// waiting fail.
+    pub async fn stop(&self) -> Result<(), RaftError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Cmd::Stop { reply }).map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
+    }
+
+    /// The node this store believes leads `group` (0 if unknown).
+    pub async fn leader(&self, group: GroupId) -> Result<u64, RaftError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Cmd::Leader { group, reply })
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
     }
 
     pub async fn status(&self) -> Result<StoreStatus, RaftError> {
@@ -257,9 +318,14 @@ async fn run<S: StateMachine>(
     };
     let mut tick = tokio::time::interval(config.tick_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut stop_reply = None;
     loop {
         tokio::select! {
             cmd = rx.recv() => match cmd {
+                Some(Cmd::Stop { reply }) => {
+                    stop_reply = Some(reply);
+                    break;
+                }
                 Some(cmd) => lp.handle(cmd),
                 None => break,
             },
@@ -267,7 +333,14 @@ async fn run<S: StateMachine>(
         }
         // Take everything already queued before the Ready round, so it shares one log write.
         while let Ok(cmd) = rx.try_recv() {
+            if let Cmd::Stop { reply } = cmd {
+                stop_reply = Some(reply);
+                break;
+            }
             lp.handle(cmd);
+        }
+        if stop_reply.is_some() {
+            break;
         }
         if let Err(e) = lp.ready() {
             // A failed log write leaves the log in an unknown state: stop serving.
@@ -280,6 +353,11 @@ async fn run<S: StateMachine>(
     }
     for (_, (_, reader)) in lp.reads.drain() {
         reader(Err(stopped()));
+    }
+    // The log (and raft-engine's files and lock) close with the node, before the stop is confirmed.
+    drop(lp);
+    if let Some(reply) = stop_reply {
+        let _ = reply.send(());
     }
 }
 
@@ -330,6 +408,28 @@ impl<S: StateMachine> Loop<S> {
                         Err(e) => tracing::warn!(from, error = %e, "undecodable raft message"),
                     }
                 }
+            }
+            Cmd::ChangeMembership {
+                group,
+                change,
+                reply,
+            } => match self.node.propose_conf_change(group, change) {
+                Ok(pid) => {
+                    self.proposals.insert(pid, (self.ticks, reply));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            Cmd::TransferLeader { group, to, reply } => {
+                let _ = reply.send(self.node.transfer_leader(group, to));
+            }
+            Cmd::Leader { group, reply } => {
+                let _ = reply.send(self.node.leader(group));
+            }
+            Cmd::Stop { reply } => {
+                // Handled by the loop; a stray one is answered at once.
+                let _ = reply.send(());
             }
             Cmd::Status { reply } => {
                 let groups: Vec<_> = self.node.groups().collect();

@@ -291,3 +291,26 @@ fn idle_groups_hibernate_and_wake_on_proposals_and_leader_loss() {
         assert_eq!(c.results[&(nl, pid)], Ok(Vec::new()), "group {g}");
     }
 }
+
+#[test]
+fn raft_thesis_3_10_leader_transfer_moves_leadership_to_the_chosen_replica() {
+    let mut c = Cluster::new(3, &[1], NodeConfig::default());
+    let old = c.leader(1);
+    c.propose(old, 1, "a=1").unwrap();
+    c.pump();
+    let to = c.live().into_iter().find(|&id| id != old).unwrap();
+    c.node(old).transfer_leader(1, to).unwrap();
+    c.tick(5);
+    assert_eq!(c.leader(1), to);
+    let pid = c.propose(to, 1, "b=2").unwrap();
+    c.pump();
+    assert_eq!(c.results[&(to, pid)], Ok(Vec::new()));
+    for id in c.live() {
+        assert_eq!(c.map(id, 1).len(), 2, "node {id}");
+    }
+    // Only a leader can hand leadership over.
+    assert!(matches!(
+        c.node(old).transfer_leader(1, old),
+        Err(RaftError::NotLeader { .. })
+    ));
+}

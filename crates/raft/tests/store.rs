@@ -19,11 +19,23 @@ struct Node {
     stop: tokio::sync::oneshot::Sender<()>,
 }
 
-async fn cluster(net: &MemNetwork, n: u64, config: &StoreConfig) -> BTreeMap<u64, Node> {
+/// Three stores with in-memory logs on hosts `{prefix}1..3`.
+async fn cluster(net: &MemNetwork, prefix: &str, config: &StoreConfig) -> BTreeMap<u64, Node> {
+    cluster_with(net, prefix, config, |_| Arc::new(MemLogStore::new())).await
+}
+
+/// Three stores on hosts `{prefix}1..3` whose logs come from `log(id)`.
+async fn cluster_with(
+    net: &MemNetwork,
+    prefix: &str,
+    config: &StoreConfig,
+    log: impl Fn(u64) -> Arc<dyn LogStore>,
+) -> BTreeMap<u64, Node> {
+    let n = 3;
     let mut listeners = BTreeMap::new();
     let mut msgrs = BTreeMap::new();
     for id in 1..=n {
-        let host = format!("n{id}");
+        let host = format!("{prefix}{id}");
         let cfg = MsgrConfig {
             workers: 1,
             ..MsgrConfig::default()
@@ -45,8 +57,7 @@ async fn cluster(net: &MemNetwork, n: u64, config: &StoreConfig) -> BTreeMap<u64
             .filter(|(p, _)| **p != id)
             .map(|(p, a)| (*p, a.clone()))
             .collect();
-        let log: Arc<dyn LogStore> = Arc::new(MemLogStore::new());
-        let handle = start::<Kv>(id, config.clone(), log, peers, m.client()).unwrap();
+        let handle = start::<Kv>(id, config.clone(), log(id), peers, m.client()).unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(m.serve(l, Arc::new(handle.router()), async {
             let _ = stopped.await;
@@ -102,7 +113,7 @@ fn fast() -> StoreConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stores_elect_replicate_and_serve_linearizable_reads_over_the_messenger() {
     let net = MemNetwork::new(3);
-    let nodes = cluster(&net, 3, &fast()).await;
+    let nodes = cluster(&net, "n", &fast()).await;
     for n in nodes.values() {
         n.handle
             .add_group(1, &[1, 2, 3], Kv::default())
@@ -140,7 +151,7 @@ async fn stores_elect_replicate_and_serve_linearizable_reads_over_the_messenger(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_isolated_leader_is_replaced_and_the_cluster_keeps_committing() {
     let net = MemNetwork::new(4);
-    let nodes = cluster(&net, 3, &fast()).await;
+    let nodes = cluster(&net, "n", &fast()).await;
     for n in nodes.values() {
         n.handle
             .add_group(1, &[1, 2, 3], Kv::default())
@@ -184,5 +195,49 @@ async fn an_isolated_leader_is_replaced_and_the_cluster_keeps_committing() {
         tokio::task::spawn_blocking(move || m.shutdown())
             .await
             .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stores_on_raft_engine_restart_with_every_acknowledged_write() {
+    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let net = MemNetwork::new(5);
+    for round in 0..2 {
+        let nodes = cluster_with(&net, &format!("r{round}n"), &fast(), |id| {
+            let log: Arc<dyn LogStore> =
+                Arc::new(nacre_raft::EngineLogStore::open(dirs[id as usize - 1].path()).unwrap());
+            log
+        })
+        .await;
+        for n in nodes.values() {
+            n.handle
+                .add_group(1, &[1, 2, 3], Kv::default())
+                .await
+                .unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for i in 0..20 {
+            propose(&nodes, 1, &format!("r{round}k{i}=1"), deadline)
+                .await
+                .unwrap();
+        }
+        let mut seen = None;
+        while seen.is_none() && Instant::now() < deadline {
+            for n in nodes.values() {
+                if let Ok(len) = n.handle.read(1, |kv: &Kv| kv.map.len()).await {
+                    seen = Some(len);
+                }
+            }
+        }
+        // The second round sees the first round's writes after restarting from the logs.
+        assert_eq!(seen, Some(20 * (round + 1)), "round {round}");
+        for n in nodes.into_values() {
+            n.handle.stop().await.unwrap();
+            let _ = n.stop.send(());
+            let m = n.msgr.clone();
+            tokio::task::spawn_blocking(move || m.shutdown())
+                .await
+                .unwrap();
+        }
     }
 }
