@@ -375,7 +375,11 @@ impl<S: StateMachine> RaftNode<S> {
 
     /// Proposes `command` to `group`. The outcome arrives in a later [`ReadyOutput::finished`].
     pub fn propose(&mut self, group: GroupId, command: Vec<u8>) -> Result<ProposalId, RaftError> {
-        let id = self.next_proposal;
+        self.append(group, |node| node.propose(Vec::new(), command))
+    }
+
+    /// The group if this node leads it (woken: there is work), else `NotLeader` with a hint.
+    fn leading(&mut self, group: GroupId) -> Result<&mut Group<S>, RaftError> {
         let g = self.group_mut(group)?;
         if g.node.raft.state != StateRole::Leader {
             return Err(RaftError::NotLeader {
@@ -384,14 +388,26 @@ impl<S: StateMachine> RaftNode<S> {
             });
         }
         g.wake();
+        Ok(g)
+    }
+
+    /// Appends one entry through `f` on the leader and tracks it as a proposal.
+    fn append(
+        &mut self,
+        group: GroupId,
+        f: impl FnOnce(&mut RawNode<GroupStorage>) -> raft::Result<()>,
+    ) -> Result<ProposalId, RaftError> {
+        let id = self.next_proposal;
+        let g = self.leading(group)?;
         let before = g.node.raft.raft_log.last_index();
-        g.node.propose(Vec::new(), command)?;
+        f(&mut g.node)?;
         let index = g.node.raft.raft_log.last_index();
         if index != before + 1 {
             // raft-rs dropped the proposal (e.g. during a leader transfer) without an error.
             return Err(RaftError::Dropped(group));
         }
-        g.pending.insert(index, (g.node.raft.term, id));
+        let term = g.node.raft.term;
+        g.pending.insert(index, (term, id));
         self.next_proposal += 1;
         Ok(id)
     }
@@ -400,14 +416,7 @@ impl<S: StateMachine> RaftNode<S> {
     /// [`ReadyOutput::reads`], the state machine reflects every write committed before this call.
     pub fn read_index(&mut self, group: GroupId) -> Result<ProposalId, RaftError> {
         let id = self.next_proposal;
-        let g = self.group_mut(group)?;
-        if g.node.raft.state != StateRole::Leader {
-            return Err(RaftError::NotLeader {
-                group,
-                leader: g.node.raft.leader_id,
-            });
-        }
-        g.wake();
+        let g = self.leading(group)?;
         g.node.read_index(id.to_le_bytes().to_vec());
         self.next_proposal += 1;
         Ok(id)
@@ -417,15 +426,7 @@ impl<S: StateMachine> RaftNode<S> {
     /// transfer completes when `to` wins the election it is told to start; proposals are refused
     /// meanwhile.
     pub fn transfer_leader(&mut self, group: GroupId, to: u64) -> Result<(), RaftError> {
-        let g = self.group_mut(group)?;
-        if g.node.raft.state != StateRole::Leader {
-            return Err(RaftError::NotLeader {
-                group,
-                leader: g.node.raft.leader_id,
-            });
-        }
-        g.wake();
-        g.node.transfer_leader(to);
+        self.leading(group)?.node.transfer_leader(to);
         Ok(())
     }
 
@@ -435,25 +436,7 @@ impl<S: StateMachine> RaftNode<S> {
         group: GroupId,
         cc: ConfChangeV2,
     ) -> Result<ProposalId, RaftError> {
-        let id = self.next_proposal;
-        let g = self.group_mut(group)?;
-        if g.node.raft.state != StateRole::Leader {
-            return Err(RaftError::NotLeader {
-                group,
-                leader: g.node.raft.leader_id,
-            });
-        }
-        g.wake();
-        let before = g.node.raft.raft_log.last_index();
-        g.node.propose_conf_change(Vec::new(), cc)?;
-        let index = g.node.raft.raft_log.last_index();
-        if index != before + 1 {
-            return Err(RaftError::Dropped(group));
-        }
-        let term = g.node.raft.term;
-        g.pending.insert(index, (term, id));
-        self.next_proposal += 1;
-        Ok(id)
+        self.append(group, |node| node.propose_conf_change(Vec::new(), cc))
     }
 
     /// The group, marked as touched (it may have a `Ready` now).
