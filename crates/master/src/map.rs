@@ -1,0 +1,519 @@
+//! The cluster map: a pure state machine replicated by the master's Raft group.
+//!
+//! Every change is a [`Command`] applied in log order on every master; the map never reads a clock or
+//! makes a random choice, so all masters compute the same map. Times come inside commands (the leader
+//! stamps them), placement is a pure function of the map, and every change bumps the epoch that clients
+//! use to notice a stale view.
+
+use std::collections::BTreeMap;
+
+use nacre_types::{NodeId, PartitionId, VolumeId};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::placement::{Candidate, PlacementError, place};
+
+/// First inode number of a volume (1 is the root directory).
+pub const FIRST_INODE: u64 = 1;
+/// The open end of the last meta partition's inode range.
+pub const OPEN_END: u64 = u64::MAX;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    Master,
+    Meta,
+    Data,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeStatus {
+    Up,
+    /// Silent past the heartbeat timeout; its partitions are read-only.
+    Down,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PartitionStatus {
+    /// Writable.
+    Rw,
+    /// Read-only: a replica is down (or the partition is full); repaired partitions return to RW.
+    Ro,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Node {
+    pub id: NodeId,
+    pub addr: String,
+    pub role: Role,
+    pub zone: String,
+    /// Memory (meta) or disk (data) capacity in bytes.
+    pub capacity: u64,
+    pub used: u64,
+    pub last_heartbeat_ms: u64,
+    pub status: NodeStatus,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetaPartition {
+    pub id: PartitionId,
+    pub volume: VolumeId,
+    /// Inode range `[start, end)`; `end == OPEN_END` for the last partition.
+    pub start: u64,
+    pub end: u64,
+    pub replicas: Vec<NodeId>,
+    pub leader: Option<NodeId>,
+    pub status: PartitionStatus,
+    pub inode_count: u64,
+    pub max_inode: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataPartition {
+    pub id: PartitionId,
+    pub volume: VolumeId,
+    pub replicas: Vec<NodeId>,
+    pub leader: Option<NodeId>,
+    pub status: PartitionStatus,
+    pub used: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Volume {
+    pub id: VolumeId,
+    pub name: String,
+    pub owner: String,
+    pub replicas: u8,
+    pub capacity: u64,
+    /// In inode-range order; the last one is open-ended.
+    pub meta_partitions: Vec<PartitionId>,
+    pub data_partitions: Vec<PartitionId>,
+}
+
+/// A change to the map.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    RegisterNode {
+        addr: String,
+        role: Role,
+        zone: String,
+        capacity: u64,
+        now_ms: u64,
+    },
+    Heartbeat {
+        node: NodeId,
+        used: u64,
+        now_ms: u64,
+    },
+    /// Marks nodes silent for longer than `timeout_ms` down (and their partitions RO), and nodes
+    /// heard from again up.
+    CheckLiveness {
+        now_ms: u64,
+        timeout_ms: u64,
+    },
+    CreateVolume {
+        name: String,
+        owner: String,
+        replicas: u8,
+        capacity: u64,
+        meta_partitions: u32,
+        data_partitions: u32,
+        /// Inodes per initial meta partition (all but the last, which is open-ended).
+        inode_step: u64,
+    },
+    DeleteVolume {
+        name: String,
+    },
+    AddDataPartitions {
+        volume: String,
+        count: u32,
+    },
+    /// Closes the volume's last meta partition at `max_inode + step` and opens `[end, ∞)` on newly
+    /// placed nodes.
+    SplitMetaPartition {
+        volume: String,
+        step: u64,
+    },
+    /// Stats a meta node reports for a partition it leads.
+    MetaPartitionStats {
+        partition: PartitionId,
+        leader: NodeId,
+        inode_count: u64,
+        max_inode: u64,
+    },
+}
+
+/// What a command produced.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    Done,
+    NodeRegistered(NodeId),
+    VolumeCreated(VolumeId),
+    PartitionsCreated(Vec<PartitionId>),
+}
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum MapError {
+    #[error(
+        "invalid volume name {0:?}: use 1-63 characters from a-z, 0-9, '-', starting with a letter"
+    )]
+    InvalidName(String),
+    #[error("volume {0:?} already exists")]
+    VolumeExists(String),
+    #[error("no volume named {0:?}")]
+    NoSuchVolume(String),
+    #[error("unknown node {0}")]
+    UnknownNode(NodeId),
+    #[error("unknown partition {0}")]
+    UnknownPartition(PartitionId),
+    #[error("cannot place {role:?} partition: {source}")]
+    Placement { role: Role, source: PlacementError },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+}
+
+/// The cluster map.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterMap {
+    /// Bumped by every change.
+    pub epoch: u64,
+    pub nodes: BTreeMap<NodeId, Node>,
+    pub volumes: BTreeMap<String, Volume>,
+    pub meta_partitions: BTreeMap<PartitionId, MetaPartition>,
+    pub data_partitions: BTreeMap<PartitionId, DataPartition>,
+    next_node: u64,
+    next_volume: u64,
+    next_partition: u64,
+}
+
+fn valid_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b[0].is_ascii_lowercase()
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+}
+
+impl ClusterMap {
+    /// Applies a command. A failed command changes nothing (not even the epoch).
+    pub fn apply(&mut self, cmd: &Command) -> Result<Outcome, MapError> {
+        let mut next = self.clone();
+        let out = next.apply_in_place(cmd)?;
+        next.epoch += 1;
+        *self = next;
+        Ok(out)
+    }
+
+    fn apply_in_place(&mut self, cmd: &Command) -> Result<Outcome, MapError> {
+        match cmd {
+            Command::RegisterNode {
+                addr,
+                role,
+                zone,
+                capacity,
+                now_ms,
+            } => {
+                // A node re-registering from the same address keeps its id.
+                if let Some(n) = self
+                    .nodes
+                    .values_mut()
+                    .find(|n| n.addr == *addr && n.role == *role)
+                {
+                    n.zone = zone.clone();
+                    n.capacity = *capacity;
+                    n.last_heartbeat_ms = *now_ms;
+                    n.status = NodeStatus::Up;
+                    return Ok(Outcome::NodeRegistered(n.id));
+                }
+                self.next_node += 1;
+                let id = NodeId(self.next_node);
+                self.nodes.insert(
+                    id,
+                    Node {
+                        id,
+                        addr: addr.clone(),
+                        role: *role,
+                        zone: zone.clone(),
+                        capacity: *capacity,
+                        used: 0,
+                        last_heartbeat_ms: *now_ms,
+                        status: NodeStatus::Up,
+                    },
+                );
+                Ok(Outcome::NodeRegistered(id))
+            }
+            Command::Heartbeat { node, used, now_ms } => {
+                let n = self
+                    .nodes
+                    .get_mut(node)
+                    .ok_or(MapError::UnknownNode(*node))?;
+                n.used = *used;
+                n.last_heartbeat_ms = (*now_ms).max(n.last_heartbeat_ms);
+                Ok(Outcome::Done)
+            }
+            Command::CheckLiveness { now_ms, timeout_ms } => {
+                for n in self.nodes.values_mut() {
+                    let silent = now_ms.saturating_sub(n.last_heartbeat_ms) > *timeout_ms;
+                    n.status = if silent {
+                        NodeStatus::Down
+                    } else {
+                        NodeStatus::Up
+                    };
+                }
+                self.refresh_partition_status();
+                Ok(Outcome::Done)
+            }
+            Command::CreateVolume {
+                name,
+                owner,
+                replicas,
+                capacity,
+                meta_partitions,
+                data_partitions,
+                inode_step,
+            } => {
+                if !valid_name(name) {
+                    return Err(MapError::InvalidName(name.clone()));
+                }
+                if self.volumes.contains_key(name) {
+                    return Err(MapError::VolumeExists(name.clone()));
+                }
+                if *replicas == 0 || *meta_partitions == 0 || *inode_step == 0 {
+                    return Err(MapError::Invalid(
+                        "replicas, meta partitions and inode step must be at least 1".into(),
+                    ));
+                }
+                self.next_volume += 1;
+                let vid = VolumeId(self.next_volume);
+                let mut vol = Volume {
+                    id: vid,
+                    name: name.clone(),
+                    owner: owner.clone(),
+                    replicas: *replicas,
+                    capacity: *capacity,
+                    meta_partitions: Vec::new(),
+                    data_partitions: Vec::new(),
+                };
+                let mut start = FIRST_INODE;
+                for i in 0..*meta_partitions {
+                    let end = if i + 1 == *meta_partitions {
+                        OPEN_END
+                    } else {
+                        start + inode_step
+                    };
+                    let id = self.new_meta_partition(vid, start, end, *replicas)?;
+                    vol.meta_partitions.push(id);
+                    start = end;
+                }
+                for _ in 0..*data_partitions {
+                    let id = self.new_data_partition(vid, *replicas)?;
+                    vol.data_partitions.push(id);
+                }
+                self.volumes.insert(name.clone(), vol);
+                Ok(Outcome::VolumeCreated(vid))
+            }
+            Command::DeleteVolume { name } => {
+                let vol = self
+                    .volumes
+                    .remove(name)
+                    .ok_or_else(|| MapError::NoSuchVolume(name.clone()))?;
+                for p in &vol.meta_partitions {
+                    self.meta_partitions.remove(p);
+                }
+                for p in &vol.data_partitions {
+                    self.data_partitions.remove(p);
+                }
+                Ok(Outcome::Done)
+            }
+            Command::AddDataPartitions { volume, count } => {
+                let (vid, replicas) = self.volume_ref(volume)?;
+                let mut ids = Vec::new();
+                for _ in 0..*count {
+                    ids.push(self.new_data_partition(vid, replicas)?);
+                }
+                if let Some(v) = self.volumes.get_mut(volume) {
+                    v.data_partitions.extend(&ids);
+                }
+                Ok(Outcome::PartitionsCreated(ids))
+            }
+            Command::SplitMetaPartition { volume, step } => {
+                let (vid, replicas) = self.volume_ref(volume)?;
+                let last = *self
+                    .volumes
+                    .get(volume)
+                    .and_then(|v| v.meta_partitions.last())
+                    .ok_or_else(|| {
+                        MapError::Invalid(format!("volume {volume} has no meta partition"))
+                    })?;
+                let mp = self
+                    .meta_partitions
+                    .get(&last)
+                    .ok_or(MapError::UnknownPartition(last))?;
+                let end = mp.max_inode.max(mp.start).saturating_add((*step).max(1));
+                if end == OPEN_END {
+                    return Err(MapError::Invalid("inode space exhausted".into()));
+                }
+                let id = self.new_meta_partition(vid, end, OPEN_END, replicas)?;
+                if let Some(mp) = self.meta_partitions.get_mut(&last) {
+                    mp.end = end;
+                }
+                if let Some(v) = self.volumes.get_mut(volume) {
+                    v.meta_partitions.push(id);
+                }
+                Ok(Outcome::PartitionsCreated(vec![id]))
+            }
+            Command::MetaPartitionStats {
+                partition,
+                leader,
+                inode_count,
+                max_inode,
+            } => {
+                let mp = self
+                    .meta_partitions
+                    .get_mut(partition)
+                    .ok_or(MapError::UnknownPartition(*partition))?;
+                mp.leader = Some(*leader);
+                mp.inode_count = *inode_count;
+                mp.max_inode = *max_inode;
+                Ok(Outcome::Done)
+            }
+        }
+    }
+
+    fn volume_ref(&self, name: &str) -> Result<(VolumeId, u8), MapError> {
+        self.volumes
+            .get(name)
+            .map(|v| (v.id, v.replicas))
+            .ok_or_else(|| MapError::NoSuchVolume(name.to_string()))
+    }
+
+    /// Up nodes of `role` as placement candidates, with the partitions they already host.
+    fn candidates(&self, role: Role) -> Vec<Candidate> {
+        let mut hosted: BTreeMap<NodeId, u64> = BTreeMap::new();
+        let replicas = match role {
+            Role::Meta => self
+                .meta_partitions
+                .values()
+                .flat_map(|p| p.replicas.iter())
+                .copied()
+                .collect::<Vec<_>>(),
+            Role::Data => self
+                .data_partitions
+                .values()
+                .flat_map(|p| p.replicas.iter())
+                .copied()
+                .collect(),
+            Role::Master => Vec::new(),
+        };
+        for r in replicas {
+            *hosted.entry(r).or_default() += 1;
+        }
+        self.nodes
+            .values()
+            .filter(|n| n.role == role && n.status == NodeStatus::Up)
+            .map(|n| Candidate {
+                id: n.id,
+                zone: n.zone.clone(),
+                used_ppm: if n.capacity == 0 {
+                    1_000_000
+                } else {
+                    (u128::from(n.used) * 1_000_000 / u128::from(n.capacity)) as u64
+                },
+                partitions: hosted.get(&n.id).copied().unwrap_or(0),
+            })
+            .collect()
+    }
+
+    fn new_meta_partition(
+        &mut self,
+        volume: VolumeId,
+        start: u64,
+        end: u64,
+        replicas: u8,
+    ) -> Result<PartitionId, MapError> {
+        let nodes =
+            place(&self.candidates(Role::Meta), usize::from(replicas)).map_err(|source| {
+                MapError::Placement {
+                    role: Role::Meta,
+                    source,
+                }
+            })?;
+        self.next_partition += 1;
+        let id = PartitionId(self.next_partition);
+        self.meta_partitions.insert(
+            id,
+            MetaPartition {
+                id,
+                volume,
+                start,
+                end,
+                replicas: nodes,
+                leader: None,
+                status: PartitionStatus::Rw,
+                inode_count: 0,
+                max_inode: 0,
+            },
+        );
+        Ok(id)
+    }
+
+    fn new_data_partition(
+        &mut self,
+        volume: VolumeId,
+        replicas: u8,
+    ) -> Result<PartitionId, MapError> {
+        let nodes =
+            place(&self.candidates(Role::Data), usize::from(replicas)).map_err(|source| {
+                MapError::Placement {
+                    role: Role::Data,
+                    source,
+                }
+            })?;
+        self.next_partition += 1;
+        let id = PartitionId(self.next_partition);
+        self.data_partitions.insert(
+            id,
+            DataPartition {
+                id,
+                volume,
+                replicas: nodes,
+                leader: None,
+                status: PartitionStatus::Rw,
+                used: 0,
+            },
+        );
+        Ok(id)
+    }
+
+    /// A partition is RW exactly when all its replicas are up.
+    fn refresh_partition_status(&mut self) {
+        let up = |nodes: &BTreeMap<NodeId, Node>, r: &NodeId| {
+            nodes.get(r).is_some_and(|n| n.status == NodeStatus::Up)
+        };
+        for p in self.meta_partitions.values_mut() {
+            p.status = if p.replicas.iter().all(|r| up(&self.nodes, r)) {
+                PartitionStatus::Rw
+            } else {
+                PartitionStatus::Ro
+            };
+        }
+        for p in self.data_partitions.values_mut() {
+            p.status = if p.replicas.iter().all(|r| up(&self.nodes, r)) {
+                PartitionStatus::Rw
+            } else {
+                PartitionStatus::Ro
+            };
+        }
+    }
+
+    /// The map as bytes, for a Raft snapshot.
+    pub fn snapshot(&self) -> Vec<u8> {
+        // Plain structs, vectors and ordered maps always serialize; failing here is a bug.
+        postcard::to_allocvec(self).expect("the cluster map is postcard-serializable")
+    }
+
+    /// Restores a map from [`ClusterMap::snapshot`] bytes.
+    pub fn restore(bytes: &[u8]) -> Result<Self, MapError> {
+        postcard::from_bytes(bytes).map_err(|e| MapError::Invalid(format!("bad map snapshot: {e}")))
+    }
+}

@@ -1,0 +1,234 @@
+//! The cluster map as a state machine: volumes, placement, liveness, meta-partition splits.
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
+use nacre_master::map::{
+    ClusterMap, Command, MapError, NodeStatus, OPEN_END, Outcome, PartitionStatus, Role,
+};
+use nacre_types::NodeId;
+use proptest::prelude::*;
+
+fn cluster(meta: usize, data: usize, zones: usize) -> ClusterMap {
+    let mut m = ClusterMap::default();
+    for (role, n) in [(Role::Meta, meta), (Role::Data, data)] {
+        for i in 0..n {
+            m.apply(&Command::RegisterNode {
+                addr: format!("{role:?}-{i}:7000"),
+                role,
+                zone: format!("z{}", i % zones.max(1)),
+                capacity: 1 << 30,
+                now_ms: 0,
+            })
+            .unwrap();
+        }
+    }
+    m
+}
+
+fn create(m: &mut ClusterMap, name: &str, metas: u32, datas: u32) -> Result<Outcome, MapError> {
+    m.apply(&Command::CreateVolume {
+        name: name.into(),
+        owner: "t1".into(),
+        replicas: 3,
+        capacity: 1 << 40,
+        meta_partitions: metas,
+        data_partitions: datas,
+        inode_step: 1000,
+    })
+}
+
+fn check_ranges(m: &ClusterMap, volume: &str) {
+    let v = &m.volumes[volume];
+    let mut start = 1;
+    for (i, id) in v.meta_partitions.iter().enumerate() {
+        let p = &m.meta_partitions[id];
+        assert_eq!(
+            p.start, start,
+            "partition {i} starts where the previous ends"
+        );
+        assert!(p.end > p.start);
+        start = p.end;
+    }
+    assert_eq!(start, OPEN_END, "the last partition is open-ended");
+}
+
+#[test]
+fn a_volume_starts_with_consecutive_meta_ranges_and_spread_data_partitions() {
+    let mut m = cluster(3, 6, 1);
+    let e0 = m.epoch;
+    create(&mut m, "vol-a", 3, 6).unwrap();
+    assert_eq!(m.epoch, e0 + 1);
+    check_ranges(&m, "vol-a");
+    let v = &m.volumes["vol-a"];
+    assert_eq!(v.meta_partitions.len(), 3);
+    assert_eq!(v.data_partitions.len(), 6);
+    let mut hosted = std::collections::BTreeMap::<NodeId, usize>::new();
+    for id in &v.data_partitions {
+        let p = &m.data_partitions[id];
+        let mut r = p.replicas.clone();
+        r.sort();
+        r.dedup();
+        assert_eq!(r.len(), 3, "replicas on distinct nodes");
+        for n in &p.replicas {
+            assert_eq!(m.nodes[n].role, Role::Data);
+            *hosted.entry(*n).or_default() += 1;
+        }
+    }
+    // 18 replicas over 6 equally empty data nodes: 3 each.
+    assert!(hosted.values().all(|&c| c == 3), "{hosted:?}");
+}
+
+#[test]
+fn bad_requests_fail_clearly_and_change_nothing() {
+    let mut m = cluster(3, 2, 1);
+    let before = m.clone();
+    assert!(matches!(
+        create(&mut m, "Bad_Name", 1, 1),
+        Err(MapError::InvalidName(_))
+    ));
+    let e = create(&mut m, "vol", 1, 1).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "cannot place Data partition: need 3 nodes for 3 replicas, only 2 are up"
+    );
+    assert_eq!(
+        m, before,
+        "a failed command leaves the map and its epoch unchanged"
+    );
+    let mut m = cluster(3, 3, 1);
+    create(&mut m, "vol", 1, 1).unwrap();
+    assert_eq!(
+        create(&mut m, "vol", 1, 1),
+        Err(MapError::VolumeExists("vol".into()))
+    );
+    assert_eq!(
+        m.apply(&Command::DeleteVolume {
+            name: "nope".into()
+        }),
+        Err(MapError::NoSuchVolume("nope".into()))
+    );
+}
+
+#[test]
+fn adding_a_node_moves_nothing() {
+    let mut m = cluster(3, 3, 1);
+    create(&mut m, "vol", 2, 4).unwrap();
+    let (metas, datas) = (m.meta_partitions.clone(), m.data_partitions.clone());
+    m.apply(&Command::RegisterNode {
+        addr: "new:1".into(),
+        role: Role::Data,
+        zone: "z0".into(),
+        capacity: 1 << 30,
+        now_ms: 1,
+    })
+    .unwrap();
+    assert_eq!(m.meta_partitions, metas);
+    assert_eq!(m.data_partitions, datas);
+    // New partitions prefer the empty node.
+    let Outcome::PartitionsCreated(ids) = m
+        .apply(&Command::AddDataPartitions {
+            volume: "vol".into(),
+            count: 1,
+        })
+        .unwrap()
+    else {
+        panic!("expected partitions");
+    };
+    let new_node = m.nodes.values().find(|n| n.addr == "new:1").unwrap().id;
+    assert!(m.data_partitions[&ids[0]].replicas.contains(&new_node));
+}
+
+#[test]
+fn replicas_go_to_distinct_zones_when_there_are_enough() {
+    let mut m = cluster(3, 6, 3);
+    create(&mut m, "vol", 1, 8).unwrap();
+    for p in m.data_partitions.values() {
+        let mut zones: Vec<&str> = p
+            .replicas
+            .iter()
+            .map(|n| m.nodes[n].zone.as_str())
+            .collect();
+        zones.sort_unstable();
+        zones.dedup();
+        assert_eq!(zones.len(), 3);
+    }
+}
+
+#[test]
+fn a_silent_node_is_marked_down_and_its_partitions_read_only_until_it_returns() {
+    let mut m = cluster(3, 3, 1);
+    create(&mut m, "vol", 1, 2).unwrap();
+    let victim = m.nodes.values().find(|n| n.role == Role::Data).unwrap().id;
+    for n in m.nodes.keys().copied().collect::<Vec<_>>() {
+        if n != victim {
+            m.apply(&Command::Heartbeat {
+                node: n,
+                used: 0,
+                now_ms: 10_000,
+            })
+            .unwrap();
+        }
+    }
+    m.apply(&Command::CheckLiveness {
+        now_ms: 10_000,
+        timeout_ms: 5_000,
+    })
+    .unwrap();
+    assert_eq!(m.nodes[&victim].status, NodeStatus::Down);
+    assert!(
+        m.data_partitions
+            .values()
+            .all(|p| p.status == PartitionStatus::Ro)
+    );
+    assert!(
+        m.meta_partitions
+            .values()
+            .all(|p| p.status == PartitionStatus::Rw)
+    );
+    m.apply(&Command::Heartbeat {
+        node: victim,
+        used: 0,
+        now_ms: 11_000,
+    })
+    .unwrap();
+    m.apply(&Command::CheckLiveness {
+        now_ms: 11_000,
+        timeout_ms: 5_000,
+    })
+    .unwrap();
+    assert!(
+        m.data_partitions
+            .values()
+            .all(|p| p.status == PartitionStatus::Rw)
+    );
+}
+
+#[test]
+fn the_map_survives_a_snapshot_round_trip() {
+    let mut m = cluster(3, 3, 1);
+    create(&mut m, "vol", 2, 3).unwrap();
+    assert_eq!(ClusterMap::restore(&m.snapshot()).unwrap(), m);
+    assert!(ClusterMap::restore(&[0xff, 0xff, 0xff]).is_err());
+}
+
+proptest! {
+    #[test]
+    fn splits_keep_meta_ranges_disjoint_and_covering(
+        steps in proptest::collection::vec((0u64..5000, 1u64..2000), 1..30)
+    ) {
+        let mut m = cluster(4, 3, 1);
+        create(&mut m, "vol", 2, 1).unwrap();
+        for (grow, step) in steps {
+            let last = *m.volumes["vol"].meta_partitions.last().unwrap();
+            let p = m.meta_partitions[&last].clone();
+            m.apply(&Command::MetaPartitionStats {
+                partition: last,
+                leader: p.replicas[0],
+                inode_count: grow,
+                max_inode: p.start + grow,
+            })
+            .unwrap();
+            m.apply(&Command::SplitMetaPartition { volume: "vol".into(), step }).unwrap();
+            check_ranges(&m, "vol");
+        }
+    }
+}
