@@ -6,6 +6,8 @@
 
 pub mod map;
 pub mod placement;
+pub mod service;
 
 pub use map::{ClusterMap, Command, MapError, Outcome};
 pub use placement::{Candidate, PlacementError, place};
+pub use service::{MASTER_GROUP, Master, MasterClient, MasterError, MasterSm};

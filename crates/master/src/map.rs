@@ -151,7 +151,7 @@ pub enum Outcome {
     PartitionsCreated(Vec<PartitionId>),
 }
 
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[derive(Debug, Error, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MapError {
     #[error(
         "invalid volume name {0:?}: use 1-63 characters from a-z, 0-9, '-', starting with a letter"

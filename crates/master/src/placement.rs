@@ -27,7 +27,7 @@ impl Candidate {
 }
 
 /// Why replicas cannot be placed.
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[derive(Debug, Error, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum PlacementError {
     #[error("need {needed} nodes for {needed} replicas, only {available} are up")]
     NotEnoughNodes { needed: usize, available: usize },

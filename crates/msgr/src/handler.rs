@@ -156,6 +156,18 @@ impl Router {
     }
 }
 
+impl Router {
+    /// Combines two routers (e.g. a role's ops and its raft traffic). An op served by both is a
+    /// programming error and panics.
+    pub fn merge(mut self, other: Router) -> Self {
+        for (op, route) in other.routes {
+            let prev = self.routes.insert(op, route);
+            assert!(prev.is_none(), "op {op} registered twice");
+        }
+        self
+    }
+}
+
 impl Handler for Router {
     fn call(&self, req: Request) -> BoxFuture<'static, Result<Reply, RemoteError>> {
         match self.routes.get(&req.op) {
