@@ -128,6 +128,43 @@ impl Master {
         }
     }
 
+    /// Milliseconds since the Unix epoch on this master's clock (only the leader stamps commands).
+    pub fn now_ms() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    }
+
+    /// Runs the leader's periodic duties until `shutdown` resolves: every `interval`, if this master
+    /// leads, nodes silent for more than `node_timeout` are marked down (and nodes heard from again
+    /// up). Followers do nothing, so a new leader takes over the duty after a failover.
+    pub async fn run_duties(
+        &self,
+        interval: Duration,
+        node_timeout: Duration,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tick.tick() => {}
+            }
+            if self.raft.leader(MASTER_GROUP).await.ok() != Some(self.raft.id()) {
+                continue;
+            }
+            let cmd = Command::CheckLiveness {
+                now_ms: Self::now_ms(),
+                timeout_ms: node_timeout.as_millis() as u64,
+            };
+            if let Err(e) = self.execute(&cmd).await {
+                tracing::debug!(error = %e, "liveness check not applied");
+            }
+        }
+    }
+
     /// The master's ops (its raft traffic is served by the raft handle's own router).
     pub fn router(&self) -> Router {
         let (a, b) = (self.clone(), self.clone());

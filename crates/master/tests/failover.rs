@@ -15,6 +15,7 @@ use nacre_raft::{LogStore, MemLogStore, NodeConfig, RaftHandle, StoreConfig};
 
 struct MasterNode {
     raft: RaftHandle<MasterSm>,
+    master: Master,
     msgr: Messenger,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
@@ -65,6 +66,7 @@ async fn masters(net: &MemNetwork) -> (BTreeMap<u64, MasterNode>, Vec<String>) {
             id,
             MasterNode {
                 raft,
+                master,
                 msgr: m,
                 stop: Some(stop),
             },
@@ -177,6 +179,85 @@ async fn three_masters_keep_the_map_and_serve_after_the_leader_dies() {
         "no partition without its volume"
     );
 
+    for n in nodes.values_mut() {
+        if let Some(s) = n.stop.take() {
+            let _ = s.send(());
+        }
+        let m = n.msgr.clone();
+        tokio::task::spawn_blocking(move || m.shutdown())
+            .await
+            .unwrap();
+    }
+    tokio::task::spawn_blocking(move || client_msgr.shutdown())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_marks_silent_nodes_down_and_returning_nodes_up() {
+    use nacre_master::map::{NodeStatus, Outcome};
+    let net = MemNetwork::new(12);
+    let (mut nodes, addrs) = masters(&net).await;
+    let (stop_duties, duties_stopped) = tokio::sync::watch::channel(false);
+    for n in nodes.values() {
+        let m = n.master.clone();
+        let mut rx = duties_stopped.clone();
+        tokio::spawn(async move {
+            m.run_duties(
+                Duration::from_millis(50),
+                Duration::from_millis(300),
+                async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                },
+            )
+            .await;
+        });
+    }
+    let client_msgr =
+        Messenger::new("cli", MsgrConfig::default(), Arc::new(net.transport("cli"))).unwrap();
+    let mc = MasterClient::new(client_msgr.client(), addrs);
+    let Outcome::NodeRegistered(id) = mc
+        .execute(&Command::RegisterNode {
+            addr: "data0:1".into(),
+            role: Role::Data,
+            zone: "z".into(),
+            capacity: 1 << 30,
+            now_ms: Master::now_ms(),
+        })
+        .await
+        .unwrap()
+    else {
+        panic!("expected a node id");
+    };
+    // Bounded waits on the replicated map, polling at the duty interval.
+    let wait_for = |want: NodeStatus| {
+        let mc = mc.clone();
+        async move {
+            for _ in 0..200 {
+                if mc.map().await.unwrap().nodes[&id].status == want {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            false
+        }
+    };
+    assert!(
+        wait_for(NodeStatus::Down).await,
+        "a silent node was not marked down"
+    );
+    mc.execute(&Command::Heartbeat {
+        node: id,
+        used: 0,
+        now_ms: Master::now_ms(),
+    })
+    .await
+    .unwrap();
+    assert!(
+        wait_for(NodeStatus::Up).await,
+        "a node heard from again was not marked up"
+    );
+    let _ = stop_duties.send(true);
     for n in nodes.values_mut() {
         if let Some(s) = n.stop.take() {
             let _ = s.send(());
