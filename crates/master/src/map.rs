@@ -65,6 +65,12 @@ pub struct MetaPartition {
     pub status: PartitionStatus,
     pub inode_count: u64,
     pub max_inode: u64,
+    /// Memory the leader reports for the partition, in bytes.
+    pub memory: u64,
+    /// Replicas whose node reported hosting the partition; the others still have to create it.
+    pub ready: Vec<NodeId>,
+    /// Map epoch at which the partition was created.
+    pub created_epoch: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +81,64 @@ pub struct DataPartition {
     pub leader: Option<NodeId>,
     pub status: PartitionStatus,
     pub used: u64,
+    /// The leader reported the partition full: it stays read-only even with every replica up.
+    pub full: bool,
+    pub ready: Vec<NodeId>,
+    pub created_epoch: u64,
+}
+
+/// A tenant: owns volumes and signs requests with its access key.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tenant {
+    pub name: String,
+    pub access_key: String,
+    pub secret_key: String,
+}
+
+/// What kind of partition a node is asked to host.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PartitionKind {
+    /// A meta partition owning inodes `[start, end)`.
+    Meta {
+        start: u64,
+        end: u64,
+    },
+    Data,
+}
+
+/// One replica of a partition: the node and where to reach it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Replica {
+    pub node: NodeId,
+    pub addr: String,
+}
+
+/// Everything a node needs to host one replica of a partition.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionSpec {
+    pub id: PartitionId,
+    pub volume: String,
+    pub kind: PartitionKind,
+    /// In order; for data partitions replica 0 leads appends.
+    pub replicas: Vec<Replica>,
+    /// Map epoch at which the partition was created (a node never drops a partition on the word of an
+    /// older map).
+    pub created_epoch: u64,
+}
+
+/// What a node says about one partition it hosts, in every heartbeat.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionReport {
+    pub id: PartitionId,
+    /// This replica leads the partition.
+    pub leader: bool,
+    /// Meta partitions: inodes in use and the highest inode allocated.
+    pub inode_count: u64,
+    pub max_inode: u64,
+    /// Bytes: memory for meta partitions, disk for data partitions.
+    pub used: u64,
+    /// The partition takes no more writes (data partition at its size limit).
+    pub full: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,6 +153,23 @@ pub struct Volume {
     pub data_partitions: Vec<PartitionId>,
 }
 
+/// What a client needs to use a volume: its partitions, where their replicas are, who leads.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeView {
+    /// The map epoch this view was taken at.
+    pub epoch: u64,
+    pub volume: Volume,
+    pub meta_partitions: Vec<PartitionView>,
+    pub data_partitions: Vec<PartitionView>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionView {
+    pub spec: PartitionSpec,
+    pub leader: Option<NodeId>,
+    pub status: PartitionStatus,
+}
+
 /// A change to the map.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Command {
@@ -99,10 +180,12 @@ pub enum Command {
         capacity: u64,
         now_ms: u64,
     },
+    /// A node's periodic report: usage and the partitions it hosts.
     Heartbeat {
         node: NodeId,
         used: u64,
         now_ms: u64,
+        partitions: Vec<PartitionReport>,
     },
     /// Marks nodes silent for longer than `timeout_ms` down (and their partitions RO), and nodes
     /// heard from again up.
@@ -133,12 +216,13 @@ pub enum Command {
         volume: String,
         step: u64,
     },
-    /// Stats a meta node reports for a partition it leads.
-    MetaPartitionStats {
-        partition: PartitionId,
-        leader: NodeId,
-        inode_count: u64,
-        max_inode: u64,
+    CreateTenant {
+        name: String,
+        access_key: String,
+        secret_key: String,
+    },
+    DeleteTenant {
+        name: String,
     },
 }
 
@@ -149,6 +233,8 @@ pub enum Outcome {
     NodeRegistered(NodeId),
     VolumeCreated(VolumeId),
     PartitionsCreated(Vec<PartitionId>),
+    /// Answer to a heartbeat: every partition the node should host.
+    Assigned(Vec<PartitionSpec>),
 }
 
 #[derive(Debug, Error, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -169,6 +255,16 @@ pub enum MapError {
     Placement { role: Role, source: PlacementError },
     #[error("invalid request: {0}")]
     Invalid(String),
+    #[error(
+        "invalid tenant name {0:?}: use 1-63 characters from a-z, 0-9, '-', starting with a letter"
+    )]
+    InvalidTenant(String),
+    #[error("tenant {0:?} already exists")]
+    TenantExists(String),
+    #[error("no tenant named {0:?} (create it with `nacre tenant create`)")]
+    NoSuchTenant(String),
+    #[error("tenant {0:?} still owns volumes: {1}")]
+    TenantInUse(String, String),
 }
 
 /// The cluster map.
@@ -180,6 +276,7 @@ pub struct ClusterMap {
     pub volumes: BTreeMap<String, Volume>,
     pub meta_partitions: BTreeMap<PartitionId, MetaPartition>,
     pub data_partitions: BTreeMap<PartitionId, DataPartition>,
+    pub tenants: BTreeMap<String, Tenant>,
     next_node: u64,
     next_volume: u64,
     next_partition: u64,
@@ -195,13 +292,114 @@ fn valid_name(name: &str) -> bool {
 }
 
 impl ClusterMap {
-    /// Applies a command. A failed command changes nothing (not even the epoch).
+    /// Applies a command. A failed command changes nothing (not even the epoch). The epoch counts
+    /// changes of the map's shape (nodes, statuses, volumes, partitions, leaders); a heartbeat that only
+    /// refreshes usage figures, or a liveness check that finds everyone as they were, leaves it alone,
+    /// so clients' cached views stay current.
     pub fn apply(&mut self, cmd: &Command) -> Result<Outcome, MapError> {
-        let mut next = self.clone();
-        let out = next.apply_in_place(cmd)?;
-        next.epoch += 1;
-        *self = next;
-        Ok(out)
+        match cmd {
+            // Validated before any change, so they apply in place: the frequent heartbeat does not
+            // copy the map.
+            Command::Heartbeat {
+                node,
+                used,
+                now_ms,
+                partitions,
+            } => {
+                if !self.nodes.contains_key(node) {
+                    return Err(MapError::UnknownNode(*node));
+                }
+                if self.heartbeat(*node, *used, *now_ms, partitions) {
+                    self.epoch += 1;
+                }
+                Ok(Outcome::Assigned(self.assigned(*node)))
+            }
+            Command::CheckLiveness { now_ms, timeout_ms } => {
+                if self.check_liveness(*now_ms, *timeout_ms) {
+                    self.epoch += 1;
+                }
+                Ok(Outcome::Done)
+            }
+            _ => {
+                // Multi-step commands (placing many partitions) may fail half way: work on a copy.
+                let mut next = self.clone();
+                let out = next.apply_in_place(cmd)?;
+                next.epoch += 1;
+                *self = next;
+                Ok(out)
+            }
+        }
+    }
+
+    /// Marks nodes silent for longer than `timeout_ms` down and the others up; returns whether any
+    /// status changed.
+    fn check_liveness(&mut self, now_ms: u64, timeout_ms: u64) -> bool {
+        let mut changed = false;
+        for n in self.nodes.values_mut() {
+            let silent = now_ms.saturating_sub(n.last_heartbeat_ms) > timeout_ms;
+            let status = if silent {
+                NodeStatus::Down
+            } else {
+                NodeStatus::Up
+            };
+            changed |= n.status != status;
+            n.status = status;
+        }
+        if changed {
+            self.refresh_partition_status();
+        }
+        changed
+    }
+
+    /// Applies a heartbeat; returns whether the map's shape changed.
+    fn heartbeat(
+        &mut self,
+        node: NodeId,
+        used: u64,
+        now_ms: u64,
+        reports: &[PartitionReport],
+    ) -> bool {
+        let mut changed = false;
+        if let Some(n) = self.nodes.get_mut(&node) {
+            n.used = used;
+            n.last_heartbeat_ms = now_ms.max(n.last_heartbeat_ms);
+        }
+        for r in reports {
+            if let Some(p) = self.meta_partitions.get_mut(&r.id) {
+                if !p.replicas.contains(&node) {
+                    continue;
+                }
+                if !p.ready.contains(&node) {
+                    p.ready.push(node);
+                    changed = true;
+                }
+                if r.leader {
+                    changed |= p.leader != Some(node);
+                    p.leader = Some(node);
+                    p.inode_count = r.inode_count;
+                    p.max_inode = r.max_inode;
+                    p.memory = r.used;
+                }
+            } else if let Some(p) = self.data_partitions.get_mut(&r.id) {
+                if !p.replicas.contains(&node) {
+                    continue;
+                }
+                if !p.ready.contains(&node) {
+                    p.ready.push(node);
+                    changed = true;
+                }
+                if r.leader {
+                    changed |= p.leader != Some(node) || p.full != r.full;
+                    p.leader = Some(node);
+                    p.used = r.used;
+                    p.full = r.full;
+                }
+            }
+        }
+        if changed {
+            self.refresh_partition_status();
+        }
+        changed
     }
 
     fn apply_in_place(&mut self, cmd: &Command) -> Result<Outcome, MapError> {
@@ -242,25 +440,20 @@ impl ClusterMap {
                 );
                 Ok(Outcome::NodeRegistered(id))
             }
-            Command::Heartbeat { node, used, now_ms } => {
-                let n = self
-                    .nodes
-                    .get_mut(node)
-                    .ok_or(MapError::UnknownNode(*node))?;
-                n.used = *used;
-                n.last_heartbeat_ms = (*now_ms).max(n.last_heartbeat_ms);
-                Ok(Outcome::Done)
+            Command::Heartbeat {
+                node,
+                used,
+                now_ms,
+                partitions,
+            } => {
+                if !self.nodes.contains_key(node) {
+                    return Err(MapError::UnknownNode(*node));
+                }
+                self.heartbeat(*node, *used, *now_ms, partitions);
+                Ok(Outcome::Assigned(self.assigned(*node)))
             }
             Command::CheckLiveness { now_ms, timeout_ms } => {
-                for n in self.nodes.values_mut() {
-                    let silent = now_ms.saturating_sub(n.last_heartbeat_ms) > *timeout_ms;
-                    n.status = if silent {
-                        NodeStatus::Down
-                    } else {
-                        NodeStatus::Up
-                    };
-                }
-                self.refresh_partition_status();
+                self.check_liveness(*now_ms, *timeout_ms);
                 Ok(Outcome::Done)
             }
             Command::CreateVolume {
@@ -277,6 +470,9 @@ impl ClusterMap {
                 }
                 if self.volumes.contains_key(name) {
                     return Err(MapError::VolumeExists(name.clone()));
+                }
+                if !self.tenants.contains_key(owner) {
+                    return Err(MapError::NoSuchTenant(owner.clone()));
                 }
                 if *replicas == 0 || *meta_partitions == 0 || *inode_step == 0 {
                     return Err(MapError::Invalid(
@@ -362,19 +558,50 @@ impl ClusterMap {
                 }
                 Ok(Outcome::PartitionsCreated(vec![id]))
             }
-            Command::MetaPartitionStats {
-                partition,
-                leader,
-                inode_count,
-                max_inode,
+            Command::CreateTenant {
+                name,
+                access_key,
+                secret_key,
             } => {
-                let mp = self
-                    .meta_partitions
-                    .get_mut(partition)
-                    .ok_or(MapError::UnknownPartition(*partition))?;
-                mp.leader = Some(*leader);
-                mp.inode_count = *inode_count;
-                mp.max_inode = *max_inode;
+                if !valid_name(name) {
+                    return Err(MapError::InvalidTenant(name.clone()));
+                }
+                if self.tenants.contains_key(name) {
+                    return Err(MapError::TenantExists(name.clone()));
+                }
+                if access_key.is_empty()
+                    || secret_key.len() < 16
+                    || self.tenants.values().any(|t| t.access_key == *access_key)
+                {
+                    return Err(MapError::Invalid(
+                        "a tenant needs a unique access key and a secret of at least 16 bytes"
+                            .into(),
+                    ));
+                }
+                self.tenants.insert(
+                    name.clone(),
+                    Tenant {
+                        name: name.clone(),
+                        access_key: access_key.clone(),
+                        secret_key: secret_key.clone(),
+                    },
+                );
+                Ok(Outcome::Done)
+            }
+            Command::DeleteTenant { name } => {
+                if !self.tenants.contains_key(name) {
+                    return Err(MapError::NoSuchTenant(name.clone()));
+                }
+                let owned: Vec<&str> = self
+                    .volumes
+                    .values()
+                    .filter(|v| v.owner == *name)
+                    .map(|v| v.name.as_str())
+                    .collect();
+                if !owned.is_empty() {
+                    return Err(MapError::TenantInUse(name.clone(), owned.join(", ")));
+                }
+                self.tenants.remove(name);
                 Ok(Outcome::Done)
             }
         }
@@ -452,6 +679,9 @@ impl ClusterMap {
                 status: PartitionStatus::Rw,
                 inode_count: 0,
                 max_inode: 0,
+                memory: 0,
+                ready: Vec::new(),
+                created_epoch: self.epoch + 1,
             },
         );
         Ok(id)
@@ -480,6 +710,9 @@ impl ClusterMap {
                 leader: None,
                 status: PartitionStatus::Rw,
                 used: 0,
+                full: false,
+                ready: Vec::new(),
+                created_epoch: self.epoch + 1,
             },
         );
         Ok(id)
@@ -498,12 +731,117 @@ impl ClusterMap {
             };
         }
         for p in self.data_partitions.values_mut() {
-            p.status = if p.replicas.iter().all(|r| up(&self.nodes, r)) {
+            p.status = if !p.full && p.replicas.iter().all(|r| up(&self.nodes, r)) {
                 PartitionStatus::Rw
             } else {
                 PartitionStatus::Ro
             };
         }
+    }
+
+    fn replicas(&self, ids: &[NodeId]) -> Vec<Replica> {
+        ids.iter()
+            .map(|id| Replica {
+                node: *id,
+                addr: self
+                    .nodes
+                    .get(id)
+                    .map(|n| n.addr.clone())
+                    .unwrap_or_default(),
+            })
+            .collect()
+    }
+
+    fn volume_name(&self, id: VolumeId) -> String {
+        self.volumes
+            .values()
+            .find(|v| v.id == id)
+            .map(|v| v.name.clone())
+            .unwrap_or_default()
+    }
+
+    /// The spec of a meta or data partition, if it exists.
+    pub fn spec(&self, id: PartitionId) -> Option<PartitionSpec> {
+        if let Some(p) = self.meta_partitions.get(&id) {
+            return Some(PartitionSpec {
+                id,
+                volume: self.volume_name(p.volume),
+                kind: PartitionKind::Meta {
+                    start: p.start,
+                    end: p.end,
+                },
+                replicas: self.replicas(&p.replicas),
+                created_epoch: p.created_epoch,
+            });
+        }
+        self.data_partitions.get(&id).map(|p| PartitionSpec {
+            id,
+            volume: self.volume_name(p.volume),
+            kind: PartitionKind::Data,
+            replicas: self.replicas(&p.replicas),
+            created_epoch: p.created_epoch,
+        })
+    }
+
+    /// Every partition `node` should host.
+    pub fn assigned(&self, node: NodeId) -> Vec<PartitionSpec> {
+        let meta = self
+            .meta_partitions
+            .values()
+            .filter(|p| p.replicas.contains(&node))
+            .map(|p| p.id);
+        let data = self
+            .data_partitions
+            .values()
+            .filter(|p| p.replicas.contains(&node))
+            .map(|p| p.id);
+        meta.chain(data).filter_map(|id| self.spec(id)).collect()
+    }
+
+    /// Replicas that have not yet reported hosting their partition: (partition, node).
+    pub fn pending_replicas(&self) -> Vec<(PartitionId, NodeId)> {
+        let meta = self.meta_partitions.values().flat_map(|p| {
+            p.replicas
+                .iter()
+                .filter(|r| !p.ready.contains(r))
+                .map(|r| (p.id, *r))
+        });
+        let data = self.data_partitions.values().flat_map(|p| {
+            p.replicas
+                .iter()
+                .filter(|r| !p.ready.contains(r))
+                .map(|r| (p.id, *r))
+        });
+        meta.chain(data).collect()
+    }
+
+    /// The client's view of a volume.
+    pub fn volume_view(&self, name: &str) -> Result<VolumeView, MapError> {
+        let volume = self
+            .volumes
+            .get(name)
+            .ok_or_else(|| MapError::NoSuchVolume(name.to_string()))?;
+        let view = |id: &PartitionId| {
+            let spec = self.spec(*id)?;
+            let (leader, status) = match self.meta_partitions.get(id) {
+                Some(p) => (p.leader, p.status),
+                None => {
+                    let p = self.data_partitions.get(id)?;
+                    (p.leader, p.status)
+                }
+            };
+            Some(PartitionView {
+                spec,
+                leader,
+                status,
+            })
+        };
+        Ok(VolumeView {
+            epoch: self.epoch,
+            volume: volume.clone(),
+            meta_partitions: volume.meta_partitions.iter().filter_map(view).collect(),
+            data_partitions: volume.data_partitions.iter().filter_map(view).collect(),
+        })
     }
 
     /// The map as bytes, for a Raft snapshot.

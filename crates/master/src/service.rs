@@ -3,28 +3,62 @@
 //! Every change goes through Raft as one [`Command`], so a command (say, creating a volume with all its
 //! partitions) is applied on every master or on none. Reads of the map go through ReadIndex on the
 //! leader. A master that is not the leader answers `NotLeader` with the leader's address, and
-//! [`MasterClient`] follows it.
+//! [`crate::MasterClient`] follows it.
+//!
+//! The leader also runs the cluster's duties ([`Master::run_duties`]): it marks silent nodes down,
+//! keeps enough writable data partitions per volume, splits a volume's last meta partition when it
+//! fills, and asks nodes to create the partition replicas placed on them, retrying with backoff until
+//! each node reports the replica in a heartbeat. Whatever is still pending, and why, is in
+//! [`MasterStatus`].
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nacre_msgr::{CallOptions, Client, MsgrError, Payload, Router};
-use nacre_proto::Op;
-use nacre_proto::msg::{RemoteError, Rpc};
+use nacre_msgr::{CallOptions, Client, Payload, Router};
+use nacre_proto::msg::RemoteError;
 use nacre_raft::{GroupId, RaftError, RaftHandle, StateMachine};
-use nacre_types::ErrorCode;
-use serde::{Deserialize, Serialize};
+use nacre_types::{ErrorCode, NodeId, PartitionId};
 use thiserror::Error;
+use tokio::sync::{Notify, watch};
 
-use crate::map::{ClusterMap, Command, MapError, Outcome};
+use crate::map::{ClusterMap, Command, MapError, Outcome, PartitionStatus};
+use crate::rpc::{
+    CreatePartition, Execute, GetMap, GetVolume, Heartbeat, HeartbeatReply, MasterStatus,
+    PendingReplica, Register, Status,
+};
 
 /// The Raft group holding the cluster map.
 pub const MASTER_GROUP: GroupId = 1;
 
-/// The cluster map as a replicated state machine. Commands and results are postcard-encoded.
-#[derive(Debug, Default)]
+/// The cluster map as a replicated state machine. Commands and results are postcard-encoded. Every
+/// new epoch is published on a watch channel ([`MasterSm::epochs`]) so that waiters need not poll.
+#[derive(Debug)]
 pub struct MasterSm {
     pub map: ClusterMap,
+    epochs: watch::Sender<u64>,
+}
+
+impl Default for MasterSm {
+    fn default() -> Self {
+        Self {
+            map: ClusterMap::default(),
+            epochs: watch::channel(0).0,
+        }
+    }
+}
+
+impl MasterSm {
+    /// Notified with the map's epoch whenever it changes on this master.
+    pub fn epochs(&self) -> watch::Receiver<u64> {
+        self.epochs.subscribe()
+    }
+
+    fn publish(&self) {
+        let epoch = self.map.epoch;
+        self.epochs
+            .send_if_modified(|e| std::mem::replace(e, epoch) != epoch);
+    }
 }
 
 impl StateMachine for MasterSm {
@@ -33,6 +67,7 @@ impl StateMachine for MasterSm {
             Ok(cmd) => self.map.apply(&cmd),
             Err(e) => Err(MapError::Invalid(format!("undecodable command: {e}"))),
         };
+        self.publish();
         postcard::to_allocvec(&result).expect("command results are postcard-serializable")
     }
 
@@ -42,6 +77,7 @@ impl StateMachine for MasterSm {
 
     fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
         self.map = ClusterMap::restore(snapshot).map_err(|e| e.to_string())?;
+        self.publish();
         Ok(())
     }
 }
@@ -58,42 +94,94 @@ pub enum MasterError {
     Unavailable(String),
 }
 
-/// Executes a command on the master leader (op `0x0101`).
-#[derive(Debug)]
-pub struct Execute;
-
-impl Rpc for Execute {
-    const OP: Op = Op(0x0101);
-    const NAME: &'static str = "master_execute";
-    type Request = Command;
-    type Response = Result<Outcome, MapError>;
+/// Tunables of the master's duties.
+#[derive(Clone, Debug)]
+pub struct MasterConfig {
+    /// How often the leader runs its duties.
+    pub duty_interval: Duration,
+    /// A node silent for longer is marked down.
+    pub node_timeout: Duration,
+    /// Keep at least this many writable data partitions per volume…
+    pub min_writable_data_partitions: u32,
+    /// …adding this many at a time.
+    pub data_partitions_step: u32,
+    /// Split a volume's last meta partition when it holds this many inodes…
+    pub meta_split_inodes: u64,
+    /// …or uses this much memory (bytes)…
+    pub meta_split_memory: u64,
+    /// …closing it at `max_inode + meta_split_step`.
+    pub meta_split_step: u64,
+    /// Longest wait between two attempts to create a replica on a node.
+    pub max_create_backoff: Duration,
+    /// Time allowed for one create-partition call to a node.
+    pub create_timeout: Duration,
+    /// Create a `default` tenant (with fresh keys) when the cluster has none, so that volumes can be
+    /// created without a tenant step.
+    pub default_tenant: bool,
 }
 
-/// Reads the whole cluster map from the master leader (op `0x0102`).
-#[derive(Debug)]
-pub struct GetMap;
-
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct GetMapRequest {}
-
-impl Rpc for GetMap {
-    const OP: Op = Op(0x0102);
-    const NAME: &'static str = "master_get_map";
-    type Request = GetMapRequest;
-    type Response = ClusterMap;
+impl Default for MasterConfig {
+    fn default() -> Self {
+        Self {
+            duty_interval: Duration::from_secs(1),
+            node_timeout: Duration::from_secs(10),
+            min_writable_data_partitions: 2,
+            data_partitions_step: 2,
+            meta_split_inodes: 1 << 24,
+            meta_split_memory: 4 << 30,
+            meta_split_step: 1 << 24,
+            max_create_backoff: Duration::from_secs(10),
+            create_timeout: Duration::from_secs(5),
+            default_tenant: true,
+        }
+    }
 }
 
-/// One master: its raft handle and the addresses of all masters (for leader hints).
+/// The leader's record of one replica it is creating.
+#[derive(Clone, Debug, Default)]
+struct Attempt {
+    attempts: u32,
+    last_error: String,
+    /// Milliseconds (master clock) before which no new attempt is made.
+    next_ms: u64,
+    in_flight: bool,
+}
+
+#[derive(Debug, Default)]
+struct DutyState {
+    attempts: BTreeMap<(PartitionId, NodeId), Attempt>,
+    errors: Vec<String>,
+}
+
+/// One master: its raft handle, the addresses of all masters (for leader hints), and a client to
+/// reach nodes.
 #[derive(Clone, Debug)]
 pub struct Master {
     raft: RaftHandle<MasterSm>,
-    /// Master node id → messenger address.
+    /// Master raft id → messenger address.
     masters: BTreeMap<u64, String>,
+    nodes: Client,
+    config: MasterConfig,
+    duties: Arc<Mutex<DutyState>>,
+    /// Wakes the duty loop early (after a change that placed new partitions).
+    kick: Arc<Notify>,
 }
 
 impl Master {
-    pub fn new(raft: RaftHandle<MasterSm>, masters: BTreeMap<u64, String>) -> Self {
-        Self { raft, masters }
+    pub fn new(
+        raft: RaftHandle<MasterSm>,
+        masters: BTreeMap<u64, String>,
+        nodes: Client,
+        config: MasterConfig,
+    ) -> Self {
+        Self {
+            raft,
+            masters,
+            nodes,
+            config,
+            duties: Arc::default(),
+            kick: Arc::new(Notify::new()),
+        }
     }
 
     fn not_leader(&self, leader: u64) -> MasterError {
@@ -106,10 +194,34 @@ impl Master {
     pub async fn execute(&self, cmd: &Command) -> Result<Outcome, MasterError> {
         let bytes =
             postcard::to_allocvec(cmd).map_err(|e| MasterError::Unavailable(e.to_string()))?;
-        match self.raft.propose(MASTER_GROUP, bytes).await {
+        let out = match self.raft.propose(MASTER_GROUP, bytes).await {
             Ok(result) => postcard::from_bytes::<Result<Outcome, MapError>>(&result)
                 .map_err(|e| MasterError::Unavailable(format!("bad result: {e}")))?
                 .map_err(MasterError::from),
+            Err(RaftError::NotLeader { leader, .. }) => Err(self.not_leader(leader)),
+            Err(e) => Err(MasterError::Unavailable(e.to_string())),
+        }?;
+        if matches!(
+            out,
+            Outcome::VolumeCreated(_) | Outcome::PartitionsCreated(_)
+        ) {
+            self.kick.notify_one();
+        }
+        Ok(out)
+    }
+
+    /// Reads from the map linearizably on the leader.
+    pub async fn read<R, F>(&self, f: F) -> Result<R, MasterError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&ClusterMap) -> R + Send + 'static,
+    {
+        match self
+            .raft
+            .read(MASTER_GROUP, move |sm: &MasterSm| f(&sm.map))
+            .await
+        {
+            Ok(r) => Ok(r),
             Err(RaftError::NotLeader { leader, .. }) => Err(self.not_leader(leader)),
             Err(e) => Err(MasterError::Unavailable(e.to_string())),
         }
@@ -117,15 +229,7 @@ impl Master {
 
     /// The current map, read linearizably on the leader.
     pub async fn map(&self) -> Result<ClusterMap, MasterError> {
-        match self
-            .raft
-            .read(MASTER_GROUP, |sm: &MasterSm| sm.map.clone())
-            .await
-        {
-            Ok(m) => Ok(m),
-            Err(RaftError::NotLeader { leader, .. }) => Err(self.not_leader(leader)),
-            Err(e) => Err(MasterError::Unavailable(e.to_string())),
-        }
+        self.read(|m| m.clone()).await
     }
 
     /// Milliseconds since the Unix epoch on this master's clock (only the leader stamps commands).
@@ -135,49 +239,225 @@ impl Master {
             .map_or(0, |d| d.as_millis() as u64)
     }
 
-    /// Runs the leader's periodic duties until `shutdown` resolves: every `interval`, if this master
-    /// leads, nodes silent for more than `node_timeout` are marked down (and nodes heard from again
-    /// up). Followers do nothing, so a new leader takes over the duty after a failover.
-    pub async fn run_duties(
-        &self,
-        interval: Duration,
-        node_timeout: Duration,
-        shutdown: impl std::future::Future<Output = ()>,
-    ) {
+    /// The leader's status: who leads, replicas still being created, failed duties.
+    pub async fn status(&self) -> Result<MasterStatus, MasterError> {
+        let leader = self
+            .raft
+            .leader(MASTER_GROUP)
+            .await
+            .map_err(|e| MasterError::Unavailable(e.to_string()))?;
+        if leader != self.raft.id() {
+            return Err(self.not_leader(leader));
+        }
+        let pending = self.read(pending_with_addrs).await?;
+        let duties = self.duties.lock().map_err(|_| poisoned())?;
+        Ok(MasterStatus {
+            leader,
+            masters: self.masters.clone(),
+            pending: pending
+                .into_iter()
+                .map(|(partition, node, addr)| {
+                    let a = duties
+                        .attempts
+                        .get(&(partition, node))
+                        .cloned()
+                        .unwrap_or_default();
+                    PendingReplica {
+                        partition,
+                        node,
+                        addr,
+                        attempts: a.attempts,
+                        last_error: a.last_error,
+                    }
+                })
+                .collect(),
+            duty_errors: duties.errors.clone(),
+        })
+    }
+
+    /// Runs the leader's periodic duties until `shutdown` resolves. Followers skip them, so a new
+    /// leader takes over after a failover.
+    pub async fn run_duties(&self, shutdown: impl std::future::Future<Output = ()>) {
         let mut shutdown = std::pin::pin!(shutdown);
-        let mut tick = tokio::time::interval(interval);
+        let mut tick = tokio::time::interval(self.config.duty_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             tokio::select! {
                 _ = &mut shutdown => return,
                 _ = tick.tick() => {}
+                _ = self.kick.notified() => {}
             }
             if self.raft.leader(MASTER_GROUP).await.ok() != Some(self.raft.id()) {
                 continue;
             }
-            let cmd = Command::CheckLiveness {
-                now_ms: Self::now_ms(),
-                timeout_ms: node_timeout.as_millis() as u64,
-            };
-            if let Err(e) = self.execute(&cmd).await {
-                tracing::debug!(error = %e, "liveness check not applied");
+            let errors = self.duty_round().await;
+            if let Ok(mut d) = self.duties.lock() {
+                d.errors = errors;
             }
+        }
+    }
+
+    /// One round of duties; returns what failed.
+    async fn duty_round(&self) -> Vec<String> {
+        let mut errors = Vec::new();
+        let cmd = Command::CheckLiveness {
+            now_ms: Self::now_ms(),
+            timeout_ms: self.config.node_timeout.as_millis() as u64,
+        };
+        if let Err(e) = self.execute(&cmd).await {
+            // Not leading any more, most likely; the next leader runs the duties.
+            tracing::debug!(error = %e, "liveness check not applied");
+            return errors;
+        }
+        let map = match self.map().await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!(error = %e, "duties: map not readable");
+                return errors;
+            }
+        };
+        for cmd in self.planned_changes(&map) {
+            match self.execute(&cmd).await {
+                Ok(_) => tracing::info!(?cmd, "duty applied"),
+                Err(e) => {
+                    tracing::warn!(?cmd, error = %e, "duty failed");
+                    errors.push(format!("{}: {e}", describe(&cmd)));
+                }
+            }
+        }
+        self.push_creates().await;
+        errors
+    }
+
+    /// Changes the map needs now: a default tenant, data partitions, meta partition splits.
+    fn planned_changes(&self, map: &ClusterMap) -> Vec<Command> {
+        let c = &self.config;
+        let mut cmds = Vec::new();
+        if c.default_tenant && map.tenants.is_empty() {
+            match (random_hex(10), random_hex(20)) {
+                (Ok(ak), Ok(sk)) => cmds.push(Command::CreateTenant {
+                    name: "default".into(),
+                    access_key: format!("NACRE{}", ak.to_uppercase()),
+                    secret_key: sk,
+                }),
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::warn!(error = %e, "no randomness for tenant keys");
+                }
+            }
+        }
+        for v in map.volumes.values() {
+            let writable = v
+                .data_partitions
+                .iter()
+                .filter(|p| {
+                    map.data_partitions
+                        .get(p)
+                        .is_some_and(|p| p.status == PartitionStatus::Rw)
+                })
+                .count() as u32;
+            if writable < c.min_writable_data_partitions {
+                cmds.push(Command::AddDataPartitions {
+                    volume: v.name.clone(),
+                    count: c
+                        .data_partitions_step
+                        .max(c.min_writable_data_partitions - writable),
+                });
+            }
+            if let Some(last) = v
+                .meta_partitions
+                .last()
+                .and_then(|id| map.meta_partitions.get(id))
+                && (last.inode_count >= c.meta_split_inodes || last.memory >= c.meta_split_memory)
+            {
+                cmds.push(Command::SplitMetaPartition {
+                    volume: v.name.clone(),
+                    step: c.meta_split_step,
+                });
+            }
+        }
+        cmds
+    }
+
+    /// Asks nodes to create the replicas placed on them that they have not reported yet, with
+    /// exponential backoff per replica. Calls run concurrently and record their outcome.
+    async fn push_creates(&self) {
+        let Ok(work) = self
+            .read(|m| {
+                m.pending_replicas()
+                    .into_iter()
+                    .filter_map(|(p, n)| {
+                        let addr = m.nodes.get(&n)?.addr.clone();
+                        Some((p, n, addr, m.spec(p)?))
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .await
+        else {
+            return;
+        };
+        let now = Self::now_ms();
+        let Ok(mut d) = self.duties.lock() else {
+            return;
+        };
+        let live: std::collections::BTreeSet<(PartitionId, NodeId)> =
+            work.iter().map(|(p, n, _, _)| (*p, *n)).collect();
+        d.attempts.retain(|k, _| live.contains(k));
+        for (p, n, addr, spec) in work {
+            let a = d.attempts.entry((p, n)).or_default();
+            if a.in_flight || a.next_ms > now {
+                continue;
+            }
+            a.in_flight = true;
+            a.attempts += 1;
+            let backoff = (100u64 << a.attempts.min(16))
+                .min(self.config.max_create_backoff.as_millis() as u64);
+            let (client, duties, timeout) = (
+                self.nodes.clone(),
+                self.duties.clone(),
+                self.config.create_timeout,
+            );
+            tokio::spawn(async move {
+                let opts = CallOptions {
+                    timeout: Some(timeout),
+                    ..Default::default()
+                };
+                let result = match client
+                    .call_with::<CreatePartition>(&addr, &spec, Payload::none(), opts)
+                    .await
+                {
+                    Ok((Ok(()), _)) => Ok(()),
+                    Ok((Err(reason), _)) => Err(reason),
+                    Err(e) => Err(e.to_string()),
+                };
+                if let Err(e) = &result {
+                    tracing::warn!(partition = %p, node = %n, %addr, error = %e, "partition not created");
+                }
+                if let Ok(mut d) = duties.lock()
+                    && let Some(a) = d.attempts.get_mut(&(p, n))
+                {
+                    a.in_flight = false;
+                    // After a success, wait for the node's heartbeat to confirm before asking again.
+                    a.next_ms = Self::now_ms() + backoff;
+                    a.last_error = result.err().unwrap_or_default();
+                }
+            });
         }
     }
 
     /// The master's ops (its raft traffic is served by the raft handle's own router).
     pub fn router(&self) -> Router {
-        let (a, b) = (self.clone(), self.clone());
+        let (a, b, c, d, e, f) = (
+            self.clone(),
+            self.clone(),
+            self.clone(),
+            self.clone(),
+            self.clone(),
+            self.clone(),
+        );
         Router::new()
             .route::<Execute, _, _>(move |cmd, _inc| {
                 let m = a.clone();
-                async move {
-                    match m.execute(&cmd).await {
-                        Ok(o) => Ok((Ok(o), Payload::none())),
-                        Err(MasterError::Map(e)) => Ok((Err(e), Payload::none())),
-                        Err(e) => Err(remote(e)),
-                    }
-                }
+                async move { map_result(m.execute(&cmd).await) }
             })
             .route::<GetMap, _, _>(move |_req, _inc| {
                 let m = b.clone();
@@ -188,10 +468,110 @@ impl Master {
                         .map_err(remote)
                 }
             })
+            .route::<GetVolume, _, _>(move |req, _inc| {
+                let m = c.clone();
+                async move {
+                    m.read(move |map| map.volume_view(&req.name))
+                        .await
+                        .map(|v| (v, Payload::none()))
+                        .map_err(remote)
+                }
+            })
+            .route::<Register, _, _>(move |req, _inc| {
+                let m = d.clone();
+                async move {
+                    let cmd = Command::RegisterNode {
+                        addr: req.addr,
+                        role: req.role,
+                        zone: req.zone,
+                        capacity: req.capacity,
+                        now_ms: Self::now_ms(),
+                    };
+                    map_result(m.execute(&cmd).await.and_then(|o| match o {
+                        Outcome::NodeRegistered(id) => Ok(id),
+                        other => Err(unexpected(&other)),
+                    }))
+                }
+            })
+            .route::<Heartbeat, _, _>(move |req, _inc| {
+                let m = e.clone();
+                async move {
+                    let cmd = Command::Heartbeat {
+                        node: req.node,
+                        used: req.used,
+                        now_ms: Self::now_ms(),
+                        partitions: req.partitions,
+                    };
+                    let out = m.execute(&cmd).await;
+                    // The epoch read after the heartbeat applied is at least the assignment's.
+                    let epoch = m.read(|map| map.epoch).await.unwrap_or_default();
+                    map_result(out.and_then(|o| match o {
+                        Outcome::Assigned(assigned) => Ok(HeartbeatReply { epoch, assigned }),
+                        other => Err(unexpected(&other)),
+                    }))
+                }
+            })
+            .route::<Status, _, _>(move |_req, _inc| {
+                let m = f.clone();
+                async move {
+                    m.status()
+                        .await
+                        .map(|s| (s, Payload::none()))
+                        .map_err(remote)
+                }
+            })
     }
 }
 
-fn remote(e: MasterError) -> RemoteError {
+fn poisoned() -> MasterError {
+    MasterError::Unavailable("master duty state poisoned".into())
+}
+
+fn unexpected(o: &Outcome) -> MasterError {
+    MasterError::Unavailable(format!("unexpected outcome {o:?}"))
+}
+
+fn pending_with_addrs(m: &ClusterMap) -> Vec<(PartitionId, NodeId, String)> {
+    m.pending_replicas()
+        .into_iter()
+        .map(|(p, n)| {
+            let addr = m.nodes.get(&n).map(|n| n.addr.clone()).unwrap_or_default();
+            (p, n, addr)
+        })
+        .collect()
+}
+
+fn describe(cmd: &Command) -> String {
+    match cmd {
+        Command::AddDataPartitions { volume, count } => {
+            format!("adding {count} data partitions to volume {volume}")
+        }
+        Command::SplitMetaPartition { volume, .. } => {
+            format!("splitting the last meta partition of volume {volume}")
+        }
+        Command::CreateTenant { name, .. } => format!("creating tenant {name}"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// `n` random bytes from the kernel, as lowercase hex.
+fn random_hex(n: usize) -> std::io::Result<String> {
+    use std::io::Read as _;
+    let mut buf = vec![0u8; n];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Map errors travel in the response body (they are answers); the rest become error frames.
+fn map_result<T>(r: Result<T, MasterError>) -> Result<(Result<T, MapError>, Payload), RemoteError> {
+    match r {
+        Ok(v) => Ok((Ok(v), Payload::none())),
+        Err(MasterError::Map(e)) => Ok((Err(e), Payload::none())),
+        Err(e) => Err(remote(e)),
+    }
+}
+
+pub(crate) fn remote(e: MasterError) -> RemoteError {
     match e {
         MasterError::NotLeader { leader } => RemoteError {
             leader_hint: leader,
@@ -199,93 +579,5 @@ fn remote(e: MasterError) -> RemoteError {
         },
         MasterError::Unavailable(m) => RemoteError::new(ErrorCode::Unavailable, m),
         MasterError::Map(e) => RemoteError::new(ErrorCode::InvalidArgument, e.to_string()),
-    }
-}
-
-/// Talks to whichever master leads: follows `NotLeader` hints and otherwise tries the masters in turn,
-/// backing off while no leader is known, for at most `retry_for`.
-#[derive(Clone, Debug)]
-pub struct MasterClient {
-    client: Client,
-    masters: Vec<String>,
-    /// Time allowed for one call to one master.
-    timeout: Duration,
-    /// Time allowed to find the leader, across masters and elections.
-    retry_for: Duration,
-}
-
-impl MasterClient {
-    pub fn new(client: Client, masters: Vec<String>) -> Self {
-        Self {
-            client,
-            masters,
-            timeout: Duration::from_secs(3),
-            retry_for: Duration::from_secs(10),
-        }
-    }
-
-    async fn call<R: Rpc>(&self, req: &R::Request) -> Result<R::Response, MasterError> {
-        if self.masters.is_empty() {
-            return Err(MasterError::Unavailable(
-                "no master address configured".into(),
-            ));
-        }
-        let mut target = 0usize;
-        let mut last;
-        // Bounded by time rather than attempts: long enough to ride out a master election.
-        let deadline = tokio::time::Instant::now() + self.retry_for;
-        loop {
-            let addr = &self.masters[target % self.masters.len()];
-            let opts = CallOptions {
-                timeout: Some(self.timeout),
-                ..Default::default()
-            };
-            let followed_hint = match self
-                .client
-                .call_with::<R>(addr, req, Payload::none(), opts)
-                .await
-            {
-                Ok((resp, _)) => return Ok(resp),
-                Err(MsgrError::Remote { error, .. }) if error.code() == ErrorCode::NotLeader => {
-                    last = format!("{addr}: not the leader");
-                    match error
-                        .leader_hint
-                        .as_ref()
-                        .and_then(|h| self.masters.iter().position(|m| m == h))
-                    {
-                        Some(i) if i != target % self.masters.len() => {
-                            target = i;
-                            true
-                        }
-                        _ => {
-                            target += 1;
-                            false
-                        }
-                    }
-                }
-                Err(e) => {
-                    last = e.to_string();
-                    target += 1;
-                    false
-                }
-            };
-            if tokio::time::Instant::now() >= deadline {
-                return Err(MasterError::Unavailable(last));
-            }
-            if !followed_hint {
-                // No leader known yet (an election is running, or a master is down): back off.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-
-    /// Executes a command on the leader.
-    pub async fn execute(&self, cmd: &Command) -> Result<Outcome, MasterError> {
-        self.call::<Execute>(cmd).await?.map_err(MasterError::from)
-    }
-
-    /// Reads the map from the leader.
-    pub async fn map(&self) -> Result<ClusterMap, MasterError> {
-        self.call::<GetMap>(&GetMapRequest {}).await
     }
 }

@@ -2,136 +2,22 @@
 //! being created while the leader dies is either fully created or not at all.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
-use nacre_master::map::{Command, MapError, Role};
-use nacre_master::{MASTER_GROUP, Master, MasterClient, MasterError, MasterSm};
+use common::*;
+use nacre_master::map::{Command, MapError, NodeStatus, Outcome, Role};
+use nacre_master::{Master, MasterConfig, MasterError};
 use nacre_msgr::mem::MemNetwork;
-use nacre_msgr::{Messenger, MsgrConfig};
-use nacre_raft::store::start;
-use nacre_raft::{LogStore, MemLogStore, NodeConfig, RaftHandle, StoreConfig};
-
-struct MasterNode {
-    raft: RaftHandle<MasterSm>,
-    master: Master,
-    msgr: Messenger,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-async fn masters(net: &MemNetwork) -> (BTreeMap<u64, MasterNode>, Vec<String>) {
-    let config = StoreConfig {
-        node: NodeConfig::default(),
-        tick_interval: Duration::from_millis(10),
-        ..StoreConfig::default()
-    };
-    let mut listeners = BTreeMap::new();
-    let mut msgrs = BTreeMap::new();
-    for id in 1..=3u64 {
-        let host = format!("m{id}");
-        let cfg = MsgrConfig {
-            workers: 1,
-            connect_timeout: Duration::from_millis(200),
-            ..MsgrConfig::default()
-        };
-        let m = Messenger::new(&host, cfg, Arc::new(net.transport(&host))).unwrap();
-        listeners.insert(id, m.transport().bind(&format!("{host}:0")).await.unwrap());
-        msgrs.insert(id, m);
-    }
-    let addrs: BTreeMap<u64, String> = listeners
-        .iter()
-        .map(|(id, l)| (*id, l.local_addr().unwrap()))
-        .collect();
-    let mut nodes = BTreeMap::new();
-    for (id, l) in listeners {
-        let m = msgrs.remove(&id).unwrap();
-        let peers = addrs
-            .iter()
-            .filter(|(p, _)| **p != id)
-            .map(|(p, a)| (*p, a.clone()))
-            .collect();
-        let log: Arc<dyn LogStore> = Arc::new(MemLogStore::new());
-        let raft = start::<MasterSm>(id, config.clone(), log, peers, m.client()).unwrap();
-        raft.add_group(MASTER_GROUP, &[1, 2, 3], MasterSm::default())
-            .await
-            .unwrap();
-        let master = Master::new(raft.clone(), addrs.clone());
-        let router = raft.router().merge(master.router());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(m.serve(l, Arc::new(router), async {
-            let _ = stopped.await;
-        }));
-        nodes.insert(
-            id,
-            MasterNode {
-                raft,
-                master,
-                msgr: m,
-                stop: Some(stop),
-            },
-        );
-    }
-    (nodes, addrs.into_values().collect())
-}
-
-fn volume(name: &str) -> Command {
-    Command::CreateVolume {
-        name: name.into(),
-        owner: "t".into(),
-        replicas: 3,
-        capacity: 1 << 40,
-        meta_partitions: 2,
-        data_partitions: 4,
-        inode_step: 1 << 20,
-    }
-}
-
-async fn kill(nodes: &mut BTreeMap<u64, MasterNode>, net: &MemNetwork, id: u64) {
-    let n = nodes.get_mut(&id).unwrap();
-    net.isolate(&format!("m{id}"));
-    n.raft.stop().await.unwrap();
-    if let Some(s) = n.stop.take() {
-        let _ = s.send(());
-    }
-}
-
-async fn leader(nodes: &BTreeMap<u64, MasterNode>) -> u64 {
-    for n in nodes.values() {
-        if let Ok(st) = n.raft.status().await
-            && st.leaders == 1
-        {
-            return n.raft.id();
-        }
-    }
-    0
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_masters_keep_the_map_and_serve_after_the_leader_dies() {
     let net = MemNetwork::new(11);
-    let (mut nodes, addrs) = masters(&net).await;
-    let client_msgr =
-        Messenger::new("cli", MsgrConfig::default(), Arc::new(net.transport("cli"))).unwrap();
-    let mc = MasterClient::new(client_msgr.client(), addrs);
-    for (role, i) in [
-        (Role::Meta, 0),
-        (Role::Meta, 1),
-        (Role::Meta, 2),
-        (Role::Data, 0),
-        (Role::Data, 1),
-        (Role::Data, 2),
-    ] {
-        mc.execute(&Command::RegisterNode {
-            addr: format!("{role:?}{i}:1"),
-            role,
-            zone: "z".into(),
-            capacity: 1 << 30,
-            now_ms: 0,
-        })
-        .await
-        .unwrap();
-    }
+    let (mut nodes, addrs) = masters(&net, MasterConfig::default()).await;
+    let (client_msgr, mc) = client(&net, "cli", addrs);
+    register_nodes(&mc).await;
+    create_tenant(&mc).await;
     mc.execute(&volume("before")).await.unwrap();
     assert_eq!(
         mc.execute(&volume("before")).await,
@@ -179,15 +65,7 @@ async fn three_masters_keep_the_map_and_serve_after_the_leader_dies() {
         "no partition without its volume"
     );
 
-    for n in nodes.values_mut() {
-        if let Some(s) = n.stop.take() {
-            let _ = s.send(());
-        }
-        let m = n.msgr.clone();
-        tokio::task::spawn_blocking(move || m.shutdown())
-            .await
-            .unwrap();
-    }
+    shutdown(&mut nodes).await;
     tokio::task::spawn_blocking(move || client_msgr.shutdown())
         .await
         .unwrap();
@@ -195,27 +73,26 @@ async fn three_masters_keep_the_map_and_serve_after_the_leader_dies() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_leader_marks_silent_nodes_down_and_returning_nodes_up() {
-    use nacre_master::map::{NodeStatus, Outcome};
     let net = MemNetwork::new(12);
-    let (mut nodes, addrs) = masters(&net).await;
+    let config = MasterConfig {
+        duty_interval: Duration::from_millis(50),
+        node_timeout: Duration::from_millis(300),
+        default_tenant: false,
+        ..MasterConfig::default()
+    };
+    let (mut nodes, addrs) = masters(&net, config).await;
     let (stop_duties, duties_stopped) = tokio::sync::watch::channel(false);
     for n in nodes.values() {
         let m = n.master.clone();
         let mut rx = duties_stopped.clone();
         tokio::spawn(async move {
-            m.run_duties(
-                Duration::from_millis(50),
-                Duration::from_millis(300),
-                async move {
-                    let _ = rx.wait_for(|s| *s).await;
-                },
-            )
+            m.run_duties(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
             .await;
         });
     }
-    let client_msgr =
-        Messenger::new("cli", MsgrConfig::default(), Arc::new(net.transport("cli"))).unwrap();
-    let mc = MasterClient::new(client_msgr.client(), addrs);
+    let (client_msgr, mc) = client(&net, "cli", addrs);
     let Outcome::NodeRegistered(id) = mc
         .execute(&Command::RegisterNode {
             addr: "data0:1".into(),
@@ -229,44 +106,21 @@ async fn the_leader_marks_silent_nodes_down_and_returning_nodes_up() {
     else {
         panic!("expected a node id");
     };
-    // Bounded waits on the replicated map, polling at the duty interval.
-    let wait_for = |want: NodeStatus| {
-        let mc = mc.clone();
-        async move {
-            for _ in 0..200 {
-                if mc.map().await.unwrap().nodes[&id].status == want {
-                    return true;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            false
-        }
-    };
-    assert!(
-        wait_for(NodeStatus::Down).await,
-        "a silent node was not marked down"
-    );
-    mc.execute(&Command::Heartbeat {
-        node: id,
-        used: 0,
-        now_ms: Master::now_ms(),
+    let mut epochs = nodes[&1].epochs.clone();
+    let limit = Duration::from_secs(10);
+    let down = wait_map(&mc, &mut epochs, limit, |m| {
+        m.nodes[&id].status == NodeStatus::Down
     })
-    .await
-    .unwrap();
-    assert!(
-        wait_for(NodeStatus::Up).await,
-        "a node heard from again was not marked up"
-    );
+    .await;
+    assert!(down.is_some(), "a silent node was not marked down");
+    mc.heartbeat(id, 0, vec![]).await.unwrap();
+    let up = wait_map(&mc, &mut epochs, limit, |m| {
+        m.nodes[&id].status == NodeStatus::Up
+    })
+    .await;
+    assert!(up.is_some(), "a node heard from again was not marked up");
     let _ = stop_duties.send(true);
-    for n in nodes.values_mut() {
-        if let Some(s) = n.stop.take() {
-            let _ = s.send(());
-        }
-        let m = n.msgr.clone();
-        tokio::task::spawn_blocking(move || m.shutdown())
-            .await
-            .unwrap();
-    }
+    shutdown(&mut nodes).await;
     tokio::task::spawn_blocking(move || client_msgr.shutdown())
         .await
         .unwrap();

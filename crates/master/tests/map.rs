@@ -2,7 +2,8 @@
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
 use nacre_master::map::{
-    ClusterMap, Command, MapError, NodeStatus, OPEN_END, Outcome, PartitionStatus, Role,
+    ClusterMap, Command, MapError, NodeStatus, OPEN_END, Outcome, PartitionKind, PartitionReport,
+    PartitionStatus, Role,
 };
 use nacre_types::NodeId;
 use proptest::prelude::*;
@@ -21,7 +22,23 @@ fn cluster(meta: usize, data: usize, zones: usize) -> ClusterMap {
             .unwrap();
         }
     }
+    m.apply(&Command::CreateTenant {
+        name: "t1".into(),
+        access_key: "AK1".into(),
+        secret_key: "0123456789abcdef".into(),
+    })
+    .unwrap();
     m
+}
+
+fn heartbeat(m: &mut ClusterMap, node: NodeId, now_ms: u64, partitions: Vec<PartitionReport>) {
+    m.apply(&Command::Heartbeat {
+        node,
+        used: 0,
+        now_ms,
+        partitions,
+    })
+    .unwrap();
 }
 
 fn create(m: &mut ClusterMap, name: &str, metas: u32, datas: u32) -> Result<Outcome, MapError> {
@@ -160,12 +177,7 @@ fn a_silent_node_is_marked_down_and_its_partitions_read_only_until_it_returns() 
     let victim = m.nodes.values().find(|n| n.role == Role::Data).unwrap().id;
     for n in m.nodes.keys().copied().collect::<Vec<_>>() {
         if n != victim {
-            m.apply(&Command::Heartbeat {
-                node: n,
-                used: 0,
-                now_ms: 10_000,
-            })
-            .unwrap();
+            heartbeat(&mut m, n, 10_000, vec![]);
         }
     }
     m.apply(&Command::CheckLiveness {
@@ -184,12 +196,7 @@ fn a_silent_node_is_marked_down_and_its_partitions_read_only_until_it_returns() 
             .values()
             .all(|p| p.status == PartitionStatus::Rw)
     );
-    m.apply(&Command::Heartbeat {
-        node: victim,
-        used: 0,
-        now_ms: 11_000,
-    })
-    .unwrap();
+    heartbeat(&mut m, victim, 11_000, vec![]);
     m.apply(&Command::CheckLiveness {
         now_ms: 11_000,
         timeout_ms: 5_000,
@@ -220,15 +227,113 @@ proptest! {
         for (grow, step) in steps {
             let last = *m.volumes["vol"].meta_partitions.last().unwrap();
             let p = m.meta_partitions[&last].clone();
-            m.apply(&Command::MetaPartitionStats {
-                partition: last,
-                leader: p.replicas[0],
+            heartbeat(&mut m, p.replicas[0], 0, vec![PartitionReport {
+                id: last,
+                leader: true,
                 inode_count: grow,
                 max_inode: p.start + grow,
-            })
-            .unwrap();
+                ..PartitionReport::default()
+            }]);
             m.apply(&Command::SplitMetaPartition { volume: "vol".into(), step }).unwrap();
             check_ranges(&m, "vol");
         }
     }
+}
+
+#[test]
+fn tenants_own_volumes_and_cannot_be_deleted_while_they_do() {
+    let mut m = cluster(3, 3, 1);
+    let no_owner = m.apply(&Command::CreateVolume {
+        name: "vol".into(),
+        owner: "ghost".into(),
+        replicas: 3,
+        capacity: 1,
+        meta_partitions: 1,
+        data_partitions: 1,
+        inode_step: 1,
+    });
+    assert_eq!(no_owner, Err(MapError::NoSuchTenant("ghost".into())));
+    create(&mut m, "vol", 1, 1).unwrap();
+    let e = m
+        .apply(&Command::DeleteTenant { name: "t1".into() })
+        .unwrap_err();
+    assert_eq!(e.to_string(), "tenant \"t1\" still owns volumes: vol");
+    let dup_key = m.apply(&Command::CreateTenant {
+        name: "t2".into(),
+        access_key: "AK1".into(),
+        secret_key: "0123456789abcdef".into(),
+    });
+    assert!(matches!(dup_key, Err(MapError::Invalid(_))));
+    m.apply(&Command::DeleteVolume { name: "vol".into() })
+        .unwrap();
+    m.apply(&Command::DeleteTenant { name: "t1".into() })
+        .unwrap();
+    assert!(m.tenants.is_empty());
+}
+
+#[test]
+fn heartbeats_confirm_replicas_report_leaders_and_return_assignments() {
+    let mut m = cluster(3, 3, 1);
+    create(&mut m, "vol", 2, 2).unwrap();
+    assert_eq!(m.pending_replicas().len(), 4 * 3, "nothing confirmed yet");
+    let node = m.meta_partitions.values().next().unwrap().replicas[0];
+    let Outcome::Assigned(specs) = m
+        .apply(&Command::Heartbeat {
+            node,
+            used: 0,
+            now_ms: 1,
+            partitions: vec![],
+        })
+        .unwrap()
+    else {
+        panic!("a heartbeat returns the node's assignments");
+    };
+    assert_eq!(specs.len(), 2, "each meta node hosts both meta partitions");
+    assert!(matches!(
+        specs[0].kind,
+        PartitionKind::Meta { start: 1, .. }
+    ));
+    assert_eq!(specs[0].volume, "vol");
+    assert_eq!(specs[0].replicas.len(), 3);
+
+    // Usage-only heartbeats do not bump the epoch; a new leader or replica does.
+    let e = m.epoch;
+    heartbeat(&mut m, node, 2, vec![]);
+    assert_eq!(m.epoch, e);
+    let reports = specs
+        .iter()
+        .map(|s| PartitionReport {
+            id: s.id,
+            leader: true,
+            inode_count: 7,
+            max_inode: 9,
+            ..PartitionReport::default()
+        })
+        .collect();
+    heartbeat(&mut m, node, 3, reports);
+    assert_eq!(m.epoch, e + 1);
+    assert_eq!(m.pending_replicas().len(), 4 * 3 - 2);
+    let view = m.volume_view("vol").unwrap();
+    assert_eq!(view.epoch, m.epoch);
+    assert!(view.meta_partitions.iter().all(|p| p.leader == Some(node)));
+    assert_eq!(m.meta_partitions.values().next().unwrap().max_inode, 9);
+    assert!(matches!(
+        m.volume_view("nope"),
+        Err(MapError::NoSuchVolume(_))
+    ));
+
+    // A full data partition turns read-only.
+    let dp = m.data_partitions.values().next().unwrap().clone();
+    heartbeat(
+        &mut m,
+        dp.replicas[0],
+        4,
+        vec![PartitionReport {
+            id: dp.id,
+            leader: true,
+            full: true,
+            ..PartitionReport::default()
+        }],
+    );
+    assert_eq!(m.data_partitions[&dp.id].status, PartitionStatus::Ro);
 }

@@ -1,0 +1,147 @@
+//! [`MasterClient`]: talks to whichever master leads.
+
+use std::time::Duration;
+
+use nacre_msgr::{CallOptions, Client, MsgrError, Payload};
+use nacre_proto::msg::Rpc;
+use nacre_types::{ErrorCode, NodeId};
+
+use crate::map::{ClusterMap, Command, Outcome, PartitionReport, VolumeView};
+use crate::rpc::{
+    Execute, GetMap, GetMapRequest, GetVolume, GetVolumeRequest, Heartbeat, HeartbeatReply,
+    HeartbeatRequest, MasterStatus, Register, RegisterRequest, Status, StatusRequest,
+};
+use crate::service::MasterError;
+
+/// Talks to whichever master leads: follows `NotLeader` hints and otherwise tries the masters in turn,
+/// backing off while no leader is known, for at most `retry_for`.
+#[derive(Clone, Debug)]
+pub struct MasterClient {
+    client: Client,
+    masters: Vec<String>,
+    /// Time allowed for one call to one master.
+    timeout: Duration,
+    /// Time allowed to find the leader, across masters and elections.
+    retry_for: Duration,
+}
+
+impl MasterClient {
+    pub fn new(client: Client, masters: Vec<String>) -> Self {
+        Self {
+            client,
+            masters,
+            timeout: Duration::from_secs(3),
+            retry_for: Duration::from_secs(10),
+        }
+    }
+
+    /// Changes how long one call may look for the leader (default 10 s).
+    pub fn with_retry_for(mut self, retry_for: Duration) -> Self {
+        self.retry_for = retry_for;
+        self
+    }
+
+    /// The master addresses this client knows.
+    pub fn masters(&self) -> &[String] {
+        &self.masters
+    }
+
+    async fn call<R: Rpc>(&self, req: &R::Request) -> Result<R::Response, MasterError> {
+        if self.masters.is_empty() {
+            return Err(MasterError::Unavailable(
+                "no master address configured".into(),
+            ));
+        }
+        let mut target = 0usize;
+        let mut last;
+        // Bounded by time rather than attempts: long enough to ride out a master election.
+        let deadline = tokio::time::Instant::now() + self.retry_for;
+        loop {
+            let addr = &self.masters[target % self.masters.len()];
+            let opts = CallOptions {
+                timeout: Some(self.timeout),
+                ..Default::default()
+            };
+            let followed_hint = match self
+                .client
+                .call_with::<R>(addr, req, Payload::none(), opts)
+                .await
+            {
+                Ok((resp, _)) => return Ok(resp),
+                Err(MsgrError::Remote { error, .. }) if error.code() == ErrorCode::NotLeader => {
+                    last = format!("{addr}: not the leader");
+                    match error
+                        .leader_hint
+                        .as_ref()
+                        .and_then(|h| self.masters.iter().position(|m| m == h))
+                    {
+                        Some(i) if i != target % self.masters.len() => {
+                            target = i;
+                            true
+                        }
+                        _ => {
+                            target += 1;
+                            false
+                        }
+                    }
+                }
+                Err(e) => {
+                    last = format!("{addr}: {e}");
+                    target += 1;
+                    false
+                }
+            };
+            if tokio::time::Instant::now() >= deadline {
+                return Err(MasterError::Unavailable(last));
+            }
+            if !followed_hint {
+                // No leader known yet (an election is running, or a master is down): back off.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    /// Executes a command on the leader.
+    pub async fn execute(&self, cmd: &Command) -> Result<Outcome, MasterError> {
+        self.call::<Execute>(cmd).await?.map_err(MasterError::from)
+    }
+
+    /// Reads the map from the leader.
+    pub async fn map(&self) -> Result<ClusterMap, MasterError> {
+        self.call::<GetMap>(&GetMapRequest {}).await
+    }
+
+    /// A client's view of one volume.
+    pub async fn volume(&self, name: &str) -> Result<VolumeView, MasterError> {
+        self.call::<GetVolume>(&GetVolumeRequest { name: name.into() })
+            .await?
+            .map_err(MasterError::from)
+    }
+
+    /// Registers a node; returns its id.
+    pub async fn register(&self, req: &RegisterRequest) -> Result<NodeId, MasterError> {
+        self.call::<Register>(req).await?.map_err(MasterError::from)
+    }
+
+    /// Sends a heartbeat; returns the node's assignment.
+    pub async fn heartbeat(
+        &self,
+        node: NodeId,
+        used: u64,
+        partitions: Vec<PartitionReport>,
+    ) -> Result<HeartbeatReply, MasterError> {
+        let req = HeartbeatRequest {
+            node,
+            used,
+            partitions,
+        };
+        self.call::<Heartbeat>(&req)
+            .await?
+            .map_err(MasterError::from)
+    }
+
+    /// The leader's status.
+    pub async fn status(&self) -> Result<MasterStatus, MasterError> {
+        self.call::<Status>(&StatusRequest {}).await
+    }
+}
