@@ -10,10 +10,10 @@
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+pub use nacre_msgr::BoxFuture;
 use nacre_msgr::{Payload, Router};
 use nacre_types::{NodeId, PartitionId};
 use tokio::sync::watch;
@@ -22,9 +22,6 @@ use crate::client::MasterClient;
 use crate::map::{MapError, PartitionReport, PartitionSpec, Role};
 use crate::rpc::{CreatePartition, HeartbeatReply, RegisterRequest};
 use crate::service::MasterError;
-
-/// A boxed future, for the async methods of an object-safe trait.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// What a node hosts, as seen by the master protocol.
 pub trait PartitionHost: Send + Sync + 'static {

@@ -2,6 +2,7 @@
 //! placement, volumes and their partitions, the master service replicated by Raft, the client that
 //! follows its leader, and the node-side agent that registers and heartbeats.
 
+pub mod admin;
 pub mod agent;
 pub mod client;
 pub mod map;

@@ -555,7 +555,7 @@ fn describe(cmd: &Command) -> String {
 }
 
 /// `n` random bytes from the kernel, as lowercase hex.
-fn random_hex(n: usize) -> std::io::Result<String> {
+pub(crate) fn random_hex(n: usize) -> std::io::Result<String> {
     use std::io::Read as _;
     let mut buf = vec![0u8; n];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;

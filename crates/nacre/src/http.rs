@@ -1,4 +1,5 @@
-//! The HTTP endpoint every nacre process exposes: Prometheus metrics and a liveness probe.
+//! The HTTP endpoint every nacre process exposes: Prometheus metrics and a liveness probe (masters
+//! add the admin API, see `admin.rs`).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -26,17 +27,17 @@ pub fn router(registry: Arc<Registry>) -> Router {
         .with_state(registry)
 }
 
-/// Serves [`router`] on `listener` until `shutdown` completes, then waits for open
-/// connections to finish.
+/// Serves `app` on `listener` until `shutdown` completes, then waits for open connections to
+/// finish.
 pub async fn serve(
     listener: TcpListener,
-    registry: Arc<Registry>,
+    app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     if let Ok(addr) = listener.local_addr() {
-        tracing::info!(%addr, "serving metrics");
+        tracing::info!(%addr, "serving http");
     }
-    axum::serve(listener, router(registry))
+    axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
 }
@@ -125,7 +126,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("local addr");
         let (stop, stopped) = oneshot::channel::<()>();
-        let server = tokio::spawn(serve(listener, Arc::new(registry), async {
+        let server = tokio::spawn(serve(listener, router(Arc::new(registry)), async {
             let _ = stopped.await;
         }));
         (addr, stop, server)

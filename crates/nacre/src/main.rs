@@ -1,5 +1,6 @@
 //! `nacre`: one binary for every role of a nacre cluster, its CLI and its benchmarks.
 
+mod admin;
 mod bench;
 mod config;
 mod http;
@@ -16,7 +17,7 @@ use nacre_msgr::{Messenger, MsgrConfig, Payload, TcpTransport};
 use nacre_proto::msg::sys::{Echo, EchoRequest, Ping, PingRequest};
 
 use crate::bench::report::{self, parse_size};
-use crate::node::{Node, NodeConfig};
+use crate::node::{Node, NodeConfig, RoleName};
 
 /// nacre: a programmable distributed file and object store for container platforms.
 ///
@@ -34,17 +35,31 @@ struct Cli {
 enum Cmd {
     /// Run one nacre node from a TOML config file (NACRE_* variables override its keys).
     ///
-    /// Example: `NACRE_MSGR__WORKERS=4 nacre server --config node.toml`. Keys: name, listen,
-    /// metrics_listen, [msgr] workers, assign, max_frame, conns_per_peer, max_inflight_per_conn,
-    /// max_inflight_bytes_per_conn, max_inflight_total, max_inflight_bytes_total,
-    /// connect_timeout_ms, default_deadline_ms. Without --config, defaults and NACRE_* apply.
+    /// Example: `NACRE_ROLE=master NACRE_MSGR__WORKERS=4 nacre server --config node.toml`. Keys:
+    /// name, role (master|meta|data|none), listen, advertise, http_listen, data_dir, zone, masters,
+    /// heartbeat_ms, capacity; [master] id, peers, tick_ms, duty_interval_ms, node_timeout_ms,
+    /// min_writable_data_partitions, data_partitions_step, meta_split_inodes, meta_split_memory,
+    /// meta_split_step, default_tenant; [msgr] workers, assign, max_frame, conns_per_peer,
+    /// max_inflight_per_conn, max_inflight_bytes_per_conn, max_inflight_total,
+    /// max_inflight_bytes_total, connect_timeout_ms, default_deadline_ms. `--print-config` shows
+    /// them all with their values.
     Server(ServerArgs),
     /// Start a local cluster in this process and keep it running until Ctrl-C.
     ///
-    /// Today this starts one node serving the messenger's system ops (ping, echo) and the metrics
-    /// endpoint; the master, meta and data roles join it as they are built. Addresses are printed and
-    /// written to DIR/up.json.
+    /// One master, three meta nodes and three data nodes, each on its own loopback port with its
+    /// own directory under DIR. Addresses are printed and written to DIR/up.json, where the admin
+    /// commands (`nacre vol create …`) run in the same directory find them.
     Up(UpArgs),
+    /// Cluster-wide status from the master leader.
+    Cluster(admin::ClusterArgs),
+    /// Meta and data nodes.
+    Node(admin::NodeArgs),
+    /// Volumes: create, list, info, delete.
+    Vol(admin::VolArgs),
+    /// Meta and data partitions.
+    Partition(admin::PartitionArgs),
+    /// Tenants and their access keys.
+    Tenant(admin::TenantArgs),
     /// Send ping (or echo) requests to a node and print round-trip times.
     Ping(PingArgs),
     /// Benchmarks. Each prints a table, or one JSON object per line with --json.
@@ -67,12 +82,12 @@ struct UpArgs {
     /// Directory for the cluster's state (created if missing).
     #[arg(long, default_value = ".nacre")]
     dir: PathBuf,
-    /// Messenger listen address of the node.
+    /// Messenger listen address of the master.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
-    /// Metrics listen address.
+    /// HTTP listen address of the master (metrics and the admin API).
     #[arg(long, default_value = "127.0.0.1:0")]
-    metrics_listen: String,
+    http_listen: String,
 }
 
 #[derive(Debug, Args)]
@@ -162,6 +177,11 @@ fn main() -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Server(a) => server(a),
         Cmd::Up(a) => up(a),
+        Cmd::Cluster(a) => admin::run(admin::AdminCmd::Cluster(a)),
+        Cmd::Node(a) => admin::run(admin::AdminCmd::Node(a)),
+        Cmd::Vol(a) => admin::run(admin::AdminCmd::Vol(a)),
+        Cmd::Partition(a) => admin::run(admin::AdminCmd::Partition(a)),
+        Cmd::Tenant(a) => admin::run(admin::AdminCmd::Tenant(a)),
         Cmd::Ping(a) => ping(a),
         Cmd::Bench(BenchCmd::Msgr(a)) => bench_msgr(a),
         Cmd::Bench(BenchCmd::Raft(a)) => bench_raft(a),
@@ -197,7 +217,7 @@ fn init_logging() {
         .init();
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("nacre-ctl")
@@ -229,9 +249,12 @@ fn server(a: ServerArgs) -> anyhow::Result<()> {
     }
     runtime()?.block_on(async {
         let node = Node::start(&cfg).await?;
-        println!("nacre node {} listening on {}", node.name, node.addr);
-        if let Some(m) = &node.metrics_addr {
-            println!("metrics: http://{m}/metrics");
+        println!(
+            "nacre node {} ({:?}) listening on {}",
+            node.name, node.role, node.addr
+        );
+        if let Some(m) = &node.http_addr {
+            println!("http: http://{m}/metrics");
         }
         stop_signal().await;
         node.stop().await
@@ -241,33 +264,121 @@ fn server(a: ServerArgs) -> anyhow::Result<()> {
 fn up(a: UpArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&a.dir)
         .with_context(|| format!("cannot create {}", a.dir.display()))?;
-    let cfg = NodeConfig {
-        name: "up-0".into(),
-        listen: a.listen,
-        metrics_listen: a.metrics_listen,
-        ..NodeConfig::default()
-    };
+    let path = a.dir.join("up.json");
     runtime()?.block_on(async {
-        let node = Node::start(&cfg).await?;
+        let master = Node::start(&NodeConfig {
+            name: "master-1".into(),
+            role: RoleName::Master,
+            listen: a.listen.clone(),
+            http_listen: a.http_listen.clone(),
+            data_dir: a.dir.join("master-1"),
+            ..NodeConfig::default()
+        })
+        .await?;
+        let mut nodes = vec![];
+        for role in [RoleName::Meta, RoleName::Data] {
+            for i in 1..=3 {
+                let name = format!("{role:?}-{i}").to_lowercase();
+                let n = Node::start(&NodeConfig {
+                    name: name.clone(),
+                    role,
+                    listen: "127.0.0.1:0".into(),
+                    http_listen: "127.0.0.1:0".into(),
+                    data_dir: a.dir.join(&name),
+                    masters: vec![master.addr.clone()],
+                    heartbeat_ms: 1000,
+                    msgr: node::MsgrSection {
+                        workers: 1,
+                        ..Default::default()
+                    },
+                    ..NodeConfig::default()
+                })
+                .await?;
+                nodes.push(n);
+            }
+        }
+        wait_until_ready(&master.addr, nodes.len()).await?;
+        let describe = |n: &Node| {
+            serde_json::json!({
+                "name": n.name, "role": n.role, "addr": n.addr, "http": n.http_addr,
+            })
+        };
         let info = serde_json::json!({
             "pid": std::process::id(),
-            "nodes": [{ "name": node.name, "addr": node.addr, "metrics": node.metrics_addr }],
+            "masters": [master.addr],
+            "admin": master.http_addr.as_ref().map(|h| format!("http://{h}/api/v1")),
+            "nodes": std::iter::once(&master).chain(nodes.iter()).map(describe).collect::<Vec<_>>(),
         });
-        let path = a.dir.join("up.json");
         write_atomic(&path, serde_json::to_string_pretty(&info)?.as_bytes())?;
         println!("nacre is up (state in {})", a.dir.display());
-        println!("  node {}  {}", node.name, node.addr);
-        if let Some(m) = &node.metrics_addr {
-            println!("  metrics   http://{m}/metrics");
+        for n in std::iter::once(&master).chain(nodes.iter()) {
+            println!(
+                "  {:<8} {:<21} http://{}/metrics",
+                n.name,
+                n.addr,
+                n.http_addr.as_deref().unwrap_or("-")
+            );
         }
-        println!("try: nacre ping {}", node.addr);
+        if let Some(h) = &master.http_addr {
+            println!("  admin API http://{h}/api/v1/status");
+        }
+        println!("try: nacre cluster status; nacre vol create demo; nacre vol info demo");
         println!("Ctrl-C stops it.");
         stop_signal().await;
         println!("stopping…");
-        let r = node.stop().await;
+        let mut r = Ok(());
+        for n in nodes {
+            if let Err(e) = n.stop().await {
+                r = Err(e);
+            }
+        }
+        if let Err(e) = master.stop().await {
+            r = Err(e);
+        }
         let _ = std::fs::remove_file(&path);
         r
     })
+}
+
+/// Waits (at most 30 s) until every node has registered and the default tenant exists, so that
+/// `nacre vol create` works as soon as `nacre up` says it is up.
+async fn wait_until_ready(master: &str, nodes: usize) -> anyhow::Result<()> {
+    let msgr = Messenger::new(
+        "up-check",
+        MsgrConfig {
+            workers: 1,
+            ..MsgrConfig::default()
+        },
+        Arc::new(TcpTransport),
+    )?;
+    let mc = nacre_master::MasterClient::new(msgr.client(), vec![master.to_string()]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = String::from("no answer yet");
+    let ready = loop {
+        match mc.map().await {
+            Ok(m) if m.nodes.len() >= nodes && m.tenants.contains_key("default") => break true,
+            Ok(m) => {
+                last = format!(
+                    "{} of {nodes} nodes registered, default tenant {}",
+                    m.nodes.len(),
+                    if m.tenants.contains_key("default") {
+                        "present"
+                    } else {
+                        "missing"
+                    }
+                )
+            }
+            Err(e) => last = e.to_string(),
+        }
+        if Instant::now() >= deadline {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let m = msgr.clone();
+    tokio::task::spawn_blocking(move || m.shutdown()).await?;
+    anyhow::ensure!(ready, "the local cluster did not come up in 30 s: {last}");
+    Ok(())
 }
 
 /// temp → fsync → rename → fsync dir, so readers never see a half-written file.

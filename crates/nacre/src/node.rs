@@ -1,15 +1,34 @@
-//! A nacre process: messenger, system ops, metrics endpoint. Roles plug in here as they arrive.
+//! A nacre process: messenger, system ops, HTTP endpoint, and one role (master, meta or data).
 
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use nacre_master::agent::{AgentConfig, PartitionHost, SpecRegistry, node_router, run_agent};
+use nacre_master::map::Role;
+use nacre_master::rpc::RegisterRequest;
+use nacre_master::{MASTER_GROUP, Master, MasterClient, MasterConfig, MasterSm};
 use nacre_msgr::{AssignKind, Messenger, MsgrConfig, Payload, Router, TcpTransport};
 use nacre_proto::msg::sys::{Echo, EchoResponse, Ping, PingResponse};
+use nacre_raft::{EngineLogStore, LogStore, RaftHandle, StoreConfig};
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+
+/// The role a process plays.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RoleName {
+    /// Only the messenger's system ops (ping, echo) and metrics.
+    #[default]
+    None,
+    Master,
+    Meta,
+    Data,
+}
 
 /// Configuration of one `nacre server` process (TOML, with `NACRE_*` overrides).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -17,20 +36,130 @@ use tokio::task::JoinHandle;
 pub struct NodeConfig {
     /// Name reported by `ping` and used in logs and thread names.
     pub name: String,
+    /// `master`, `meta`, `data` or `none`.
+    pub role: RoleName,
     /// Messenger listen address (`host:port`; port 0 picks a free one).
     pub listen: String,
-    /// Prometheus `/metrics` listen address; empty disables the endpoint.
-    pub metrics_listen: String,
+    /// Address other nodes use to reach this one; empty means the bound listen address.
+    pub advertise: String,
+    /// HTTP listen address (`/metrics`, `/health`, and the admin API `/api/v1` on masters); empty
+    /// disables it.
+    pub http_listen: String,
+    /// Directory for the role's durable state.
+    pub data_dir: PathBuf,
+    /// Failure domain; replicas go to distinct zones when there are enough.
+    pub zone: String,
+    /// Messenger addresses of the masters (meta and data nodes).
+    pub masters: Vec<String>,
+    /// Milliseconds between heartbeats to the master (meta and data nodes).
+    pub heartbeat_ms: u64,
+    /// Bytes offered to the cluster: memory on meta nodes, disk on data nodes. 0 measures it (total
+    /// memory, or the size of the file system holding `data_dir`).
+    pub capacity: u64,
     pub msgr: MsgrSection,
+    pub master: MasterSection,
 }
 
 impl Default for NodeConfig {
     fn default() -> Self {
         Self {
             name: "nacre".into(),
+            role: RoleName::None,
             listen: "127.0.0.1:7100".into(),
-            metrics_listen: "127.0.0.1:9100".into(),
+            advertise: String::new(),
+            http_listen: "127.0.0.1:9100".into(),
+            data_dir: PathBuf::from("nacre-data"),
+            zone: "default".into(),
+            masters: Vec::new(),
+            heartbeat_ms: 2000,
+            capacity: 0,
             msgr: MsgrSection::default(),
+            master: MasterSection::default(),
+        }
+    }
+}
+
+/// The `[master]` table: settings of a master process.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MasterSection {
+    /// This master's raft id (1, 2, 3).
+    pub id: u64,
+    /// Every master as `"ID=host:port"`, this one included; empty for a single master.
+    pub peers: Vec<String>,
+    /// Raft tick in milliseconds; elections start after 10 to 20 silent ticks.
+    pub tick_ms: u64,
+    pub duty_interval_ms: u64,
+    /// A node silent this long is marked down and its partitions read-only.
+    pub node_timeout_ms: u64,
+    pub min_writable_data_partitions: u32,
+    pub data_partitions_step: u32,
+    pub meta_split_inodes: u64,
+    pub meta_split_memory: u64,
+    pub meta_split_step: u64,
+    /// Create a `default` tenant when there is none.
+    pub default_tenant: bool,
+}
+
+impl Default for MasterSection {
+    fn default() -> Self {
+        let d = MasterConfig::default();
+        Self {
+            id: 1,
+            peers: Vec::new(),
+            tick_ms: 100,
+            duty_interval_ms: d.duty_interval.as_millis() as u64,
+            node_timeout_ms: d.node_timeout.as_millis() as u64,
+            min_writable_data_partitions: d.min_writable_data_partitions,
+            data_partitions_step: d.data_partitions_step,
+            meta_split_inodes: d.meta_split_inodes,
+            meta_split_memory: d.meta_split_memory,
+            meta_split_step: d.meta_split_step,
+            default_tenant: d.default_tenant,
+        }
+    }
+}
+
+impl MasterSection {
+    fn to_config(&self) -> MasterConfig {
+        MasterConfig {
+            duty_interval: Duration::from_millis(self.duty_interval_ms.max(1)),
+            node_timeout: Duration::from_millis(self.node_timeout_ms),
+            min_writable_data_partitions: self.min_writable_data_partitions,
+            data_partitions_step: self.data_partitions_step,
+            meta_split_inodes: self.meta_split_inodes,
+            meta_split_memory: self.meta_split_memory,
+            meta_split_step: self.meta_split_step,
+            default_tenant: self.default_tenant,
+            ..MasterConfig::default()
+        }
+    }
+
+    /// The masters as id → address; `own` is this master's advertised address.
+    pub fn peer_map(&self, own: &str) -> anyhow::Result<BTreeMap<u64, String>> {
+        let mut peers = BTreeMap::new();
+        for p in &self.peers {
+            let (id, addr) = p
+                .split_once('=')
+                .with_context(|| format!("master.peers: {p:?} is not ID=host:port"))?;
+            let id: u64 = id
+                .trim()
+                .parse()
+                .with_context(|| format!("master.peers: bad id in {p:?}"))?;
+            anyhow::ensure!(id > 0, "master.peers: ids start at 1 ({p:?})");
+            peers.insert(id, addr.trim().to_string());
+        }
+        if peers.is_empty() {
+            peers.insert(self.id, own.to_string());
+        }
+        match peers.get(&self.id) {
+            Some(a) if a == own => Ok(peers),
+            Some(a) => anyhow::bail!(
+                "master.peers gives {a} for this master (id {}), but it is reachable at {own}; \
+                 set listen or advertise to match",
+                self.id
+            ),
+            None => anyhow::bail!("master.id {} is not among master.peers", self.id),
         }
     }
 }
@@ -97,9 +226,11 @@ impl MsgrSection {
 #[derive(Debug)]
 pub struct Node {
     pub name: String,
+    pub role: RoleName,
     pub addr: String,
-    pub metrics_addr: Option<String>,
+    pub http_addr: Option<String>,
     msgr: Messenger,
+    raft: Option<RaftHandle<MasterSm>>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<anyhow::Result<()>>>,
 }
@@ -131,44 +262,151 @@ impl Node {
         msgr.register_metrics(&mut registry);
         let registry = Arc::new(registry);
         let (stop, _) = watch::channel(false);
-        let mut tasks = Vec::new();
+        let stopped = |stop: &watch::Sender<bool>| {
+            let mut rx = stop.subscribe();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        };
+        let mut tasks: Vec<JoinHandle<anyhow::Result<()>>> = Vec::new();
 
         let l = tokio::net::TcpListener::bind(&cfg.listen)
             .await
             .with_context(|| format!("cannot listen on {} (listen)", cfg.listen))?;
         let listener = TcpTransport::listener(l);
-        let addr = listener.local_addr()?;
-        let mut rx = stop.subscribe();
-        let serve = msgr.serve(listener, Arc::new(system_router(&cfg.name)), async move {
-            let _ = rx.wait_for(|s| *s).await;
-        });
+        let addr = if cfg.advertise.is_empty() {
+            listener.local_addr()?
+        } else {
+            cfg.advertise.clone()
+        };
+
+        let mut router = system_router(&cfg.name);
+        let mut admin = None;
+        let mut raft = None;
+        match cfg.role {
+            RoleName::None => {}
+            RoleName::Master => {
+                let peers = cfg.master.peer_map(&addr)?;
+                let dir = cfg.data_dir.join("raft");
+                std::fs::create_dir_all(&dir)
+                    .with_context(|| format!("cannot create {}", dir.display()))?;
+                let log: Arc<dyn LogStore> =
+                    Arc::new(EngineLogStore::open(&dir).with_context(|| {
+                        format!("cannot open the raft log in {}", dir.display())
+                    })?);
+                let store = StoreConfig {
+                    tick_interval: Duration::from_millis(cfg.master.tick_ms.max(1)),
+                    ..StoreConfig::default()
+                };
+                let others = peers
+                    .iter()
+                    .filter(|(id, _)| **id != cfg.master.id)
+                    .map(|(id, a)| (*id, a.clone()))
+                    .collect();
+                let handle = nacre_raft::store::start::<MasterSm>(
+                    cfg.master.id,
+                    store,
+                    log,
+                    others,
+                    msgr.client(),
+                )?;
+                let voters: Vec<u64> = peers.keys().copied().collect();
+                handle
+                    .add_group(MASTER_GROUP, &voters, MasterSm::default())
+                    .await
+                    .context("cannot start the master's raft group")?;
+                let master = Master::new(
+                    handle.clone(),
+                    peers.clone(),
+                    msgr.client(),
+                    cfg.master.to_config(),
+                );
+                router = router.merge(handle.router()).merge(master.router());
+                let duties = master.clone();
+                let done = stopped(&stop);
+                tasks.push(tokio::spawn(async move {
+                    duties.run_duties(done).await;
+                    Ok(())
+                }));
+                let mc = MasterClient::new(msgr.client(), peers.into_values().collect());
+                admin = Some(nacre_master::admin::Admin::new(mc));
+                raft = Some(handle);
+            }
+            RoleName::Meta | RoleName::Data => {
+                anyhow::ensure!(
+                    !cfg.masters.is_empty(),
+                    "a {:?} node needs the masters' addresses (masters = [\"host:port\", …])",
+                    cfg.role
+                );
+                let role = if cfg.role == RoleName::Meta {
+                    Role::Meta
+                } else {
+                    Role::Data
+                };
+                let host: Arc<dyn PartitionHost> = Arc::new(
+                    SpecRegistry::open(&cfg.data_dir.join("partitions"), role).with_context(
+                        || {
+                            format!(
+                                "cannot open the partition registry in {}",
+                                cfg.data_dir.display()
+                            )
+                        },
+                    )?,
+                );
+                router = router.merge(node_router(host.clone()));
+                let capacity = if cfg.capacity > 0 {
+                    cfg.capacity
+                } else {
+                    measured_capacity(role, &cfg.data_dir)
+                };
+                let agent = AgentConfig {
+                    register: RegisterRequest {
+                        addr: addr.clone(),
+                        role,
+                        zone: cfg.zone.clone(),
+                        capacity,
+                    },
+                    heartbeat_interval: Duration::from_millis(cfg.heartbeat_ms.max(10)),
+                };
+                let mc = MasterClient::new(msgr.client(), cfg.masters.clone());
+                let (id_tx, _) = watch::channel(None);
+                let done = stopped(&stop);
+                tasks.push(tokio::spawn(async move {
+                    run_agent(mc, agent, host, id_tx, done).await;
+                    Ok(())
+                }));
+            }
+        }
+
+        let serve = msgr.serve(listener, Arc::new(router), stopped(&stop));
         tasks.push(tokio::spawn(async move { Ok(serve.await?) }));
 
-        let metrics_addr = if cfg.metrics_listen.is_empty() {
+        let http_addr = if cfg.http_listen.is_empty() {
             None
         } else {
-            let l = tokio::net::TcpListener::bind(&cfg.metrics_listen)
+            let l = tokio::net::TcpListener::bind(&cfg.http_listen)
                 .await
-                .with_context(|| {
-                    format!("cannot listen on {} (metrics_listen)", cfg.metrics_listen)
-                })?;
-            let maddr = l.local_addr()?.to_string();
-            let mut rx = stop.subscribe();
+                .with_context(|| format!("cannot listen on {} (http_listen)", cfg.http_listen))?;
+            let haddr = l.local_addr()?.to_string();
+            let mut app = crate::http::router(registry);
+            if let Some(admin) = admin {
+                app = app.merge(crate::admin::http_router(admin));
+            }
+            let done = stopped(&stop);
             tasks.push(tokio::spawn(async move {
-                crate::http::serve(l, registry, async move {
-                    let _ = rx.wait_for(|s| *s).await;
-                })
-                .await?;
+                crate::http::serve(l, app, done).await?;
                 Ok(())
             }));
-            Some(maddr)
+            Some(haddr)
         };
-        tracing::info!(name = %cfg.name, %addr, metrics = ?metrics_addr, "node started");
+        tracing::info!(name = %cfg.name, role = ?cfg.role, %addr, http = ?http_addr, "node started");
         Ok(Self {
             name: cfg.name.clone(),
+            role: cfg.role,
             addr,
-            metrics_addr,
+            http_addr,
             msgr,
+            raft,
             stop,
             tasks,
         })
@@ -180,9 +418,37 @@ impl Node {
         for t in self.tasks {
             t.await??;
         }
+        if let Some(r) = self.raft {
+            let _ = r.stop().await;
+        }
         let msgr = self.msgr;
         tokio::task::spawn_blocking(move || msgr.shutdown()).await?;
         tracing::info!(name = %self.name, "node stopped");
         Ok(())
     }
+}
+
+/// Total memory (meta) or the size of the file system holding `dir` (data), in bytes; 0 if unknown.
+fn measured_capacity(role: Role, dir: &std::path::Path) -> u64 {
+    match role {
+        Role::Data => fs_size(dir).unwrap_or(0),
+        _ => std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|s| {
+                let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+                let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+                Some(kib * 1024)
+            })
+            .unwrap_or(0),
+    }
+}
+
+#[allow(unsafe_code)]
+fn fs_size(dir: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is a valid NUL-terminated string and `st` a valid out-pointer.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), &mut st) };
+    (rc == 0).then(|| st.f_blocks as u64 * st.f_frsize as u64)
 }

@@ -46,7 +46,7 @@ fn server_runs_from_config_with_env_overrides_and_stops_on_sigterm() {
     let cfg = dir.path().join("node.toml");
     std::fs::write(
         &cfg,
-        "name = \"from-file\"\nlisten = \"127.0.0.1:0\"\nmetrics_listen = \"127.0.0.1:0\"\n[msgr]\nworkers = 1\n",
+        "name = \"from-file\"\nlisten = \"127.0.0.1:0\"\nhttp_listen = \"127.0.0.1:0\"\n[msgr]\nworkers = 1\n",
     )
     .unwrap();
 
@@ -76,7 +76,7 @@ fn server_runs_from_config_with_env_overrides_and_stops_on_sigterm() {
     let addr = first.rsplit(' ').next().unwrap().to_string();
     let second = lines.next().unwrap().unwrap();
     let metrics = second
-        .trim_start_matches("metrics: http://")
+        .trim_start_matches("http: http://")
         .trim_end_matches("/metrics")
         .to_string();
 
@@ -135,7 +135,7 @@ fn bad_config_is_a_clear_error() {
         .args(["server"])
         .env("NACRE_MSGR__ASSIGN", "fastest")
         .env("NACRE_LISTEN", "127.0.0.1:0")
-        .env("NACRE_METRICS_LISTEN", "")
+        .env("NACRE_HTTP_LISTEN", "")
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -178,4 +178,39 @@ fn bench_msgr_prints_json_rows_with_units() {
         rows.iter()
             .any(|r| r["impl"] == "nacre" && r["vs_baseline"].is_number())
     );
+}
+
+#[test]
+fn up_starts_a_cluster_the_admin_commands_find() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Proc(
+        Command::new(BIN)
+            .arg("up")
+            .current_dir(dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.starts_with("nacre is up"), "{first}");
+    let admin = |args: &[&str]| run_ok(Command::new(BIN).args(args).current_dir(dir.path()));
+    let out = admin(&["vol", "create", "demo", "--wait", "20"]);
+    assert!(out.contains("volume demo created"), "{out}");
+    assert!(!out.contains("warning"), "{out}");
+    let info: serde_json::Value =
+        serde_json::from_str(&admin(&["vol", "info", "demo", "--json"])).unwrap();
+    assert_eq!(info["volume"]["owner"], "default");
+    assert_eq!(info["partitions"].as_array().unwrap().len(), 13);
+    let nodes = admin(&["node", "list"]);
+    assert_eq!(nodes.matches(" up ").count(), 6, "{nodes}");
+
+    let st = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    assert!(child.0.wait().unwrap().success());
+    assert!(!dir.path().join(".nacre/up.json").exists());
 }

@@ -1,0 +1,614 @@
+//! The admin front ends: the HTTP/JSON API served by masters (`/api/v1/…`) and the CLI commands
+//! `nacre cluster|node|vol|partition|tenant`. Both call `nacre_master::admin::Admin` and show the
+//! same answers; the CLI prints tables, or the API's JSON with `--json`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use axum::extract::{Path as UrlPath, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get};
+use axum::{Json, Router};
+use clap::{Args, Subcommand};
+use comfy_table::Table;
+use nacre_master::MasterClient;
+use nacre_master::MasterError;
+use nacre_master::admin::{Admin, CreateVolume, PartitionInfo, VolumeInfo};
+use nacre_master::map::MapError;
+use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
+use serde::{Deserialize, Serialize};
+
+use crate::bench::report::{human_size, parse_size};
+
+// ---------------------------------------------------------------------------------------------
+// HTTP
+
+/// `/api/v1/…` on a master. Any master answers: requests go to the leader through the messenger.
+pub fn http_router(admin: Admin) -> Router {
+    Router::new()
+        .route("/api/v1/status", get(status))
+        .route("/api/v1/nodes", get(nodes))
+        .route("/api/v1/volumes", get(volumes).post(create_volume))
+        .route("/api/v1/volumes/{name}", get(volume).delete(delete_volume))
+        .route("/api/v1/partitions", get(partitions))
+        .route("/api/v1/tenants", get(tenants).post(create_tenant))
+        .route("/api/v1/tenants/{name}", delete(delete_tenant))
+        .with_state(admin)
+}
+
+/// An error answer: `{"error": "..."}` with a status code that says whose fault it is.
+struct ApiError(MasterError);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let code = match &self.0 {
+            MasterError::Map(e) => match e {
+                MapError::InvalidName(_) | MapError::InvalidTenant(_) | MapError::Invalid(_) => {
+                    StatusCode::BAD_REQUEST
+                }
+                MapError::NoSuchVolume(_)
+                | MapError::NoSuchTenant(_)
+                | MapError::UnknownNode(_)
+                | MapError::UnknownPartition(_) => StatusCode::NOT_FOUND,
+                MapError::VolumeExists(_)
+                | MapError::TenantExists(_)
+                | MapError::TenantInUse(..)
+                | MapError::Placement { .. } => StatusCode::CONFLICT,
+            },
+            MasterError::NotLeader { .. } | MasterError::Unavailable(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+        };
+        (
+            code,
+            Json(serde_json::json!({ "error": self.0.to_string() })),
+        )
+            .into_response()
+    }
+}
+
+type ApiResult<T> = Result<Json<T>, ApiError>;
+
+fn api<T>(r: Result<T, MasterError>) -> ApiResult<T> {
+    r.map(Json).map_err(ApiError)
+}
+
+async fn status(State(a): State<Admin>) -> impl IntoResponse {
+    api(a.status().await)
+}
+
+async fn nodes(State(a): State<Admin>) -> impl IntoResponse {
+    api(a.nodes().await)
+}
+
+async fn volumes(State(a): State<Admin>) -> impl IntoResponse {
+    api(a.volumes().await)
+}
+
+async fn volume(State(a): State<Admin>, UrlPath(name): UrlPath<String>) -> impl IntoResponse {
+    api(a.volume(&name).await)
+}
+
+async fn create_volume(State(a): State<Admin>, Json(req): Json<CreateVolume>) -> Response {
+    match a.create_volume(&req).await {
+        Ok(v) => (StatusCode::CREATED, Json(v)).into_response(),
+        Err(e) => ApiError(e).into_response(),
+    }
+}
+
+async fn delete_volume(State(a): State<Admin>, UrlPath(name): UrlPath<String>) -> Response {
+    match a.delete_volume(&name).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => ApiError(e).into_response(),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct PartitionQuery {
+    volume: Option<String>,
+}
+
+async fn partitions(State(a): State<Admin>, Query(q): Query<PartitionQuery>) -> impl IntoResponse {
+    api(a.partitions(q.volume.as_deref()).await)
+}
+
+async fn tenants(State(a): State<Admin>) -> impl IntoResponse {
+    api(a.tenants().await)
+}
+
+#[derive(Debug, Deserialize)]
+struct CreateTenantRequest {
+    name: String,
+}
+
+async fn create_tenant(State(a): State<Admin>, Json(req): Json<CreateTenantRequest>) -> Response {
+    match a.create_tenant(&req.name).await {
+        Ok(t) => (StatusCode::CREATED, Json(t)).into_response(),
+        Err(e) => ApiError(e).into_response(),
+    }
+}
+
+async fn delete_tenant(State(a): State<Admin>, UrlPath(name): UrlPath<String>) -> Response {
+    match a.delete_tenant(&name).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => ApiError(e).into_response(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CLI
+
+/// Options every admin command takes.
+#[derive(Debug, Args)]
+pub struct Common {
+    /// Master addresses (`host:port`, comma-separated). Defaults to the masters of the `nacre up`
+    /// cluster in ./.nacre.
+    #[arg(long, global = true, env = "NACRE_MASTERS", value_delimiter = ',')]
+    master: Vec<String>,
+    /// Print JSON (the HTTP API's format) instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ClusterArgs {
+    #[command(flatten)]
+    common: Common,
+    #[command(subcommand)]
+    cmd: ClusterCmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum ClusterCmd {
+    /// Masters, node and partition counts, and work the leader has not finished.
+    Status,
+}
+
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    #[command(flatten)]
+    common: Common,
+    #[command(subcommand)]
+    cmd: NodeCmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum NodeCmd {
+    /// Every registered meta and data node.
+    List,
+}
+
+#[derive(Debug, Args)]
+pub struct VolArgs {
+    #[command(flatten)]
+    common: Common,
+    #[command(subcommand)]
+    cmd: VolCmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum VolCmd {
+    /// Create a volume: its meta and data partitions are placed and created on the nodes.
+    Create(VolCreateArgs),
+    /// All volumes.
+    List,
+    /// One volume and its partitions.
+    Info { name: String },
+    /// Delete a volume; nodes drop its partitions.
+    Delete { name: String },
+}
+
+#[derive(Debug, Args)]
+struct VolCreateArgs {
+    /// Volume name: 1-63 characters from a-z, 0-9, '-', starting with a letter.
+    name: String,
+    /// Owning tenant.
+    #[arg(long, default_value = "default")]
+    owner: String,
+    #[arg(long, default_value_t = 3)]
+    replicas: u8,
+    /// Quota in bytes (units k, m, g, t); 0 is unlimited.
+    #[arg(long, value_parser = parse_size, default_value = "0")]
+    capacity: usize,
+    #[arg(long, default_value_t = 3)]
+    meta_partitions: u32,
+    #[arg(long, default_value_t = 10)]
+    data_partitions: u32,
+    /// Inodes per initial meta partition (the last is open-ended).
+    #[arg(long, default_value_t = 1 << 24)]
+    inode_step: u64,
+    /// Seconds to wait for every replica to be created on its node.
+    #[arg(long, default_value_t = 10.0)]
+    wait: f64,
+}
+
+#[derive(Debug, Args)]
+pub struct PartitionArgs {
+    #[command(flatten)]
+    common: Common,
+    #[command(subcommand)]
+    cmd: PartitionCmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum PartitionCmd {
+    /// Meta and data partitions, with replicas, leaders and status.
+    List {
+        /// Only this volume's partitions.
+        #[arg(long)]
+        volume: Option<String>,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct TenantArgs {
+    #[command(flatten)]
+    common: Common,
+    #[command(subcommand)]
+    cmd: TenantCmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum TenantCmd {
+    /// Create a tenant; prints its access key and secret (shown only once).
+    Create {
+        name: String,
+    },
+    List,
+    /// Delete a tenant that owns no volume.
+    Delete {
+        name: String,
+    },
+}
+
+/// What a top-level admin command is.
+#[derive(Debug)]
+pub enum AdminCmd {
+    Cluster(ClusterArgs),
+    Node(NodeArgs),
+    Vol(VolArgs),
+    Partition(PartitionArgs),
+    Tenant(TenantArgs),
+}
+
+/// Runs an admin command to completion.
+pub fn run(cmd: AdminCmd) -> anyhow::Result<()> {
+    let common = match &cmd {
+        AdminCmd::Cluster(a) => &a.common,
+        AdminCmd::Node(a) => &a.common,
+        AdminCmd::Vol(a) => &a.common,
+        AdminCmd::Partition(a) => &a.common,
+        AdminCmd::Tenant(a) => &a.common,
+    };
+    let masters = resolve_masters(&common.master)?;
+    let json = common.json;
+    crate::runtime()?.block_on(async move {
+        let cfg = MsgrConfig {
+            workers: 1,
+            connect_timeout: Duration::from_secs(2),
+            ..MsgrConfig::default()
+        };
+        let msgr = Messenger::new("cli", cfg, Arc::new(TcpTransport))?;
+        let admin = Admin::new(MasterClient::new(msgr.client(), masters));
+        let r = dispatch(&admin, cmd, json).await;
+        let m = msgr.clone();
+        tokio::task::spawn_blocking(move || m.shutdown()).await?;
+        r
+    })
+}
+
+/// `--master`/`NACRE_MASTERS`, else the masters `nacre up` recorded in ./.nacre/up.json.
+fn resolve_masters(given: &[String]) -> anyhow::Result<Vec<String>> {
+    let given: Vec<String> = given.iter().filter(|m| !m.is_empty()).cloned().collect();
+    if !given.is_empty() {
+        return Ok(given);
+    }
+    let path = Path::new(".nacre/up.json");
+    let text = std::fs::read_to_string(path).map_err(|_| {
+        anyhow::anyhow!(
+            "no master address: pass --master HOST:PORT[,…], set NACRE_MASTERS, or run this \
+             where `nacre up` runs (it records its masters in .nacre/up.json)"
+        )
+    })?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("cannot parse {}", path.display()))?;
+    let masters: Vec<String> = v["masters"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|m| m.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    anyhow::ensure!(!masters.is_empty(), "{} lists no masters", path.display());
+    Ok(masters)
+}
+
+fn print_json<T: Serialize>(v: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+fn table(header: &[&str]) -> Table {
+    let mut t = Table::new();
+    t.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
+    t.set_header(header.iter().copied());
+    t
+}
+
+fn bytes(n: u64) -> String {
+    human_size(usize::try_from(n).unwrap_or(usize::MAX))
+}
+
+fn ids<T: std::fmt::Display>(v: &[T]) -> String {
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+async fn dispatch(admin: &Admin, cmd: AdminCmd, json: bool) -> anyhow::Result<()> {
+    match cmd {
+        AdminCmd::Cluster(ClusterArgs {
+            cmd: ClusterCmd::Status,
+            ..
+        }) => {
+            let s = admin.status().await?;
+            if json {
+                return print_json(&s);
+            }
+            let mut t = table(&["master", "address", "role"]);
+            for m in &s.masters {
+                t.add_row(vec![
+                    m.id.to_string(),
+                    m.addr.clone(),
+                    if m.leader { "leader" } else { "follower" }.to_string(),
+                ]);
+            }
+            println!("{t}");
+            println!(
+                "epoch {}  nodes {} up, {} down  volumes {}  meta partitions {}  data partitions {} ({} writable)",
+                s.epoch,
+                s.nodes_up,
+                s.nodes_down,
+                s.volumes,
+                s.meta_partitions,
+                s.data_partitions,
+                s.data_partitions_rw
+            );
+            for p in &s.pending {
+                println!(
+                    "pending: partition {} on {} ({}), {} attempts{}",
+                    p.partition,
+                    p.node,
+                    p.addr,
+                    p.attempts,
+                    if p.last_error.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", last error: {}", p.last_error)
+                    }
+                );
+            }
+            for e in &s.duty_errors {
+                println!("duty failed: {e}");
+            }
+            Ok(())
+        }
+        AdminCmd::Node(NodeArgs {
+            cmd: NodeCmd::List, ..
+        }) => {
+            let nodes = admin.nodes().await?;
+            if json {
+                return print_json(&nodes);
+            }
+            let mut t = table(&[
+                "id",
+                "address",
+                "role",
+                "zone",
+                "status",
+                "used",
+                "capacity",
+                "partitions",
+                "heartbeat",
+            ]);
+            for n in &nodes {
+                t.add_row(vec![
+                    n.id.to_string(),
+                    n.addr.clone(),
+                    format!("{:?}", n.role).to_lowercase(),
+                    n.zone.clone(),
+                    format!("{:?}", n.status).to_lowercase(),
+                    bytes(n.used),
+                    bytes(n.capacity),
+                    n.partitions.to_string(),
+                    format!("{:.1}s ago", n.last_heartbeat_ms_ago as f64 / 1000.0),
+                ]);
+            }
+            println!("{t}");
+            Ok(())
+        }
+        AdminCmd::Vol(VolArgs { cmd, .. }) => vol(admin, cmd, json).await,
+        AdminCmd::Partition(PartitionArgs {
+            cmd: PartitionCmd::List { volume },
+            ..
+        }) => {
+            let ps = admin.partitions(volume.as_deref()).await?;
+            if json {
+                return print_json(&ps);
+            }
+            println!("{}", partition_table(&ps));
+            Ok(())
+        }
+        AdminCmd::Tenant(TenantArgs { cmd, .. }) => match cmd {
+            TenantCmd::Create { name } => {
+                let t = admin.create_tenant(&name).await?;
+                if json {
+                    return print_json(&t);
+                }
+                println!("tenant {} created", t.name);
+                println!("access key  {}", t.access_key);
+                println!("secret key  {}   (shown only now)", t.secret_key);
+                Ok(())
+            }
+            TenantCmd::List => {
+                let ts = admin.tenants().await?;
+                if json {
+                    return print_json(&ts);
+                }
+                let mut t = table(&["tenant", "access key", "volumes"]);
+                for x in &ts {
+                    t.add_row(vec![
+                        x.name.clone(),
+                        x.access_key.clone(),
+                        x.volumes.join(","),
+                    ]);
+                }
+                println!("{t}");
+                Ok(())
+            }
+            TenantCmd::Delete { name } => {
+                admin.delete_tenant(&name).await?;
+                if !json {
+                    println!("tenant {name} deleted");
+                }
+                Ok(())
+            }
+        },
+    }
+}
+
+fn volume_table(vs: &[VolumeInfo]) -> Table {
+    let mut t = table(&[
+        "volume",
+        "owner",
+        "replicas",
+        "meta",
+        "data (rw)",
+        "inodes",
+        "used",
+        "capacity",
+    ]);
+    for v in vs {
+        t.add_row(vec![
+            v.name.clone(),
+            v.owner.clone(),
+            v.replicas.to_string(),
+            v.meta_partitions.to_string(),
+            format!("{} ({})", v.data_partitions, v.data_partitions_rw),
+            v.inodes.to_string(),
+            bytes(v.used),
+            if v.capacity == 0 {
+                "unlimited".into()
+            } else {
+                bytes(v.capacity)
+            },
+        ]);
+    }
+    t
+}
+
+fn partition_table(ps: &[PartitionInfo]) -> Table {
+    let mut t = table(&[
+        "partition",
+        "volume",
+        "kind",
+        "inodes",
+        "replicas",
+        "leader",
+        "status",
+        "pending",
+    ]);
+    for p in ps {
+        let range = match (p.start, p.end) {
+            (Some(s), Some(e)) => format!("[{s}, {e})"),
+            (Some(s), None) => format!("[{s}, ∞)"),
+            _ => "-".into(),
+        };
+        t.add_row(vec![
+            p.id.to_string(),
+            p.volume.clone(),
+            p.kind.clone(),
+            range,
+            ids(&p.replicas),
+            p.leader.map_or("-".into(), |l| l.to_string()),
+            format!("{:?}", p.status).to_uppercase(),
+            ids(&p.pending),
+        ]);
+    }
+    t
+}
+
+async fn vol(admin: &Admin, cmd: VolCmd, json: bool) -> anyhow::Result<()> {
+    match cmd {
+        VolCmd::Create(a) => {
+            let req = CreateVolume {
+                name: a.name.clone(),
+                owner: a.owner,
+                replicas: a.replicas,
+                capacity: a.capacity as u64,
+                meta_partitions: a.meta_partitions,
+                data_partitions: a.data_partitions,
+                inode_step: a.inode_step,
+            };
+            let v = admin.create_volume(&req).await?;
+            // Wait (bounded) for the nodes to report every replica.
+            let deadline = Instant::now() + Duration::from_secs_f64(a.wait.max(0.0));
+            let mut pending = pending_of(admin, &a.name).await?;
+            while !pending.is_empty() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                pending = pending_of(admin, &a.name).await?;
+            }
+            if json {
+                return print_json(&v);
+            }
+            println!("volume {} created", v.name);
+            println!("{}", volume_table(std::slice::from_ref(&v)));
+            if !pending.is_empty() {
+                println!(
+                    "warning: {} partition replicas are not created yet; the master keeps retrying \
+                     (see `nacre cluster status`)",
+                    pending.len()
+                );
+            }
+            Ok(())
+        }
+        VolCmd::List => {
+            let vs = admin.volumes().await?;
+            if json {
+                return print_json(&vs);
+            }
+            println!("{}", volume_table(&vs));
+            Ok(())
+        }
+        VolCmd::Info { name } => {
+            let d = admin.volume(&name).await?;
+            if json {
+                return print_json(&d);
+            }
+            println!("{}", volume_table(std::slice::from_ref(&d.volume)));
+            println!("{}", partition_table(&d.partitions));
+            Ok(())
+        }
+        VolCmd::Delete { name } => {
+            admin.delete_volume(&name).await?;
+            if !json {
+                println!("volume {name} deleted");
+            }
+            Ok(())
+        }
+    }
+}
+
+async fn pending_of(admin: &Admin, volume: &str) -> anyhow::Result<Vec<(String, String)>> {
+    Ok(admin
+        .partitions(Some(volume))
+        .await?
+        .iter()
+        .flat_map(|p| p.pending.iter().map(|n| (p.id.to_string(), n.to_string())))
+        .collect())
+}
