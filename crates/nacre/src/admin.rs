@@ -21,7 +21,7 @@ use nacre_master::map::MapError;
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use serde::{Deserialize, Serialize};
 
-use crate::bench::report::{human_size, parse_size};
+use crate::bench::report::parse_size;
 
 // ---------------------------------------------------------------------------------------------
 // HTTP
@@ -339,8 +339,20 @@ fn table(header: &[&str]) -> Table {
     t
 }
 
+/// Bytes for humans: `0 B`, `512 B`, `1.5 KiB`, `23.5 GiB`.
 fn bytes(n: u64) -> String {
-    human_size(usize::try_from(n).unwrap_or(usize::MAX))
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
 }
 
 fn ids<T: std::fmt::Display>(v: &[T]) -> String {
