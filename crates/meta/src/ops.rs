@@ -1,0 +1,295 @@
+//! The vocabulary of a meta partition: inode attributes, dentries, extent keys, the commands that
+//! change a partition (replicated through its Raft group) and the queries that read it (served by
+//! the leader), and their typed errors.
+//!
+//! A partition owns the inodes of its range `[start, end)` and the dentries whose **parent** inode it
+//! owns. Operations that span two partitions (create = inode here, dentry there) are composed by the
+//! client from these single-partition steps, in the CFS order that keeps "every dentry points to an
+//! existing inode" true under any single failure (see `nacre-client`'s meta module).
+
+use nacre_types::{ExtentId, Ino, PartitionId};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// The root directory of every volume.
+pub const ROOT_INO: Ino = Ino(1);
+/// Longest name, in bytes.
+pub const MAX_NAME: usize = 255;
+/// Longest symlink target, in bytes.
+pub const MAX_SYMLINK: usize = 4096;
+/// Longest extended attribute name and value, in bytes.
+pub const MAX_XATTR_NAME: usize = 255;
+pub const MAX_XATTR_VALUE: usize = 64 * 1024;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(u8)]
+pub enum FileType {
+    File,
+    Dir,
+    Symlink,
+    Fifo,
+    Socket,
+    CharDev,
+    BlockDev,
+}
+
+/// A piece of a file: `size` bytes at `file_offset` live in `extent` of data partition `partition`
+/// at `extent_offset`. An inode's keys are sorted by `file_offset` and never overlap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExtentKey {
+    pub file_offset: u64,
+    pub partition: PartitionId,
+    pub extent: ExtentId,
+    pub extent_offset: u64,
+    pub size: u32,
+    /// CRC-32C of the piece's bytes as written (0 when unknown, e.g. after a trim).
+    pub crc: u32,
+}
+
+impl ExtentKey {
+    pub fn end(&self) -> u64 {
+        self.file_offset + u64::from(self.size)
+    }
+}
+
+/// An inode's attributes as clients see them. Times are nanoseconds since the Unix epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attr {
+    pub ino: Ino,
+    pub kind: FileType,
+    /// Permission bits (`0o7777`), without the file type.
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    pub nlink: u32,
+    pub rdev: u32,
+    pub atime: u64,
+    pub mtime: u64,
+    pub ctime: u64,
+    /// Bumped when an inode number is reused (never, today: numbers are not reused).
+    pub generation: u32,
+}
+
+/// What a dentry points to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dentry {
+    pub ino: Ino,
+    pub kind: FileType,
+}
+
+/// One directory entry, as listed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    pub name: Vec<u8>,
+    pub ino: Ino,
+    pub kind: FileType,
+}
+
+/// Attribute changes; `None` leaves a field alone.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    /// Truncate or extend. Shrinking drops (or trims) extent keys past the new size; dropped keys
+    /// join the partition's list of extents to free on the data nodes.
+    pub size: Option<u64>,
+    pub atime: Option<u64>,
+    pub mtime: Option<u64>,
+}
+
+/// How `SetXattr` treats an existing attribute.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum XattrMode {
+    /// Create or replace.
+    #[default]
+    Upsert,
+    /// Fail with `Exists` if present (XATTR_CREATE).
+    Create,
+    /// Fail with `NoXattr` if absent (XATTR_REPLACE).
+    Replace,
+}
+
+/// A change to a partition. Every command is applied with the time the leader stamped on it
+/// (`now`, ns since the epoch), so all replicas compute the same state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    /// Allocates the next free inode number of the range (`NoInodes` when the range is used up).
+    /// Files, symlinks and special files start with nlink 1, directories with nlink 2. `parent` is
+    /// recorded (for directories it is what `..` means). `target` is the symlink target (empty for
+    /// others; `InvalidName` if empty for a symlink or longer than `MAX_SYMLINK`).
+    CreateInode {
+        kind: FileType,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+        rdev: u32,
+        parent: Ino,
+        target: Vec<u8>,
+    },
+    /// nlink + 1 (a new hard link). `IsDir` for directories; `NotFound` for an unknown or deleted inode.
+    LinkInode { ino: Ino },
+    /// nlink − 1 after its dentry was removed. A directory must have no dentries in this partition
+    /// (`NotEmpty`) and goes from 2 to 0 at once. At nlink 0 the inode is marked deleted: it is
+    /// invisible to lookups and attribute reads, stays on the partition's orphan list, and is removed
+    /// by `EvictInode` once its extents are freed.
+    UnlinkInode { ino: Ino },
+    /// Removes a deleted (nlink 0) inode for good; `Invalid` if it still has links. Returns its
+    /// extent keys (to free on the data nodes).
+    EvictInode { ino: Ino },
+    /// Adds `name` → `ino` under `parent` (which must be a live directory in this partition).
+    /// `Exists` if the name is taken; for `kind == Dir` the parent's nlink grows by one. Updates the
+    /// parent's mtime and ctime.
+    CreateDentry {
+        parent: Ino,
+        name: Vec<u8>,
+        ino: Ino,
+        kind: FileType,
+    },
+    /// Removes `name` under `parent`, returns what it pointed to. With `expect`, fails with
+    /// `NotFound` unless the dentry points to that inode (protects against a concurrent replace).
+    /// For directories the parent's nlink drops by one.
+    DeleteDentry {
+        parent: Ino,
+        name: Vec<u8>,
+        expect: Option<Ino>,
+    },
+    /// Points an existing dentry to another inode of the same kind class (dir only replaces dir, a
+    /// non-dir only a non-dir: else `IsDir`/`NotDir`); returns the old target.
+    UpdateDentry {
+        parent: Ino,
+        name: Vec<u8>,
+        ino: Ino,
+        kind: FileType,
+    },
+    /// Atomic rename when both parents are in this partition: moves the dentry, replacing an existing
+    /// destination of a compatible kind (a directory may only replace an *empty* directory, which the
+    /// caller has checked with the destination inode's partition; `NotEmpty` when the replaced
+    /// directory's dentries are known here and exist). Renaming onto itself is a no-op. Parents'
+    /// nlink and times follow POSIX. Returns the replaced dentry, if any (the caller unlinks it).
+    Rename {
+        src_parent: Ino,
+        src_name: Vec<u8>,
+        dst_parent: Ino,
+        dst_name: Vec<u8>,
+    },
+    /// chmod/chown/truncate/utimes; updates ctime (and mtime on a size change).
+    SetAttr { ino: Ino, set: SetAttr },
+    /// Records written pieces of a file: each new key replaces whatever range it overlaps (older keys
+    /// are trimmed or dropped; dropped ones join the to-free list); size becomes at least the end of
+    /// the last key. Updates mtime and ctime. `IsDir` on a directory.
+    AppendExtents { ino: Ino, extents: Vec<ExtentKey> },
+    SetXattr {
+        ino: Ino,
+        name: Vec<u8>,
+        value: Vec<u8>,
+        mode: XattrMode,
+    },
+    RemoveXattr { ino: Ino, name: Vec<u8> },
+    /// Forgets the first `count` entries of the to-free list (after they were freed on data nodes).
+    AckFreed { count: u64 },
+    /// Narrows the inode range to `[start, end)` (the master closed this partition in a split).
+    /// `Invalid` if inodes at or past `end` were already allocated.
+    SetEnd { end: u64 },
+}
+
+/// A read of a partition (served by the leader, linearizably).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Query {
+    GetAttr { ino: Ino },
+    /// Attributes of the inodes found (unknown and deleted ones are skipped).
+    BatchGet { inos: Vec<Ino> },
+    Lookup { parent: Ino, name: Vec<u8> },
+    /// Entries of `parent` in name order, strictly after `after` (all when `None`), at most `limit`.
+    ReadDir { parent: Ino, after: Option<Vec<u8>>, limit: u32 },
+    /// Like `ReadDir`, each entry with its attributes when the inode lives in this partition.
+    ReadDirPlus { parent: Ino, after: Option<Vec<u8>>, limit: u32 },
+    /// Attributes and extent keys (sorted by file offset).
+    GetExtents { ino: Ino },
+    ReadLink { ino: Ino },
+    GetXattr { ino: Ino, name: Vec<u8> },
+    ListXattr { ino: Ino },
+    /// Inodes on the orphan list (deleted, not yet evicted), at most `limit`.
+    Orphans { limit: u32 },
+    /// The to-free list's first `limit` extent keys.
+    ToFree { limit: u32 },
+    Stats,
+}
+
+/// Figures a partition reports (to the master, in heartbeats, and to `nacre bench meta`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionStats {
+    pub start: u64,
+    pub end: u64,
+    /// Live and deleted-but-not-evicted inodes.
+    pub inodes: u64,
+    pub dentries: u64,
+    /// Highest inode number allocated so far (0 if none).
+    pub max_inode: u64,
+    pub orphans: u64,
+    pub to_free: u64,
+    /// Estimated heap bytes held by the trees.
+    pub memory: u64,
+}
+
+/// The answer to a command or query.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    Done,
+    Attr(Attr),
+    Attrs(Vec<Attr>),
+    Dentry(Dentry),
+    /// `Rename`: the replaced destination, if any.
+    Replaced(Option<Dentry>),
+    Entries(Vec<DirEntry>),
+    EntriesPlus(Vec<(DirEntry, Option<Attr>)>),
+    Extents(Attr, Vec<ExtentKey>),
+    /// `EvictInode`: the evicted inode's extents.
+    Freed(Vec<ExtentKey>),
+    Bytes(Vec<u8>),
+    Names(Vec<Vec<u8>>),
+    Inos(Vec<Ino>),
+    Stats(PartitionStats),
+}
+
+/// Why a meta operation failed. The FUSE layer maps these to errno (only there).
+#[derive(Clone, Debug, Error, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MetaError {
+    #[error("file exists")]
+    Exists,
+    #[error("no such file or directory")]
+    NotFound,
+    #[error("not a directory")]
+    NotDir,
+    #[error("is a directory")]
+    IsDir,
+    #[error("directory not empty")]
+    NotEmpty,
+    #[error("file name too long (over {MAX_NAME} bytes)")]
+    NameTooLong,
+    #[error("invalid name (empty, '.', '..', or containing '/' or NUL)")]
+    InvalidName,
+    #[error("inode {0} does not belong to this partition")]
+    WrongPartition(Ino),
+    #[error("no free inode left in this partition's range")]
+    NoInodes,
+    #[error("no such extended attribute")]
+    NoXattr,
+    #[error("too many links")]
+    TooManyLinks,
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+}
+
+/// Checks a dentry name: 1..=255 bytes, not `.` or `..`, no `/` or NUL.
+pub fn check_name(name: &[u8]) -> Result<(), MetaError> {
+    if name.len() > MAX_NAME {
+        return Err(MetaError::NameTooLong);
+    }
+    if name.is_empty() || name == b"." || name == b".." || name.iter().any(|&b| b == b'/' || b == 0)
+    {
+        return Err(MetaError::InvalidName);
+    }
+    Ok(())
+}
