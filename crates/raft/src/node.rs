@@ -272,6 +272,15 @@ impl<S: StateMachine> RaftNode<S> {
         Ok(())
     }
 
+    /// Stops hosting `group`: drops its replica and state machine (its log records stay).
+    pub fn remove_group(&mut self, group: GroupId) -> Result<(), RaftError> {
+        self.groups
+            .remove(&group)
+            .ok_or(RaftError::UnknownGroup(group))?;
+        self.dirty.remove(&group);
+        Ok(())
+    }
+
     /// Groups hosted here.
     pub fn groups(&self) -> impl Iterator<Item = GroupId> + '_ {
         self.groups.keys().copied()

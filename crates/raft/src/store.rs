@@ -53,6 +53,8 @@ impl Default for StoreConfig {
 }
 
 type Reader<S> = Box<dyn FnOnce(Result<&S, RaftError>) + Send>;
+/// Gets the state machine and whether this node leads the group.
+type LocalReader<S> = Box<dyn FnOnce(Result<(&S, bool), RaftError>) + Send>;
 type Reply = oneshot::Sender<Result<Vec<u8>, RaftError>>;
 
 enum Cmd<S> {
@@ -70,6 +72,17 @@ enum Cmd<S> {
     Read {
         group: GroupId,
         reader: Reader<S>,
+    },
+    LocalRead {
+        group: GroupId,
+        reader: LocalReader<S>,
+    },
+    AddPeers {
+        peers: BTreeMap<u64, String>,
+    },
+    RemoveGroup {
+        group: GroupId,
+        reply: oneshot::Sender<Result<(), RaftError>>,
     },
     Inbound(RaftBatch),
     ChangeMembership {
@@ -177,6 +190,39 @@ impl<S: StateMachine> RaftHandle<S> {
         rx.await.map_err(|_| stopped())?
     }
 
+    /// Runs `f` on this replica's state machine as it is now, with whether this node leads the group:
+    /// not linearizable (a follower may lag), for stats and reports.
+    pub async fn local_read<R, F>(&self, group: GroupId, f: F) -> Result<R, RaftError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&S, bool) -> R + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        let reader: LocalReader<S> = Box::new(move |r| {
+            let _ = tx.send(r.map(|(sm, leader)| f(sm, leader)));
+        });
+        self.tx
+            .send(Cmd::LocalRead { group, reader })
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?
+    }
+
+    /// Adds peers (node id → messenger address) this store may have to talk to, e.g. the replicas of
+    /// a newly hosted group. Known peers keep their connection; a changed address replaces it.
+    pub fn add_peers(&self, peers: BTreeMap<u64, String>) -> Result<(), RaftError> {
+        self.tx.send(Cmd::AddPeers { peers }).map_err(|_| stopped())
+    }
+
+    /// Stops hosting `group` on this node: its state machine is dropped and requests waiting on it
+    /// fail. The group's records stay in the log (they are not reclaimed yet).
+    pub async fn remove_group(&self, group: GroupId) -> Result<(), RaftError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Cmd::RemoveGroup { group, reply })
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?
+    }
+
     /// Proposes a membership change (add or remove voters or learners) on this node, the leader;
     /// resolves when it is applied here.
     pub async fn change_membership(
@@ -279,6 +325,8 @@ struct Loop<S: StateMachine> {
     /// Tick at which each peer was last heard from, and whether it is considered up.
     heard: BTreeMap<u64, (u64, bool)>,
     outboxes: BTreeMap<u64, mpsc::UnboundedSender<Bytes>>,
+    peer_addrs: BTreeMap<u64, String>,
+    client: Client,
     ticks: u64,
 }
 
@@ -290,32 +338,17 @@ async fn run<S: StateMachine>(
     client: Client,
 ) {
     let id = node.id();
-    // One sender task per peer keeps frames to that peer in order.
-    let mut outboxes = BTreeMap::new();
-    for (&peer, addr) in &peers {
-        let (otx, mut orx) = mpsc::unbounded_channel::<Bytes>();
-        let (client, addr) = (client.clone(), addr.clone());
-        tokio::spawn(async move {
-            while let Some(body) = orx.recv().await {
-                // Raft tolerates lost messages; a failed send is retried by raft itself.
-                if let Err(e) = client
-                    .send_oneway(&addr, RaftBatchRpc::OP, body, Payload::none())
-                    .await
-                {
-                    tracing::debug!(%addr, error = %e, "raft batch not sent");
-                }
-            }
-        });
-        outboxes.insert(peer, otx);
-    }
     let mut lp = Loop {
         node,
         proposals: HashMap::new(),
         reads: HashMap::new(),
-        heard: peers.keys().map(|&p| (p, (0, true))).collect(),
-        outboxes,
+        heard: BTreeMap::new(),
+        outboxes: BTreeMap::new(),
+        peer_addrs: BTreeMap::new(),
+        client,
         ticks: 0,
     };
+    lp.add_peers(peers);
     let mut tick = tokio::time::interval(config.tick_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut stop_reply = None;
@@ -362,8 +395,42 @@ async fn run<S: StateMachine>(
 }
 
 impl<S: StateMachine> Loop<S> {
+    /// One sender task per peer keeps frames to that peer in order.
+    fn add_peers(&mut self, peers: BTreeMap<u64, String>) {
+        for (peer, addr) in peers {
+            if peer == self.node.id() || self.peer_addrs.get(&peer) == Some(&addr) {
+                continue;
+            }
+            let (otx, mut orx) = mpsc::unbounded_channel::<Bytes>();
+            let (client, to) = (self.client.clone(), addr.clone());
+            tokio::spawn(async move {
+                while let Some(body) = orx.recv().await {
+                    // Raft tolerates lost messages; a failed send is retried by raft itself.
+                    if let Err(e) = client
+                        .send_oneway(&to, RaftBatchRpc::OP, body, Payload::none())
+                        .await
+                    {
+                        tracing::debug!(addr = %to, error = %e, "raft batch not sent");
+                    }
+                }
+            });
+            // Replacing the sender ends the old task once its queue drains.
+            self.outboxes.insert(peer, otx);
+            self.peer_addrs.insert(peer, addr);
+            self.heard.entry(peer).or_insert((self.ticks, true));
+        }
+    }
+
     fn handle(&mut self, cmd: Cmd<S>) {
         match cmd {
+            Cmd::LocalRead { group, reader } => match self.node.state_machine(group) {
+                Some(sm) => reader(Ok((sm, self.node.is_leader(group)))),
+                None => reader(Err(RaftError::UnknownGroup(group))),
+            },
+            Cmd::AddPeers { peers } => self.add_peers(peers),
+            Cmd::RemoveGroup { group, reply } => {
+                let _ = reply.send(self.node.remove_group(group));
+            }
             Cmd::AddGroup {
                 group,
                 voters,

@@ -241,3 +241,94 @@ async fn stores_on_raft_engine_restart_with_every_acknowledged_write() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_added_later_groups_removed_and_local_reads() {
+    let net = MemNetwork::new(41);
+    let config = fast();
+    // Stores that start knowing no peer (as meta nodes do before their first partition).
+    let mut listeners = BTreeMap::new();
+    let mut nodes = BTreeMap::new();
+    for id in 1..=3u64 {
+        let host = format!("lp{id}");
+        let m =
+            Messenger::new(&host, MsgrConfig::default(), Arc::new(net.transport(&host))).unwrap();
+        listeners.insert(id, m.transport().bind(&format!("{host}:0")).await.unwrap());
+        let log: Arc<dyn LogStore> = Arc::new(MemLogStore::new());
+        let handle = start::<Kv>(id, config.clone(), log, BTreeMap::new(), m.client()).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let l = listeners.remove(&id).unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(m.serve(l, Arc::new(handle.router()), async {
+            let _ = stopped.await;
+        }));
+        nodes.insert(
+            id,
+            (
+                Node {
+                    handle,
+                    msgr: m,
+                    stop,
+                },
+                addr,
+            ),
+        );
+    }
+    let addrs: BTreeMap<u64, String> = nodes.iter().map(|(id, (_, a))| (*id, a.clone())).collect();
+    for (n, _) in nodes.values() {
+        n.handle.add_peers(addrs.clone()).unwrap();
+        n.handle
+            .add_group(7, &[1, 2, 3], Kv::default())
+            .await
+            .unwrap();
+    }
+    let nodes: BTreeMap<u64, Node> = nodes.into_iter().map(|(id, (n, _))| (id, n)).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    propose(&nodes, 7, "k=v", deadline).await.unwrap();
+
+    // Every replica applies it; a local read shows it (bounded wait on the followers).
+    for n in nodes.values() {
+        let mut seen = false;
+        for _ in 0..500 {
+            let v = n
+                .handle
+                .local_read(7, |kv: &Kv, _leader| kv.map.get("k").cloned())
+                .await
+                .unwrap();
+            if v.as_deref() == Some("v") {
+                seen = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(seen, "replica {} never applied the entry", n.handle.id());
+    }
+    let leaders: usize = {
+        let mut c = 0;
+        for n in nodes.values() {
+            if n.handle.local_read(7, |_: &Kv, l| l).await.unwrap() {
+                c += 1;
+            }
+        }
+        c
+    };
+    assert_eq!(leaders, 1);
+
+    for n in nodes.values() {
+        n.handle.remove_group(7).await.unwrap();
+        assert!(matches!(
+            n.handle.propose(7, b"x=y".to_vec()).await,
+            Err(RaftError::UnknownGroup(7))
+        ));
+        assert!(matches!(
+            n.handle.remove_group(7).await,
+            Err(RaftError::UnknownGroup(7))
+        ));
+    }
+    for (_, n) in nodes {
+        let _ = n.stop.send(());
+        tokio::task::spawn_blocking(move || n.msgr.shutdown())
+            .await
+            .unwrap();
+    }
+}
