@@ -4,9 +4,12 @@
 
 pub mod ops;
 pub mod partition;
+pub mod rpc;
+pub mod service;
 
 pub use ops::{
-    Attr, Command, Dentry, DirEntry, ExtentKey, FileType, MetaError, PartitionStats, Query, Reply,
-    ROOT_INO, SetAttr, XattrMode,
+    Attr, Command, Dentry, DirEntry, ExtentKey, FileType, MetaError, PartitionStats, Query,
+    ROOT_INO, Reply, SetAttr, XattrMode,
 };
 pub use partition::MetaPartition;
+pub use service::{MetaNode, MetaNodeConfig, MetaSm};

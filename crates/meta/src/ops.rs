@@ -129,15 +129,21 @@ pub enum Command {
         target: Vec<u8>,
     },
     /// nlink + 1 (a new hard link). `IsDir` for directories; `NotFound` for an unknown or deleted inode.
-    LinkInode { ino: Ino },
+    LinkInode {
+        ino: Ino,
+    },
     /// nlink − 1 after its dentry was removed. A directory must have no dentries in this partition
     /// (`NotEmpty`) and goes from 2 to 0 at once. At nlink 0 the inode is marked deleted: it is
     /// invisible to lookups and attribute reads, stays on the partition's orphan list, and is removed
     /// by `EvictInode` once its extents are freed.
-    UnlinkInode { ino: Ino },
+    UnlinkInode {
+        ino: Ino,
+    },
     /// Removes a deleted (nlink 0) inode for good; `Invalid` if it still has links. Returns its
     /// extent keys (to free on the data nodes).
-    EvictInode { ino: Ino },
+    EvictInode {
+        ino: Ino,
+    },
     /// Adds `name` → `ino` under `parent` (which must be a live directory in this partition).
     /// `Exists` if the name is taken; for `kind == Dir` the parent's nlink grows by one. Updates the
     /// parent's mtime and ctime.
@@ -175,45 +181,96 @@ pub enum Command {
         dst_name: Vec<u8>,
     },
     /// chmod/chown/truncate/utimes; updates ctime (and mtime on a size change).
-    SetAttr { ino: Ino, set: SetAttr },
+    SetAttr {
+        ino: Ino,
+        set: SetAttr,
+    },
     /// Records written pieces of a file: each new key replaces whatever range it overlaps (older keys
     /// are trimmed or dropped; dropped ones join the to-free list); size becomes at least the end of
     /// the last key. Updates mtime and ctime. `IsDir` on a directory.
-    AppendExtents { ino: Ino, extents: Vec<ExtentKey> },
+    AppendExtents {
+        ino: Ino,
+        extents: Vec<ExtentKey>,
+    },
     SetXattr {
         ino: Ino,
         name: Vec<u8>,
         value: Vec<u8>,
         mode: XattrMode,
     },
-    RemoveXattr { ino: Ino, name: Vec<u8> },
+    RemoveXattr {
+        ino: Ino,
+        name: Vec<u8>,
+    },
     /// Forgets the first `count` entries of the to-free list (after they were freed on data nodes).
-    AckFreed { count: u64 },
+    AckFreed {
+        count: u64,
+    },
+    /// Records `parent` as the parent directory of `ino` (a directory moved to a parent in another
+    /// partition). `NotFound` for an unknown or deleted inode.
+    SetParent {
+        ino: Ino,
+        parent: Ino,
+    },
     /// Narrows the inode range to `[start, end)` (the master closed this partition in a split).
     /// `Invalid` if inodes at or past `end` were already allocated.
-    SetEnd { end: u64 },
+    SetEnd {
+        end: u64,
+    },
 }
 
 /// A read of a partition (served by the leader, linearizably).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Query {
-    GetAttr { ino: Ino },
+    GetAttr {
+        ino: Ino,
+    },
+    /// The recorded parent of `ino` (what `..` means for a directory), as `Reply::Inos(vec![parent])`.
+    Parent {
+        ino: Ino,
+    },
     /// Attributes of the inodes found (unknown and deleted ones are skipped).
-    BatchGet { inos: Vec<Ino> },
-    Lookup { parent: Ino, name: Vec<u8> },
+    BatchGet {
+        inos: Vec<Ino>,
+    },
+    Lookup {
+        parent: Ino,
+        name: Vec<u8>,
+    },
     /// Entries of `parent` in name order, strictly after `after` (all when `None`), at most `limit`.
-    ReadDir { parent: Ino, after: Option<Vec<u8>>, limit: u32 },
+    ReadDir {
+        parent: Ino,
+        after: Option<Vec<u8>>,
+        limit: u32,
+    },
     /// Like `ReadDir`, each entry with its attributes when the inode lives in this partition.
-    ReadDirPlus { parent: Ino, after: Option<Vec<u8>>, limit: u32 },
+    ReadDirPlus {
+        parent: Ino,
+        after: Option<Vec<u8>>,
+        limit: u32,
+    },
     /// Attributes and extent keys (sorted by file offset).
-    GetExtents { ino: Ino },
-    ReadLink { ino: Ino },
-    GetXattr { ino: Ino, name: Vec<u8> },
-    ListXattr { ino: Ino },
+    GetExtents {
+        ino: Ino,
+    },
+    ReadLink {
+        ino: Ino,
+    },
+    GetXattr {
+        ino: Ino,
+        name: Vec<u8>,
+    },
+    ListXattr {
+        ino: Ino,
+    },
     /// Inodes on the orphan list (deleted, not yet evicted), at most `limit`.
-    Orphans { limit: u32 },
+    Orphans {
+        limit: u32,
+    },
     /// The to-free list's first `limit` extent keys.
-    ToFree { limit: u32 },
+    ToFree {
+        limit: u32,
+    },
     Stats,
 }
 

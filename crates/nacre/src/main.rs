@@ -109,9 +109,41 @@ struct PingArgs {
 enum BenchCmd {
     /// Echo RPCs through the messenger on loopback, beside raw blocking TCP in the same run.
     Msgr(BenchMsgrArgs),
+    /// The mdtest phases (TreeCreation … TreeRemoval) through the client SDK against a local
+    /// cluster in this process (1 master, 3 meta nodes, 3 replicas); or, with --memory N, the bytes
+    /// a meta partition needs per small file.
+    Meta(BenchMetaArgs),
     /// Raft replication: 3 stores in this process (loopback TCP, raft-engine logs in a temp dir);
     /// proposals/s and commit latency, idle CPU and memory per group.
     Raft(BenchRaftArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchMetaArgs {
+    /// Concurrent clients, each in its own subtree.
+    #[arg(long, default_value_t = 4)]
+    clients: usize,
+    /// Directories and files per client.
+    #[arg(long, default_value_t = 1000)]
+    items: usize,
+    /// Branching of each client's tree.
+    #[arg(long, default_value_t = 4)]
+    branch: usize,
+    /// Depth of each client's tree.
+    #[arg(long, default_value_t = 2)]
+    depth: usize,
+    /// Meta partitions of the benchmark volume.
+    #[arg(long, default_value_t = 3)]
+    meta_partitions: u32,
+    /// Measure memory per small file with this many files in a bare partition instead.
+    #[arg(long)]
+    memory: Option<u64>,
+    /// Extent keys per file for --memory.
+    #[arg(long, default_value_t = 0)]
+    extents: u64,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -185,6 +217,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Ping(a) => ping(a),
         Cmd::Bench(BenchCmd::Msgr(a)) => bench_msgr(a),
         Cmd::Bench(BenchCmd::Raft(a)) => bench_raft(a),
+        Cmd::Bench(BenchCmd::Meta(a)) => bench_meta(a),
     }
 }
 
@@ -475,6 +508,50 @@ fn bench_msgr(a: BenchMsgrArgs) -> anyhow::Result<()> {
     })?;
     if !json {
         report::print_table(&rows);
+    }
+    Ok(())
+}
+
+fn bench_meta(a: BenchMetaArgs) -> anyhow::Result<()> {
+    if let Some(files) = a.memory {
+        anyhow::ensure!(files > 0, "--memory needs at least one file");
+        let row = bench::meta::memory(files, a.extents)?;
+        if a.json {
+            println!("{}", serde_json::to_string(&row)?);
+        } else {
+            println!(
+                "{} files, {} extent keys each: {:.1} bytes per file allocated ({:.1} estimated by the partition)",
+                row.files,
+                row.extent_keys_per_file,
+                row.bytes_per_file,
+                row.estimated_bytes_per_file
+            );
+        }
+        return Ok(());
+    }
+    anyhow::ensure!(
+        a.clients > 0 && a.items > 0 && a.branch > 0 && a.meta_partitions > 0,
+        "--clients, --items, --branch and --meta-partitions must be at least 1"
+    );
+    let p = bench::meta::Params {
+        clients: a.clients,
+        items: a.items,
+        branch: a.branch,
+        depth: a.depth,
+        meta_partitions: a.meta_partitions,
+    };
+    let json = a.json;
+    let rows = runtime()?.block_on(bench::meta::run(&p, |r| {
+        if json {
+            if let Ok(line) = serde_json::to_string(r) {
+                println!("{line}");
+            }
+        } else {
+            eprintln!("  {}: {:.0} ops/s", r.phase, r.ops_per_s);
+        }
+    }))?;
+    if !json {
+        bench::meta::print_table(&rows);
     }
     Ok(())
 }

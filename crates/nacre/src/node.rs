@@ -10,6 +10,7 @@ use nacre_master::agent::{AgentConfig, PartitionHost, SpecRegistry, node_router,
 use nacre_master::map::Role;
 use nacre_master::rpc::RegisterRequest;
 use nacre_master::{MASTER_GROUP, Master, MasterClient, MasterConfig, MasterSm};
+use nacre_meta::{MetaNode, MetaNodeConfig};
 use nacre_msgr::{AssignKind, Messenger, MsgrConfig, Payload, Router, TcpTransport};
 use nacre_proto::msg::sys::{Echo, EchoResponse, Ping, PingResponse};
 use nacre_raft::{EngineLogStore, LogStore, RaftHandle, StoreConfig};
@@ -343,16 +344,36 @@ impl Node {
                 } else {
                     Role::Data
                 };
-                let host: Arc<dyn PartitionHost> = Arc::new(
-                    SpecRegistry::open(&cfg.data_dir.join("partitions"), role).with_context(
-                        || {
-                            format!(
-                                "cannot open the partition registry in {}",
-                                cfg.data_dir.display()
-                            )
-                        },
-                    )?,
-                );
+                let (id_tx, id_rx) = watch::channel(None);
+                let host: Arc<dyn PartitionHost> = if role == Role::Meta {
+                    let meta_cfg = MetaNodeConfig {
+                        dir: cfg.data_dir.clone(),
+                        raft: StoreConfig::default(),
+                        report_interval: Duration::from_millis(cfg.heartbeat_ms.max(10) / 2),
+                    };
+                    let meta = MetaNode::open(&meta_cfg, msgr.client()).with_context(|| {
+                        format!("cannot open the meta node in {}", cfg.data_dir.display())
+                    })?;
+                    router = router.merge(meta.router());
+                    let (runner, done) = (meta.clone(), stopped(&stop));
+                    let interval = meta_cfg.report_interval;
+                    tasks.push(tokio::spawn(async move {
+                        runner.run(id_rx, interval, done).await;
+                        Ok(())
+                    }));
+                    Arc::new(meta)
+                } else {
+                    Arc::new(
+                        SpecRegistry::open(&cfg.data_dir.join("partitions"), role).with_context(
+                            || {
+                                format!(
+                                    "cannot open the partition registry in {}",
+                                    cfg.data_dir.display()
+                                )
+                            },
+                        )?,
+                    )
+                };
                 router = router.merge(node_router(host.clone()));
                 let capacity = if cfg.capacity > 0 {
                     cfg.capacity
@@ -369,7 +390,6 @@ impl Node {
                     heartbeat_interval: Duration::from_millis(cfg.heartbeat_ms.max(10)),
                 };
                 let mc = MasterClient::new(msgr.client(), cfg.masters.clone());
-                let (id_tx, _) = watch::channel(None);
                 let done = stopped(&stop);
                 tasks.push(tokio::spawn(async move {
                     run_agent(mc, agent, host, id_tx, done).await;

@@ -1,5 +1,6 @@
 //! `nacre bench …`: benchmarks that print a table, or JSON lines with `--json`.
 
+pub mod meta;
 pub mod msgr;
 pub mod raft;
 pub mod report;

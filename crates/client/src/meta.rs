@@ -1,0 +1,743 @@
+//! File system metadata over meta partitions: the CFS workflows (DESIGN.md §6).
+//!
+//! An inode lives in the partition whose range holds its number; a dentry lives in the partition
+//! that owns its parent. Operations touching two partitions are not atomic; they are ordered so that
+//! **every dentry points to a live inode whose link count covers it** under any single failure:
+//!
+//! - create: inode first, then dentry. If the dentry fails, the inode is unlinked and evicted (or, if
+//!   that fails too, kept on this client's orphan list and evicted later).
+//! - link: nlink + 1, then the dentry; on failure nlink − 1.
+//! - unlink: the dentry first, then nlink − 1; at 0 the inode is evicted.
+//! - rmdir: the dentry first (after an emptiness check), then the directory inode; if it turned out
+//!   not empty (a racing create), the dentry is put back.
+//! - rename within a partition is one atomic command; across partitions a file is linked (nlink + 1),
+//!   the new dentry created, the old one deleted, and the extra link dropped.
+//!
+//! Outcomes of a failed call are of two kinds ([`CallError`]): *not applied* (safe to undo or retry)
+//! and *unknown* (the command may have been applied). After an unknown outcome the workflow either
+//! finds out (a lookup tells whether a dentry exists) or leaves the state as is, erring on the side
+//! of an unreachable inode (a space leak, cleaned later) rather than a dentry without an inode.
+
+use std::future::Future;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use nacre_meta::ops::{ExtentKey, XattrMode};
+use nacre_meta::{Attr, Command, Dentry, DirEntry, FileType, MetaError, Query, Reply, SetAttr};
+use nacre_types::{Ino, PartitionId};
+use thiserror::Error;
+
+/// A meta partition of the volume, as the client routes to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MetaRange {
+    pub id: PartitionId,
+    pub start: u64,
+    pub end: u64,
+    /// New inodes may be allocated here.
+    pub writable: bool,
+}
+
+/// Why a call to a partition failed (beyond the partition's own answer).
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum CallError {
+    /// The command was certainly not applied (no leader reachable, partition not hosted, …).
+    #[error("not applied: {0}")]
+    NotApplied(String),
+    /// The command may or may not have been applied (timeout or lost reply after sending).
+    #[error("outcome unknown: {0}")]
+    Unknown(String),
+}
+
+/// Reaches the meta partitions of one volume.
+pub trait MetaTransport: Send + Sync + 'static {
+    /// The volume's meta partitions in inode-range order.
+    fn partitions(&self) -> Vec<MetaRange>;
+    /// Applies a command on the partition's leader.
+    fn write(
+        &self,
+        partition: PartitionId,
+        cmd: Command,
+    ) -> impl Future<Output = Result<Result<Reply, MetaError>, CallError>> + Send;
+    /// Reads the partition on its leader.
+    fn read(
+        &self,
+        partition: PartitionId,
+        query: Query,
+    ) -> impl Future<Output = Result<Result<Reply, MetaError>, CallError>> + Send;
+}
+
+/// Why a file system operation failed.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum FsError {
+    #[error(transparent)]
+    Meta(#[from] MetaError),
+    #[error("metadata unavailable: {0}")]
+    Unavailable(#[from] CallError),
+}
+
+pub type FsResult<T> = Result<T, FsError>;
+
+/// What a new inode is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewInode {
+    pub kind: FileType,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub rdev: u32,
+    /// Symlink target.
+    pub target: Vec<u8>,
+}
+
+impl NewInode {
+    pub fn file(mode: u32, uid: u32, gid: u32) -> Self {
+        Self {
+            kind: FileType::File,
+            mode,
+            uid,
+            gid,
+            rdev: 0,
+            target: Vec::new(),
+        }
+    }
+
+    pub fn dir(mode: u32, uid: u32, gid: u32) -> Self {
+        Self {
+            kind: FileType::Dir,
+            ..Self::file(mode, uid, gid)
+        }
+    }
+
+    pub fn symlink(target: &[u8], uid: u32, gid: u32) -> Self {
+        Self {
+            kind: FileType::Symlink,
+            target: target.to_vec(),
+            ..Self::file(0o777, uid, gid)
+        }
+    }
+}
+
+fn unexpected(r: &Reply) -> FsError {
+    FsError::Meta(MetaError::Invalid(format!("unexpected reply {r:?}")))
+}
+
+/// File system metadata of one volume.
+#[derive(Debug)]
+pub struct MetaFs<T> {
+    t: T,
+    /// Round-robin cursor over writable partitions for new inodes.
+    next: AtomicUsize,
+    /// Inodes whose eviction failed: (partition, inode), retried by [`MetaFs::evict_orphans`].
+    orphans: Mutex<Vec<Ino>>,
+}
+
+impl<T: MetaTransport> MetaFs<T> {
+    pub fn new(t: T) -> Self {
+        Self {
+            t,
+            next: AtomicUsize::new(0),
+            orphans: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn transport(&self) -> &T {
+        &self.t
+    }
+
+    /// The partition owning `ino`.
+    pub fn partition_of(&self, ino: Ino) -> FsResult<PartitionId> {
+        self.t
+            .partitions()
+            .iter()
+            .find(|p| p.start <= ino.0 && ino.0 < p.end)
+            .map(|p| p.id)
+            .ok_or(FsError::Meta(MetaError::NotFound))
+    }
+
+    async fn write(&self, p: PartitionId, cmd: Command) -> FsResult<Reply> {
+        Ok(self.t.write(p, cmd).await??)
+    }
+
+    async fn read(&self, p: PartitionId, q: Query) -> FsResult<Reply> {
+        Ok(self.t.read(p, q).await??)
+    }
+
+    async fn write_ino(&self, ino: Ino, cmd: Command) -> FsResult<Reply> {
+        self.write(self.partition_of(ino)?, cmd).await
+    }
+
+    async fn read_ino(&self, ino: Ino, q: Query) -> FsResult<Reply> {
+        self.read(self.partition_of(ino)?, q).await
+    }
+
+    fn attr(r: Reply) -> FsResult<Attr> {
+        match r {
+            Reply::Attr(a) => Ok(a),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub async fn getattr(&self, ino: Ino) -> FsResult<Attr> {
+        Self::attr(self.read_ino(ino, Query::GetAttr { ino }).await?)
+    }
+
+    /// The dentry `name` under `parent`.
+    pub async fn lookup_dentry(&self, parent: Ino, name: &[u8]) -> FsResult<Dentry> {
+        let q = Query::Lookup {
+            parent,
+            name: name.to_vec(),
+        };
+        match self.read_ino(parent, q).await? {
+            Reply::Dentry(d) => Ok(d),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub async fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
+        let d = self.lookup_dentry(parent, name).await?;
+        self.getattr(d.ino).await
+    }
+
+    /// Allocates an inode in a writable partition (round robin; full ranges are skipped).
+    async fn create_inode(&self, parent: Ino, new: &NewInode) -> FsResult<Attr> {
+        let parts: Vec<MetaRange> = self
+            .t
+            .partitions()
+            .into_iter()
+            .filter(|p| p.writable)
+            .collect();
+        if parts.is_empty() {
+            return Err(MetaError::NoInodes.into());
+        }
+        let first = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut last = FsError::Meta(MetaError::NoInodes);
+        for i in 0..parts.len() {
+            let p = &parts[(first + i) % parts.len()];
+            let cmd = Command::CreateInode {
+                kind: new.kind,
+                mode: new.mode,
+                uid: new.uid,
+                gid: new.gid,
+                rdev: new.rdev,
+                parent,
+                target: new.target.clone(),
+            };
+            match self.write(p.id, cmd).await {
+                Ok(r) => return Self::attr(r),
+                Err(FsError::Meta(MetaError::NoInodes)) => continue,
+                // Not applied: another partition may do. Unknown: an inode may leak; try elsewhere.
+                Err(e @ FsError::Unavailable(_)) => last = e,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+
+    /// Drops one link of `ino`; evicts it when none is left. Failures to evict keep it on the
+    /// orphan list.
+    async fn drop_link(&self, ino: Ino) -> FsResult<()> {
+        let a = Self::attr(self.write_ino(ino, Command::UnlinkInode { ino }).await?)?;
+        if a.nlink == 0 {
+            self.evict(ino).await;
+        }
+        Ok(())
+    }
+
+    async fn evict(&self, ino: Ino) {
+        match self.write_ino(ino, Command::EvictInode { ino }).await {
+            Ok(_) | Err(FsError::Meta(MetaError::NotFound)) => {}
+            Err(e) => {
+                tracing::debug!(%ino, error = %e, "eviction deferred");
+                if let Ok(mut o) = self.orphans.lock() {
+                    o.push(ino);
+                }
+            }
+        }
+    }
+
+    /// Retries deferred evictions; returns how many are still pending.
+    pub async fn evict_orphans(&self) -> usize {
+        let pending: Vec<Ino> = self
+            .orphans
+            .lock()
+            .map(|mut o| std::mem::take(&mut *o))
+            .unwrap_or_default();
+        for ino in pending {
+            self.evict(ino).await;
+        }
+        self.orphans.lock().map(|o| o.len()).unwrap_or(0)
+    }
+
+    /// Whether `name` under `parent` points to `ino` (to settle an unknown outcome).
+    async fn dentry_is(&self, parent: Ino, name: &[u8], ino: Ino) -> FsResult<bool> {
+        match self.lookup_dentry(parent, name).await {
+            Ok(d) => Ok(d.ino == ino),
+            Err(FsError::Meta(MetaError::NotFound)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Creates `name` under `parent`: the inode first, then the dentry.
+    pub async fn create(&self, parent: Ino, name: &[u8], new: &NewInode) -> FsResult<Attr> {
+        nacre_meta::ops::check_name(name)?;
+        let attr = self.create_inode(parent, new).await?;
+        let cmd = Command::CreateDentry {
+            parent,
+            name: name.to_vec(),
+            ino: attr.ino,
+            kind: new.kind,
+        };
+        match self.write_ino(parent, cmd).await {
+            Ok(_) => Ok(attr),
+            Err(FsError::Unavailable(CallError::Unknown(m))) => {
+                // Did the dentry make it? Only a definite "no" allows undoing the inode.
+                match self.dentry_is(parent, name, attr.ino).await {
+                    Ok(true) => Ok(attr),
+                    Ok(false) => {
+                        self.undo_inode(attr.ino).await;
+                        Err(CallError::Unknown(m).into())
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            Err(e) => {
+                self.undo_inode(attr.ino).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Removes an inode that no dentry points to.
+    async fn undo_inode(&self, ino: Ino) {
+        match self.write_ino(ino, Command::UnlinkInode { ino }).await {
+            Ok(_) => self.evict(ino).await,
+            Err(e) => {
+                // Left with a link and no dentry: unreachable, never dangling. Keep it for later.
+                tracing::debug!(%ino, error = %e, "orphan inode left behind");
+                if let Ok(mut o) = self.orphans.lock() {
+                    o.push(ino);
+                }
+            }
+        }
+    }
+
+    /// A new name for an existing inode: nlink + 1, then the dentry.
+    pub async fn link(&self, ino: Ino, parent: Ino, name: &[u8]) -> FsResult<Attr> {
+        nacre_meta::ops::check_name(name)?;
+        let attr = Self::attr(self.write_ino(ino, Command::LinkInode { ino }).await?)?;
+        let cmd = Command::CreateDentry {
+            parent,
+            name: name.to_vec(),
+            ino,
+            kind: attr.kind,
+        };
+        let undo = match self.write_ino(parent, cmd).await {
+            Ok(_) => return Ok(attr),
+            Err(FsError::Unavailable(CallError::Unknown(m))) => {
+                match self.dentry_is(parent, name, ino).await {
+                    Ok(true) => return Ok(attr),
+                    Ok(false) => FsError::from(CallError::Unknown(m)),
+                    // Cannot tell: keep the extra link (a leak, not a dangling dentry).
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(e) => e,
+        };
+        if let Err(e) = self.write_ino(ino, Command::UnlinkInode { ino }).await {
+            tracing::debug!(%ino, error = %e, "extra link left behind");
+        }
+        Err(undo)
+    }
+
+    /// Removes a non-directory name: the dentry first, then one link.
+    pub async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        let d = self.lookup_dentry(parent, name).await?;
+        if d.kind == FileType::Dir {
+            return Err(MetaError::IsDir.into());
+        }
+        self.delete_dentry(parent, name, d.ino).await?;
+        self.drop_link(d.ino).await
+    }
+
+    /// Deletes the dentry `name` → `ino`, settling an unknown outcome by a lookup.
+    async fn delete_dentry(&self, parent: Ino, name: &[u8], ino: Ino) -> FsResult<()> {
+        let cmd = Command::DeleteDentry {
+            parent,
+            name: name.to_vec(),
+            expect: Some(ino),
+        };
+        match self.write_ino(parent, cmd).await {
+            Ok(_) => Ok(()),
+            Err(FsError::Unavailable(CallError::Unknown(m))) => {
+                if self.dentry_is(parent, name, ino).await? {
+                    Err(CallError::Unknown(m).into())
+                } else {
+                    Ok(())
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes an empty directory.
+    pub async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        let d = self.lookup_dentry(parent, name).await?;
+        if d.kind != FileType::Dir {
+            return Err(MetaError::NotDir.into());
+        }
+        if !self.is_empty_dir(d.ino).await? {
+            return Err(MetaError::NotEmpty.into());
+        }
+        self.delete_dentry(parent, name, d.ino).await?;
+        match self
+            .write_ino(d.ino, Command::UnlinkInode { ino: d.ino })
+            .await
+        {
+            Ok(_) => {
+                self.evict(d.ino).await;
+                Ok(())
+            }
+            Err(FsError::Meta(MetaError::NotEmpty)) => {
+                // A create raced in: put the name back.
+                let cmd = Command::CreateDentry {
+                    parent,
+                    name: name.to_vec(),
+                    ino: d.ino,
+                    kind: FileType::Dir,
+                };
+                if let Err(e) = self.write_ino(parent, cmd).await {
+                    tracing::warn!(ino = %d.ino, error = %e, "non-empty directory left unreachable");
+                }
+                Err(MetaError::NotEmpty.into())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn is_empty_dir(&self, ino: Ino) -> FsResult<bool> {
+        let q = Query::ReadDir {
+            parent: ino,
+            after: None,
+            limit: 1,
+        };
+        match self.read_ino(ino, q).await? {
+            Reply::Entries(e) => Ok(e.is_empty()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Renames `src_name` under `src_parent` to `dst_name` under `dst_parent`, replacing a
+    /// compatible destination.
+    pub async fn rename(
+        &self,
+        src_parent: Ino,
+        src_name: &[u8],
+        dst_parent: Ino,
+        dst_name: &[u8],
+    ) -> FsResult<()> {
+        nacre_meta::ops::check_name(dst_name)?;
+        let src = self.lookup_dentry(src_parent, src_name).await?;
+        if src_parent == dst_parent && src_name == dst_name {
+            return Ok(());
+        }
+        let dst = match self.lookup_dentry(dst_parent, dst_name).await {
+            Ok(d) => Some(d),
+            Err(FsError::Meta(MetaError::NotFound)) => None,
+            Err(e) => return Err(e),
+        };
+        if let Some(d) = dst {
+            if d.ino == src.ino {
+                return Ok(()); // two names of one inode: POSIX says do nothing
+            }
+            match (src.kind == FileType::Dir, d.kind == FileType::Dir) {
+                (false, true) => return Err(MetaError::IsDir.into()),
+                (true, false) => return Err(MetaError::NotDir.into()),
+                (true, true) if !self.is_empty_dir(d.ino).await? => {
+                    return Err(MetaError::NotEmpty.into());
+                }
+                _ => {}
+            }
+        }
+        if src.kind == FileType::Dir && src_parent != dst_parent {
+            self.check_not_ancestor(src.ino, dst_parent).await?;
+        }
+        let ps = self.partition_of(src_parent)?;
+        let pd = self.partition_of(dst_parent)?;
+        if ps == pd {
+            let cmd = Command::Rename {
+                src_parent,
+                src_name: src_name.to_vec(),
+                dst_parent,
+                dst_name: dst_name.to_vec(),
+            };
+            let replaced = match self.write(ps, cmd).await? {
+                Reply::Replaced(r) => r,
+                other => return Err(unexpected(&other)),
+            };
+            if let Some(r) = replaced {
+                self.drop_link(r.ino).await?;
+            }
+            return Ok(());
+        }
+        self.rename_across(src_parent, src_name, src, dst_parent, dst_name, dst)
+            .await
+    }
+
+    /// Fails with `Invalid` if `dir` is `target` or one of its ancestors.
+    async fn check_not_ancestor(&self, dir: Ino, target: Ino) -> FsResult<()> {
+        let mut x = target;
+        // Bounded by the tree depth; a cycle (which must not exist) would stop at the bound.
+        for _ in 0..4096 {
+            if x == dir {
+                return Err(MetaError::Invalid(
+                    "cannot move a directory into itself or its subtree".into(),
+                )
+                .into());
+            }
+            if x == nacre_meta::ROOT_INO {
+                return Ok(());
+            }
+            x = self.parent_of(x).await?;
+        }
+        Err(MetaError::Invalid("directory tree too deep".into()).into())
+    }
+
+    async fn parent_of(&self, ino: Ino) -> FsResult<Ino> {
+        match self.read_ino(ino, Query::Parent { ino }).await? {
+            Reply::Inos(v) => v.first().copied().ok_or(FsError::Meta(MetaError::NotFound)),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    async fn rename_across(
+        &self,
+        src_parent: Ino,
+        src_name: &[u8],
+        src: Dentry,
+        dst_parent: Ino,
+        dst_name: &[u8],
+        dst: Option<Dentry>,
+    ) -> FsResult<()> {
+        let file = src.kind != FileType::Dir;
+        // Files: an extra link covers the moment both names exist.
+        if file {
+            self.write_ino(src.ino, Command::LinkInode { ino: src.ino })
+                .await?;
+        }
+        let put = match dst {
+            Some(_) => Command::UpdateDentry {
+                parent: dst_parent,
+                name: dst_name.to_vec(),
+                ino: src.ino,
+                kind: src.kind,
+            },
+            None => Command::CreateDentry {
+                parent: dst_parent,
+                name: dst_name.to_vec(),
+                ino: src.ino,
+                kind: src.kind,
+            },
+        };
+        let placed = match self.write_ino(dst_parent, put).await {
+            Ok(_) => Ok(()),
+            Err(FsError::Unavailable(CallError::Unknown(m))) => {
+                match self.dentry_is(dst_parent, dst_name, src.ino).await {
+                    Ok(true) => Ok(()),
+                    Ok(false) => Err(CallError::Unknown(m).into()),
+                    Err(e) => return Err(e), // keep the extra link: a leak at worst
+                }
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = placed {
+            if file
+                && let Err(u) = self
+                    .write_ino(src.ino, Command::UnlinkInode { ino: src.ino })
+                    .await
+            {
+                tracing::debug!(ino = %src.ino, error = %u, "extra link left behind");
+            }
+            return Err(e);
+        }
+        if !file && let Err(e) = self.set_parent(src.ino, dst_parent).await {
+            tracing::warn!(ino = %src.ino, error = %e, "moved directory keeps its old parent pointer");
+        }
+        // The old name goes; then the extra link and the replaced inode's link.
+        self.delete_dentry(src_parent, src_name, src.ino).await?;
+        if file {
+            self.drop_link(src.ino).await?;
+        }
+        if let Some(d) = dst {
+            self.drop_link(d.ino).await?;
+        }
+        Ok(())
+    }
+
+    async fn set_parent(&self, ino: Ino, parent: Ino) -> FsResult<()> {
+        self.write_ino(ino, Command::SetParent { ino, parent })
+            .await
+            .map(|_| ())
+    }
+
+    /// Entries of `dir` after `after`, at most `limit`.
+    pub async fn readdir(
+        &self,
+        dir: Ino,
+        after: Option<&[u8]>,
+        limit: u32,
+    ) -> FsResult<Vec<DirEntry>> {
+        let q = Query::ReadDir {
+            parent: dir,
+            after: after.map(<[u8]>::to_vec),
+            limit,
+        };
+        match self.read_ino(dir, q).await? {
+            Reply::Entries(e) => Ok(e),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Entries with attributes: one round trip to the directory's partition, plus one batch per
+    /// other partition holding some of the entries' inodes.
+    pub async fn readdir_plus(
+        &self,
+        dir: Ino,
+        after: Option<&[u8]>,
+        limit: u32,
+    ) -> FsResult<Vec<(DirEntry, Option<Attr>)>> {
+        let q = Query::ReadDirPlus {
+            parent: dir,
+            after: after.map(<[u8]>::to_vec),
+            limit,
+        };
+        let mut entries = match self.read_ino(dir, q).await? {
+            Reply::EntriesPlus(e) => e,
+            other => return Err(unexpected(&other)),
+        };
+        let mut missing: std::collections::BTreeMap<PartitionId, Vec<Ino>> = Default::default();
+        for (e, a) in &entries {
+            if a.is_none() {
+                missing
+                    .entry(self.partition_of(e.ino)?)
+                    .or_default()
+                    .push(e.ino);
+            }
+        }
+        for (p, inos) in missing {
+            let attrs = match self.read(p, Query::BatchGet { inos }).await? {
+                Reply::Attrs(a) => a,
+                other => return Err(unexpected(&other)),
+            };
+            let by_ino: std::collections::HashMap<Ino, Attr> =
+                attrs.into_iter().map(|a| (a.ino, a)).collect();
+            for (e, a) in entries.iter_mut() {
+                if a.is_none() {
+                    *a = by_ino.get(&e.ino).cloned();
+                }
+            }
+        }
+        Ok(entries)
+    }
+
+    /// Attributes of many inodes, one round trip per partition (unknown inodes are skipped).
+    pub async fn batch_getattr(&self, inos: &[Ino]) -> FsResult<Vec<Attr>> {
+        let mut by_part: std::collections::BTreeMap<PartitionId, Vec<Ino>> = Default::default();
+        for &ino in inos {
+            by_part
+                .entry(self.partition_of(ino)?)
+                .or_default()
+                .push(ino);
+        }
+        let mut out = Vec::with_capacity(inos.len());
+        for (p, inos) in by_part {
+            match self.read(p, Query::BatchGet { inos }).await? {
+                Reply::Attrs(a) => out.extend(a),
+                other => return Err(unexpected(&other)),
+            }
+        }
+        Ok(out)
+    }
+
+    pub async fn setattr(&self, ino: Ino, set: SetAttr) -> FsResult<Attr> {
+        Self::attr(self.write_ino(ino, Command::SetAttr { ino, set }).await?)
+    }
+
+    pub async fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {
+        match self.read_ino(ino, Query::ReadLink { ino }).await? {
+            Reply::Bytes(b) => Ok(b),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub async fn append_extents(&self, ino: Ino, extents: Vec<ExtentKey>) -> FsResult<Attr> {
+        Self::attr(
+            self.write_ino(ino, Command::AppendExtents { ino, extents })
+                .await?,
+        )
+    }
+
+    pub async fn extents(&self, ino: Ino) -> FsResult<(Attr, Vec<ExtentKey>)> {
+        match self.read_ino(ino, Query::GetExtents { ino }).await? {
+            Reply::Extents(a, e) => Ok((a, e)),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub async fn set_xattr(
+        &self,
+        ino: Ino,
+        name: &[u8],
+        value: &[u8],
+        mode: XattrMode,
+    ) -> FsResult<()> {
+        let cmd = Command::SetXattr {
+            ino,
+            name: name.to_vec(),
+            value: value.to_vec(),
+            mode,
+        };
+        self.write_ino(ino, cmd).await.map(|_| ())
+    }
+
+    pub async fn get_xattr(&self, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
+        let q = Query::GetXattr {
+            ino,
+            name: name.to_vec(),
+        };
+        match self.read_ino(ino, q).await? {
+            Reply::Bytes(b) => Ok(b),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub async fn list_xattr(&self, ino: Ino) -> FsResult<Vec<Vec<u8>>> {
+        match self.read_ino(ino, Query::ListXattr { ino }).await? {
+            Reply::Names(n) => Ok(n),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub async fn remove_xattr(&self, ino: Ino, name: &[u8]) -> FsResult<()> {
+        let cmd = Command::RemoveXattr {
+            ino,
+            name: name.to_vec(),
+        };
+        self.write_ino(ino, cmd).await.map(|_| ())
+    }
+
+    /// Inodes and dentries across the volume's partitions.
+    pub async fn statfs(&self) -> FsResult<(u64, u64)> {
+        let mut inodes = 0;
+        let mut dentries = 0;
+        for p in self.t.partitions() {
+            match self.read(p.id, Query::Stats).await? {
+                Reply::Stats(s) => {
+                    inodes += s.inodes;
+                    dentries += s.dentries;
+                }
+                other => return Err(unexpected(&other)),
+            }
+        }
+        Ok((inodes, dentries))
+    }
+}

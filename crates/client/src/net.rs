@@ -1,0 +1,241 @@
+//! [`NetMeta`]: the meta partitions of a volume over the messenger, with the volume view and the
+//! partition leaders cached.
+//!
+//! A call goes to the cached leader, else to the replicas in order. `NotLeader` with a hint goes to
+//! the hinted node; an unknown partition or an unreachable node moves on to the next replica and,
+//! once every replica was tried, refreshes the view from the master. Everything is bounded by
+//! `retry_for`. Errors are classified for the workflows: a refused connection or a not-leader answer
+//! means the command was **not applied**; a timeout or reset after sending means **unknown**.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, RwLock};
+use std::time::Duration;
+
+use nacre_master::MasterClient;
+use nacre_master::map::{PartitionKind, PartitionStatus, VolumeView};
+use nacre_meta::rpc::{MetaRead, MetaWrite, ReadRequest, WriteRequest};
+use nacre_meta::{Command, MetaError, Query, Reply};
+use nacre_msgr::{CallOptions, Client, MsgrError, Payload};
+use nacre_proto::msg::Rpc;
+use nacre_types::{ErrorCode, PartitionId};
+
+use crate::meta::{CallError, MetaRange, MetaTransport};
+
+#[derive(Debug, Default)]
+struct View {
+    epoch: u64,
+    ranges: Vec<MetaRange>,
+    replicas: HashMap<PartitionId, Vec<String>>,
+}
+
+/// Routes meta ops of one volume.
+#[derive(Debug)]
+pub struct NetMeta {
+    client: Client,
+    master: MasterClient,
+    volume: String,
+    view: RwLock<View>,
+    leaders: Mutex<HashMap<PartitionId, String>>,
+    /// Time allowed for one call to one node.
+    pub timeout: Duration,
+    /// Time allowed for one operation across replicas, elections and view refreshes.
+    pub retry_for: Duration,
+}
+
+impl NetMeta {
+    /// Fetches the volume's view from the master.
+    pub async fn connect(
+        client: Client,
+        master: MasterClient,
+        volume: &str,
+    ) -> Result<Self, String> {
+        let m = Self {
+            client,
+            master,
+            volume: volume.to_string(),
+            view: RwLock::default(),
+            leaders: Mutex::default(),
+            timeout: Duration::from_secs(3),
+            retry_for: Duration::from_secs(15),
+        };
+        m.refresh().await?;
+        Ok(m)
+    }
+
+    /// Re-reads the volume view from the master; leader hints it carries seed the leader cache.
+    pub async fn refresh(&self) -> Result<(), String> {
+        let v: VolumeView = self
+            .master
+            .volume(&self.volume)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut view = View {
+            epoch: v.epoch,
+            ..View::default()
+        };
+        let mut leaders = Vec::new();
+        for p in &v.meta_partitions {
+            let PartitionKind::Meta { start, end } = p.spec.kind else {
+                continue;
+            };
+            view.ranges.push(MetaRange {
+                id: p.spec.id,
+                start,
+                end,
+                writable: p.status == PartitionStatus::Rw,
+            });
+            let addrs: Vec<String> = p.spec.replicas.iter().map(|r| r.addr.clone()).collect();
+            if let Some(l) = p.leader
+                && let Some(r) = p.spec.replicas.iter().find(|r| r.node == l)
+            {
+                leaders.push((p.spec.id, r.addr.clone()));
+            }
+            view.replicas.insert(p.spec.id, addrs);
+        }
+        if let Ok(mut w) = self.view.write() {
+            *w = view;
+        }
+        if let Ok(mut l) = self.leaders.lock() {
+            for (p, a) in leaders {
+                l.entry(p).or_insert(a);
+            }
+        }
+        Ok(())
+    }
+
+    /// The epoch of the cached view.
+    pub fn epoch(&self) -> u64 {
+        self.view.read().map(|v| v.epoch).unwrap_or(0)
+    }
+
+    fn replicas(&self, p: PartitionId) -> Vec<String> {
+        self.view
+            .read()
+            .ok()
+            .and_then(|v| v.replicas.get(&p).cloned())
+            .unwrap_or_default()
+    }
+
+    fn cached_leader(&self, p: PartitionId) -> Option<String> {
+        self.leaders.lock().ok()?.get(&p).cloned()
+    }
+
+    fn set_leader(&self, p: PartitionId, addr: &str) {
+        if let Ok(mut l) = self.leaders.lock() {
+            l.insert(p, addr.to_string());
+        }
+    }
+
+    async fn call<R>(
+        &self,
+        p: PartitionId,
+        req: &R::Request,
+        idempotent: bool,
+    ) -> Result<Result<Reply, MetaError>, CallError>
+    where
+        R: Rpc<Response = Result<Reply, MetaError>>,
+    {
+        let deadline = tokio::time::Instant::now() + self.retry_for;
+        let mut target = self.cached_leader(p);
+        let mut tried = 0usize;
+        let mut refreshed = false;
+        let mut last;
+        loop {
+            let replicas = self.replicas(p);
+            let addr = match target.take() {
+                Some(a) => a,
+                None if replicas.is_empty() => {
+                    if refreshed {
+                        return Err(CallError::NotApplied(format!(
+                            "meta partition {p} is not in volume {}",
+                            self.volume
+                        )));
+                    }
+                    refreshed = true;
+                    let _ = self.refresh().await;
+                    continue;
+                }
+                None => replicas[tried % replicas.len()].clone(),
+            };
+            let opts = CallOptions {
+                timeout: Some(self.timeout),
+                ..Default::default()
+            };
+            let mut hinted = false;
+            match self
+                .client
+                .call_with::<R>(&addr, req, Payload::none(), opts)
+                .await
+            {
+                Ok((resp, _)) => {
+                    self.set_leader(p, &addr);
+                    return Ok(resp);
+                }
+                Err(MsgrError::Remote { error, .. }) => match error.code() {
+                    ErrorCode::NotLeader => {
+                        last = format!("{addr}: not the leader of {p}");
+                        if let Some(h) = error.leader_hint.filter(|h| *h != addr) {
+                            target = Some(h);
+                            hinted = true;
+                        }
+                    }
+                    ErrorCode::DeadlineExceeded if !idempotent => {
+                        return Err(CallError::Unknown(format!("{addr}: {}", error.message)));
+                    }
+                    _ => last = format!("{addr}: {}", error.message),
+                },
+                Err(e @ (MsgrError::Timeout { .. } | MsgrError::Reset { .. })) if !idempotent => {
+                    return Err(CallError::Unknown(e.to_string()));
+                }
+                Err(e) => last = e.to_string(),
+            }
+            if !hinted {
+                tried += 1;
+                if let Ok(mut l) = self.leaders.lock() {
+                    l.remove(&p);
+                }
+                if tried.is_multiple_of(replicas.len().max(1)) {
+                    // Every replica refused: an election is running, or the view is stale.
+                    if !refreshed {
+                        refreshed = true;
+                        let _ = self.refresh().await;
+                    }
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(CallError::NotApplied(last));
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(CallError::NotApplied(last));
+            }
+        }
+    }
+}
+
+impl MetaTransport for NetMeta {
+    fn partitions(&self) -> Vec<MetaRange> {
+        self.view
+            .read()
+            .map(|v| v.ranges.clone())
+            .unwrap_or_default()
+    }
+
+    async fn write(
+        &self,
+        partition: PartitionId,
+        cmd: Command,
+    ) -> Result<Result<Reply, MetaError>, CallError> {
+        self.call::<MetaWrite>(partition, &WriteRequest { partition, cmd }, false)
+            .await
+    }
+
+    async fn read(
+        &self,
+        partition: PartitionId,
+        query: Query,
+    ) -> Result<Result<Reply, MetaError>, CallError> {
+        self.call::<MetaRead>(partition, &ReadRequest { partition, query }, true)
+            .await
+    }
+}

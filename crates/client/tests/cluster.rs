@@ -1,0 +1,278 @@
+//! A master and three meta nodes in one process over the in-memory network, raft logs on
+//! raft-engine in a temp dir: the client's metadata ops are replicated, and every create that was
+//! acknowledged survives the crash of a partition leader in the middle of a create storm.
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nacre_client::{FsError, MetaFs, NetMeta, NewInode};
+use nacre_master::agent::{AgentConfig, node_router, run_agent};
+use nacre_master::map::{ClusterMap, Command, Role};
+use nacre_master::rpc::RegisterRequest;
+use nacre_master::{MASTER_GROUP, Master, MasterClient, MasterConfig, MasterSm};
+use nacre_meta::{MetaNode, MetaNodeConfig, ROOT_INO};
+use nacre_msgr::mem::MemNetwork;
+use nacre_msgr::{Messenger, MsgrConfig};
+use nacre_raft::{LogStore, MemLogStore, StoreConfig};
+use nacre_types::{Ino, NodeId};
+use tokio::sync::watch;
+
+struct MetaProc {
+    host: String,
+    node: MetaNode,
+    msgr: Messenger,
+    stop: watch::Sender<bool>,
+}
+
+fn fast_raft() -> StoreConfig {
+    StoreConfig {
+        tick_interval: Duration::from_millis(20),
+        ..StoreConfig::default()
+    }
+}
+
+async fn start_master(
+    net: &MemNetwork,
+) -> (Messenger, String, watch::Receiver<u64>, watch::Sender<bool>) {
+    let msgr = Messenger::new(
+        "master",
+        MsgrConfig::default(),
+        Arc::new(net.transport("master")),
+    )
+    .unwrap();
+    let l = msgr.transport().bind("master:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let log: Arc<dyn LogStore> = Arc::new(MemLogStore::new());
+    let raft =
+        nacre_raft::store::start::<MasterSm>(1, fast_raft(), log, BTreeMap::new(), msgr.client())
+            .unwrap();
+    let sm = MasterSm::default();
+    let epochs = sm.epochs();
+    raft.add_group(MASTER_GROUP, &[1], sm).await.unwrap();
+    let config = MasterConfig {
+        duty_interval: Duration::from_millis(50),
+        min_writable_data_partitions: 0,
+        default_tenant: false,
+        max_create_backoff: Duration::from_millis(200),
+        ..MasterConfig::default()
+    };
+    let master = Master::new(
+        raft.clone(),
+        BTreeMap::from([(1, addr.clone())]),
+        msgr.client(),
+        config,
+    );
+    let (stop, _) = watch::channel(false);
+    let router = raft.router().merge(master.router());
+    let mut rx = stop.subscribe();
+    tokio::spawn(msgr.serve(l, Arc::new(router), async move {
+        let _ = rx.wait_for(|s| *s).await;
+    }));
+    let mut rx = stop.subscribe();
+    tokio::spawn(async move {
+        master
+            .run_duties(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await;
+    });
+    (msgr, addr, epochs, stop)
+}
+
+async fn start_meta(net: &MemNetwork, i: usize, dir: &std::path::Path, master: &str) -> MetaProc {
+    let host = format!("meta{i}");
+    let msgr =
+        Messenger::new(&host, MsgrConfig::default(), Arc::new(net.transport(&host))).unwrap();
+    let l = msgr.transport().bind(&format!("{host}:0")).await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let cfg = MetaNodeConfig {
+        dir: dir.join(&host),
+        raft: fast_raft(),
+        report_interval: Duration::from_millis(50),
+    };
+    let node = MetaNode::open(&cfg, msgr.client()).unwrap();
+    let (stop, _) = watch::channel(false);
+    let router = node.router().merge(node_router(Arc::new(node.clone())));
+    let mut rx = stop.subscribe();
+    tokio::spawn(msgr.serve(l, Arc::new(router), async move {
+        let _ = rx.wait_for(|s| *s).await;
+    }));
+    let (id_tx, id_rx) = watch::channel::<Option<NodeId>>(None);
+    let agent = AgentConfig {
+        register: RegisterRequest {
+            addr,
+            role: Role::Meta,
+            zone: "z".into(),
+            capacity: 1 << 30,
+        },
+        heartbeat_interval: Duration::from_millis(50),
+    };
+    let mc = MasterClient::new(msgr.client(), vec![master.to_string()]);
+    let mut rx = stop.subscribe();
+    tokio::spawn(run_agent(
+        mc,
+        agent,
+        Arc::new(node.clone()),
+        id_tx,
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        },
+    ));
+    let (runner, mut rx) = (node.clone(), stop.subscribe());
+    tokio::spawn(async move {
+        runner
+            .run(id_rx, Duration::from_millis(50), async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await;
+    });
+    MetaProc {
+        host,
+        node,
+        msgr,
+        stop,
+    }
+}
+
+async fn wait_map(
+    mc: &MasterClient,
+    epochs: &mut watch::Receiver<u64>,
+    mut pred: impl FnMut(&ClusterMap) -> bool,
+) -> ClusterMap {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        epochs.mark_unchanged();
+        let map = mc.map().await.unwrap();
+        if pred(&map) {
+            return map;
+        }
+        tokio::time::timeout_at(deadline, epochs.changed())
+            .await
+            .expect("cluster did not reach the expected state")
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_creates_survive_a_partition_leader_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let net = MemNetwork::new(31);
+    let (master_msgr, master_addr, mut epochs, master_stop) = start_master(&net).await;
+    let mut metas = Vec::new();
+    for i in 0..3 {
+        metas.push(start_meta(&net, i, dir.path(), &master_addr).await);
+    }
+    let cli = Messenger::new("cli", MsgrConfig::default(), Arc::new(net.transport("cli"))).unwrap();
+    let mc = MasterClient::new(cli.client(), vec![master_addr.clone()]);
+    wait_map(&mc, &mut epochs, |m| m.nodes.len() == 3).await;
+    mc.execute(&Command::CreateTenant {
+        name: "t".into(),
+        access_key: "AK".into(),
+        secret_key: "0123456789abcdef".into(),
+    })
+    .await
+    .unwrap();
+    mc.execute(&Command::CreateVolume {
+        name: "vol".into(),
+        owner: "t".into(),
+        replicas: 3,
+        capacity: 0,
+        meta_partitions: 2,
+        data_partitions: 0,
+        inode_step: 1000,
+    })
+    .await
+    .unwrap();
+    // Replicas created and a leader reported for each partition.
+    let map = wait_map(&mc, &mut epochs, |m| {
+        m.pending_replicas().is_empty() && m.meta_partitions.values().all(|p| p.leader.is_some())
+    })
+    .await;
+
+    let meta = NetMeta::connect(cli.client(), mc.clone(), "vol")
+        .await
+        .unwrap();
+    let fs = Arc::new(MetaFs::new(meta));
+    let d = fs
+        .create(ROOT_INO, b"d", &NewInode::dir(0o755, 0, 0))
+        .await
+        .unwrap();
+    assert_eq!(fs.lookup(ROOT_INO, b"d").await.unwrap().ino, d.ino);
+
+    // A storm of creates from 8 tasks; the leader of the root's partition dies in the middle.
+    let root_part = map.volumes["vol"].meta_partitions[0];
+    let victim_node = map.meta_partitions[&root_part].leader.unwrap();
+    let victim_addr = map.nodes[&victim_node].addr.clone();
+    let (half_tx, mut half_rx) = watch::channel(0usize);
+    let mut tasks = Vec::new();
+    for t in 0..8 {
+        let (fs, half_tx) = (fs.clone(), half_tx.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut acked: Vec<(Ino, Vec<u8>, Ino)> = Vec::new();
+            let mut failed = 0;
+            for i in 0..40 {
+                let parent = if i % 2 == 0 { ROOT_INO } else { d.ino };
+                let name = format!("f-{t}-{i}").into_bytes();
+                match fs.create(parent, &name, &NewInode::file(0o644, 0, 0)).await {
+                    Ok(a) => acked.push((parent, name, a.ino)),
+                    Err(FsError::Unavailable(_)) => failed += 1,
+                    Err(e) => panic!("create {name:?}: {e}"),
+                }
+                half_tx.send_modify(|n| *n += 1);
+            }
+            (acked, failed)
+        }));
+    }
+    half_rx.wait_for(|n| *n >= 8 * 40 / 3).await.unwrap();
+    let victim = metas
+        .iter()
+        .position(|m| victim_addr.starts_with(&m.host))
+        .unwrap();
+    net.isolate(&metas[victim].host);
+    let _ = metas[victim].stop.send(true);
+
+    let mut acked = Vec::new();
+    let mut failed = 0;
+    for t in tasks {
+        let (a, f) = t.await.unwrap();
+        acked.extend(a);
+        failed += f;
+    }
+    assert!(
+        acked.len() > 8 * 40 / 2,
+        "most creates succeed: {} acked, {failed} failed",
+        acked.len()
+    );
+    for (parent, name, ino) in &acked {
+        let a = fs.lookup(*parent, name).await.unwrap_or_else(|e| {
+            panic!(
+                "acknowledged create of {:?} lost: {e}",
+                String::from_utf8_lossy(name)
+            )
+        });
+        assert_eq!(a.ino, *ino);
+    }
+    let listed = fs.readdir(ROOT_INO, None, 0).await.unwrap().len()
+        + fs.readdir(d.ino, None, 0).await.unwrap().len();
+    assert!(listed > acked.len(), "the directory d and every acknowledged file are listed");
+
+    for m in &metas {
+        let _ = m.stop.send(true);
+    }
+    let _ = master_stop.send(true);
+    for m in metas {
+        let msgr = m.msgr.clone();
+        drop(m.node);
+        tokio::task::spawn_blocking(move || msgr.shutdown())
+            .await
+            .unwrap();
+    }
+    tokio::task::spawn_blocking(move || cli.shutdown())
+        .await
+        .unwrap();
+    tokio::task::spawn_blocking(move || master_msgr.shutdown())
+        .await
+        .unwrap();
+}

@@ -1,0 +1,447 @@
+//! The meta node service: hosts the meta partitions the master places here, one Raft group each
+//! (all groups share the node's raft store and log), and serves `MetaWrite`/`MetaRead` on the
+//! leaders. A replica that does not lead answers `NotLeader` with the leader's address.
+//!
+//! Lifecycle: the node's raft id is the `NodeId` the master assigned at registration, persisted in
+//! `DIR/node-id`. The raft store starts once the id is known (at once on a restart), and opens every
+//! partition recorded in the partition registry; new partitions arrive through
+//! [`PartitionHost::ensure`] (the master's create request or a heartbeat reconciliation).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use nacre_master::agent::{BoxFuture, PartitionHost, SpecRegistry};
+use nacre_master::map::{PartitionKind, PartitionReport, PartitionSpec, Role};
+use nacre_msgr::{Client, Payload, Router};
+use nacre_proto::msg::RemoteError;
+use nacre_proto::msg::raft::RaftBatchRpc;
+use nacre_raft::{EngineLogStore, LogStore, RaftError, RaftHandle, StateMachine, StoreConfig};
+use nacre_types::{ErrorCode, NodeId, PartitionId};
+use tokio::sync::watch;
+
+use crate::ops::{Command, MetaError, Query, Reply};
+use crate::partition::MetaPartition;
+use crate::rpc::{MetaRead, MetaWrite};
+
+/// A meta partition as a Raft state machine. Entries are postcard `(now_ns, Command)`; results are
+/// postcard `Result<Reply, MetaError>`.
+#[derive(Debug)]
+pub struct MetaSm {
+    pub partition: MetaPartition,
+}
+
+impl StateMachine for MetaSm {
+    fn apply(&mut self, _index: u64, command: &[u8]) -> Vec<u8> {
+        let result = match postcard::from_bytes::<(u64, Command)>(command) {
+            Ok((now, cmd)) => self.partition.apply(now, &cmd),
+            Err(e) => Err(MetaError::Invalid(format!("undecodable command: {e}"))),
+        };
+        postcard::to_allocvec(&result).expect("replies are postcard-serializable")
+    }
+
+    fn snapshot(&self) -> Vec<u8> {
+        self.partition.snapshot()
+    }
+
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
+        self.partition = MetaPartition::restore(snapshot).map_err(|e| e.to_string())?;
+        Ok(())
+    }
+}
+
+/// Settings of a meta node.
+#[derive(Clone, Debug)]
+pub struct MetaNodeConfig {
+    pub dir: PathBuf,
+    pub raft: StoreConfig,
+    /// How often per-partition reports are refreshed for heartbeats.
+    pub report_interval: Duration,
+}
+
+struct Inner {
+    dir: PathBuf,
+    registry: SpecRegistry,
+    raft_config: StoreConfig,
+    client: Client,
+    raft: OnceLock<RaftHandle<MetaSm>>,
+    /// Partition → node id → address, for leader hints.
+    replicas: Mutex<BTreeMap<PartitionId, BTreeMap<u64, String>>>,
+    reports: Mutex<Vec<PartitionReport>>,
+}
+
+/// A running meta node. Cheap to clone.
+#[derive(Clone)]
+pub struct MetaNode {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for MetaNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetaNode")
+            .field("dir", &self.inner.dir)
+            .finish()
+    }
+}
+
+fn unavailable(m: impl Into<String>) -> RemoteError {
+    RemoteError::new(ErrorCode::Unavailable, m)
+}
+
+impl MetaNode {
+    /// Opens the node's state in `config.dir`. If the node has an id from an earlier run, its raft
+    /// store and partitions start now; otherwise once [`MetaNode::run`] learns the id.
+    pub fn open(config: &MetaNodeConfig, client: Client) -> std::io::Result<Self> {
+        let registry = SpecRegistry::open(&config.dir.join("partitions"), Role::Meta)?;
+        let node = Self {
+            inner: Arc::new(Inner {
+                dir: config.dir.clone(),
+                registry,
+                raft_config: config.raft.clone(),
+                client,
+                raft: OnceLock::new(),
+                replicas: Mutex::default(),
+                reports: Mutex::default(),
+            }),
+        };
+        if let Some(id) = read_id(&config.dir)? {
+            node.start_raft(id)?;
+        }
+        Ok(node)
+    }
+
+    /// The id this node runs under, once known.
+    pub fn id(&self) -> Option<NodeId> {
+        self.inner.raft.get().map(|r| NodeId(r.id()))
+    }
+
+    fn start_raft(&self, id: NodeId) -> std::io::Result<()> {
+        if self.inner.raft.get().is_some() {
+            return Ok(());
+        }
+        let dir = self.inner.dir.join("raft");
+        std::fs::create_dir_all(&dir)?;
+        let log: Arc<dyn LogStore> =
+            Arc::new(EngineLogStore::open(&dir).map_err(std::io::Error::other)?);
+        let handle = nacre_raft::store::start::<MetaSm>(
+            id.0,
+            self.inner.raft_config.clone(),
+            log,
+            BTreeMap::new(),
+            self.inner.client.clone(),
+        )?;
+        let _ = self.inner.raft.set(handle);
+        tracing::info!(node = %id, "meta node raft store started");
+        Ok(())
+    }
+
+    fn raft(&self) -> Result<&RaftHandle<MetaSm>, String> {
+        self.inner
+            .raft
+            .get()
+            .ok_or_else(|| "this meta node is not registered yet".to_string())
+    }
+
+    /// Starts the raft store under `id` (persisting it) and opens the registered partitions.
+    async fn adopt(&self, id: NodeId) -> Result<(), String> {
+        if let Some(r) = self.inner.raft.get() {
+            if r.id() != id.0 {
+                return Err(format!(
+                    "the master now calls this node {id}, but its data belongs to node-{}; \
+                     refusing to serve (was the node's address changed?)",
+                    r.id()
+                ));
+            }
+        } else {
+            write_id(&self.inner.dir, id).map_err(|e| e.to_string())?;
+            self.start_raft(id).map_err(|e| e.to_string())?;
+        }
+        for spec in self.inner.registry.specs() {
+            if let Err(e) = self.open_partition(&spec).await {
+                tracing::error!(partition = %spec.id, error = %e, "cannot open meta partition");
+            }
+        }
+        Ok(())
+    }
+
+    /// Hosts `spec`'s group (idempotent: an already hosted group is left alone).
+    async fn open_partition(&self, spec: &PartitionSpec) -> Result<(), String> {
+        let PartitionKind::Meta { start, end } = spec.kind else {
+            return Err(format!("partition {} is not a meta partition", spec.id));
+        };
+        let raft = self.raft()?;
+        let peers: BTreeMap<u64, String> = spec
+            .replicas
+            .iter()
+            .map(|r| (r.node.0, r.addr.clone()))
+            .collect();
+        raft.add_peers(peers.clone()).map_err(|e| e.to_string())?;
+        let voters: Vec<u64> = peers.keys().copied().collect();
+        let sm = MetaSm {
+            partition: MetaPartition::new(start, end),
+        };
+        match raft.add_group(spec.id.0, &voters, sm).await {
+            Ok(()) | Err(RaftError::GroupExists(_)) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        if let Ok(mut r) = self.inner.replicas.lock() {
+            r.insert(spec.id, peers);
+        }
+        Ok(())
+    }
+
+    /// Runs until `shutdown`: adopts the id the agent publishes on `id`, and refreshes the
+    /// per-partition reports every `report_interval`.
+    pub async fn run(
+        &self,
+        mut id: watch::Receiver<Option<NodeId>>,
+        report_interval: Duration,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut tick = tokio::time::interval(report_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut adopted = false;
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                changed = id.changed(), if !adopted => {
+                    if changed.is_err() {
+                        adopted = true; // the agent is gone; keep serving what we have
+                        continue;
+                    }
+                    let current = *id.borrow_and_update();
+                    if let Some(node) = current {
+                        match self.adopt(node).await {
+                            Ok(()) => adopted = true,
+                            Err(e) => tracing::error!(error = %e, "cannot start the meta node"),
+                        }
+                    }
+                }
+                _ = tick.tick() => self.refresh_reports().await,
+            }
+        }
+        if let Some(r) = self.inner.raft.get() {
+            let _ = r.stop().await;
+        }
+    }
+
+    async fn refresh_reports(&self) {
+        let Some(raft) = self.inner.raft.get() else {
+            return;
+        };
+        let mut reports = Vec::new();
+        for spec in self.inner.registry.specs() {
+            let id = spec.id;
+            let r = raft
+                .local_read(id.0, move |sm: &MetaSm, leader| {
+                    let s = sm.partition.stats();
+                    PartitionReport {
+                        id,
+                        leader,
+                        inode_count: s.inodes,
+                        max_inode: s.max_inode,
+                        used: s.memory,
+                        full: false,
+                    }
+                })
+                .await;
+            if let Ok(r) = r {
+                reports.push(r);
+            }
+        }
+        if let Ok(mut c) = self.inner.reports.lock() {
+            *c = reports;
+        }
+    }
+
+    fn leader_hint(&self, partition: PartitionId, leader: u64) -> Option<String> {
+        self.inner
+            .replicas
+            .lock()
+            .ok()?
+            .get(&partition)?
+            .get(&leader)
+            .cloned()
+    }
+
+    fn remote(&self, partition: PartitionId, e: RaftError) -> RemoteError {
+        match e {
+            RaftError::NotLeader { leader, .. } => RemoteError {
+                leader_hint: self.leader_hint(partition, leader),
+                ..RemoteError::new(ErrorCode::NotLeader, "not the partition leader")
+            },
+            RaftError::UnknownGroup(g) => RemoteError::new(
+                ErrorCode::UnknownGroup,
+                format!("meta partition {g} is not hosted here"),
+            ),
+            // The proposal may still be applied: the caller must not assume either way.
+            RaftError::Timeout => RemoteError::new(ErrorCode::DeadlineExceeded, e_timeout()),
+            other => unavailable(other.to_string()),
+        }
+    }
+
+    /// The messenger ops of a meta node: its raft traffic (delivered once the store runs) and the
+    /// meta ops. The agent's ops are separate (`nacre_master::agent::node_router`).
+    pub fn router(&self) -> Router {
+        let (w, r, b) = (self.clone(), self.clone(), self.clone());
+        Router::new()
+            .route::<RaftBatchRpc, _, _>(move |batch, _inc| {
+                if let Some(raft) = b.inner.raft.get() {
+                    raft.deliver(batch);
+                }
+                async { Ok(((), Payload::none())) }
+            })
+            .route::<MetaWrite, _, _>(move |req, _inc| {
+                let node = w.clone();
+                async move {
+                    let raft = node.raft().map_err(unavailable)?;
+                    let bytes = postcard::to_allocvec(&(now_ns(), req.cmd))
+                        .map_err(|e| RemoteError::new(ErrorCode::BadRequest, e.to_string()))?;
+                    let out = raft
+                        .propose(req.partition.0, bytes)
+                        .await
+                        .map_err(|e| node.remote(req.partition, e))?;
+                    let result = postcard::from_bytes::<Result<Reply, MetaError>>(&out)
+                        .map_err(|e| unavailable(format!("bad result: {e}")))?;
+                    Ok((result, Payload::none()))
+                }
+            })
+            .route::<MetaRead, _, _>(move |req, _inc| {
+                let node = r.clone();
+                async move {
+                    let raft = node.raft().map_err(unavailable)?;
+                    let q: Query = req.query;
+                    let result = raft
+                        .read(req.partition.0, move |sm: &MetaSm| sm.partition.query(&q))
+                        .await
+                        .map_err(|e| node.remote(req.partition, e))?;
+                    Ok((result, Payload::none()))
+                }
+            })
+    }
+}
+
+impl PartitionHost for MetaNode {
+    fn hosted(&self) -> Vec<PartitionSpec> {
+        self.inner.registry.specs()
+    }
+
+    fn reports(&self) -> Vec<PartitionReport> {
+        self.inner
+            .reports
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_default()
+    }
+
+    fn used(&self) -> u64 {
+        self.reports().iter().map(|r| r.used).sum()
+    }
+
+    fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            let PartitionKind::Meta { end, .. } = spec.kind else {
+                return Err(format!(
+                    "a meta node cannot host data partition {}",
+                    spec.id
+                ));
+            };
+            let known = self
+                .inner
+                .registry
+                .specs()
+                .into_iter()
+                .find(|s| s.id == spec.id);
+            if known.is_none() {
+                self.open_partition(&spec).await?;
+                return self.inner.registry.ensure(spec).await;
+            }
+            // Hosted: the master may have closed the range (a split). The leader applies it; every
+            // replica records the new spec once its state machine has it.
+            let raft = self.raft()?;
+            let id = spec.id;
+            let (cur_end, leader) = raft
+                .local_read(id.0, |sm: &MetaSm, leader| {
+                    (sm.partition.stats().end, leader)
+                })
+                .await
+                .map_err(|e| e.to_string())?;
+            if cur_end != end && leader {
+                let bytes = postcard::to_allocvec(&(now_ns(), Command::SetEnd { end }))
+                    .map_err(|e| e.to_string())?;
+                let out = raft.propose(id.0, bytes).await.map_err(|e| e.to_string())?;
+                postcard::from_bytes::<Result<Reply, MetaError>>(&out)
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| format!("cannot close partition {id} at {end}: {e}"))?;
+            } else if cur_end != end {
+                // A follower waits for the leader's SetEnd to reach it; the next heartbeat retries.
+                return Ok(());
+            }
+            if let Ok(mut r) = self.inner.replicas.lock() {
+                r.insert(
+                    id,
+                    spec.replicas
+                        .iter()
+                        .map(|r| (r.node.0, r.addr.clone()))
+                        .collect(),
+                );
+            }
+            self.inner.registry.ensure(spec).await
+        })
+    }
+
+    fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            if let Ok(raft) = self.raft() {
+                match raft.remove_group(id.0).await {
+                    Ok(()) | Err(RaftError::UnknownGroup(_)) => {}
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+            if let Ok(mut r) = self.inner.replicas.lock() {
+                r.remove(&id);
+            }
+            self.inner.registry.remove(id).await
+        })
+    }
+}
+
+fn e_timeout() -> String {
+    RaftError::Timeout.to_string()
+}
+
+fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn read_id(dir: &Path) -> std::io::Result<Option<NodeId>> {
+    match std::fs::read_to_string(dir.join("node-id")) {
+        Ok(s) => s
+            .trim()
+            .parse::<u64>()
+            .map(|n| Some(NodeId(n)))
+            .map_err(|e| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{}: bad node id: {e}", dir.join("node-id").display()),
+                )
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn write_id(dir: &Path, id: NodeId) -> std::io::Result<()> {
+    use std::io::Write as _;
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join("node-id.tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    writeln!(f, "{}", id.0)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join("node-id"))?;
+    std::fs::File::open(dir)?.sync_all()
+}
