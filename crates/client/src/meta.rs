@@ -193,9 +193,25 @@ impl<T: MetaTransport> MetaFs<T> {
         }
     }
 
+    /// The dentry and, when its inode lives with the parent, its attributes (one round trip).
+    async fn lookup_plus(&self, parent: Ino, name: &[u8]) -> FsResult<(Dentry, Option<Attr>)> {
+        let q = Query::LookupPlus {
+            parent,
+            name: name.to_vec(),
+        };
+        match self.read_ino(parent, q).await? {
+            Reply::Found { dentry, attr } => Ok((dentry, attr)),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Attributes of `name` under `parent`: one round trip when the inode lives with its parent,
+    /// two otherwise.
     pub async fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
-        let d = self.lookup_dentry(parent, name).await?;
-        self.getattr(d.ino).await
+        match self.lookup_plus(parent, name).await? {
+            (_, Some(a)) => Ok(a),
+            (d, None) => self.getattr(d.ino).await,
+        }
     }
 
     /// Allocates an inode in a writable partition (round robin; full ranges are skipped).
@@ -277,9 +293,43 @@ impl<T: MetaTransport> MetaFs<T> {
         }
     }
 
-    /// Creates `name` under `parent`: the inode first, then the dentry.
+    /// Creates `name` under `parent`. Files go to the parent's partition in one atomic step when it
+    /// has room; directories are spread over the writable partitions (round robin), in one step
+    /// when that is the parent's partition, else inode first, then dentry.
     pub async fn create(&self, parent: Ino, name: &[u8], new: &NewInode) -> FsResult<Attr> {
         nacre_meta::ops::check_name(name)?;
+        let pp = self.partition_of(parent)?;
+        let parts = self.t.partitions();
+        let local = if new.kind == FileType::Dir {
+            let writable: Vec<&MetaRange> = parts.iter().filter(|p| p.writable).collect();
+            let pick = self.next.fetch_add(1, Ordering::Relaxed);
+            writable
+                .get(pick % writable.len().max(1))
+                .is_some_and(|p| p.id == pp)
+        } else {
+            parts.iter().any(|p| p.id == pp && p.writable)
+        };
+        if local {
+            let cmd = Command::Create {
+                parent,
+                name: name.to_vec(),
+                kind: new.kind,
+                mode: new.mode,
+                uid: new.uid,
+                gid: new.gid,
+                rdev: new.rdev,
+                target: new.target.clone(),
+            };
+            match self.write(pp, cmd).await {
+                Err(FsError::Meta(MetaError::NoInodes)) => {} // full: allocate elsewhere
+                r => return Self::attr(r?),
+            }
+        }
+        self.create_remote(parent, name, new).await
+    }
+
+    /// Create with the inode in another partition: inode first, then dentry.
+    async fn create_remote(&self, parent: Ino, name: &[u8], new: &NewInode) -> FsResult<Attr> {
         let attr = self.create_inode(parent, new).await?;
         let cmd = Command::CreateDentry {
             parent,
@@ -349,14 +399,20 @@ impl<T: MetaTransport> MetaFs<T> {
         Err(undo)
     }
 
-    /// Removes a non-directory name: the dentry first, then one link.
+    /// Removes a non-directory name: the dentry first, then one link — one atomic step when the
+    /// inode lives with its parent. After an unknown outcome nothing more is done (at worst a remote
+    /// inode keeps a link it no longer needs: a leak, never a dangling name).
     pub async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
-        let d = self.lookup_dentry(parent, name).await?;
-        if d.kind == FileType::Dir {
-            return Err(MetaError::IsDir.into());
+        let cmd = Command::Remove {
+            parent,
+            name: name.to_vec(),
+            dir: false,
+        };
+        match self.write_ino(parent, cmd).await? {
+            Reply::Removed { attr: Some(_), .. } => Ok(()),
+            Reply::Removed { dentry, attr: None } => self.drop_link(dentry.ino).await,
+            other => Err(unexpected(&other)),
         }
-        self.delete_dentry(parent, name, d.ino).await?;
-        self.drop_link(d.ino).await
     }
 
     /// Deletes the dentry `name` → `ino`, settling an unknown outcome by a lookup.
@@ -379,12 +435,24 @@ impl<T: MetaTransport> MetaFs<T> {
         }
     }
 
-    /// Removes an empty directory.
+    /// Removes an empty directory: one atomic step when its inode lives with its parent; else an
+    /// emptiness check, the dentry, then the inode.
     pub async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
-        let d = self.lookup_dentry(parent, name).await?;
-        if d.kind != FileType::Dir {
-            return Err(MetaError::NotDir.into());
-        }
+        let cmd = Command::Remove {
+            parent,
+            name: name.to_vec(),
+            dir: true,
+        };
+        let ino = match self.write_ino(parent, cmd).await {
+            Ok(Reply::Removed { .. }) => return Ok(()),
+            Ok(other) => return Err(unexpected(&other)),
+            Err(FsError::Meta(MetaError::WrongPartition(ino))) => ino,
+            Err(e) => return Err(e),
+        };
+        let d = Dentry {
+            ino,
+            kind: FileType::Dir,
+        };
         if !self.is_empty_dir(d.ino).await? {
             return Err(MetaError::NotEmpty.into());
         }
@@ -474,6 +542,14 @@ impl<T: MetaTransport> MetaFs<T> {
                 Reply::Replaced(r) => r,
                 other => return Err(unexpected(&other)),
             };
+            // The partition updated the parent pointer if it holds the directory's inode.
+            if src.kind == FileType::Dir
+                && src_parent != dst_parent
+                && self.partition_of(src.ino)? != ps
+                && let Err(e) = self.set_parent(src.ino, dst_parent).await
+            {
+                tracing::warn!(ino = %src.ino, error = %e, "moved directory keeps its old parent pointer");
+            }
             if let Some(r) = replaced {
                 self.drop_link(r.ino).await?;
             }

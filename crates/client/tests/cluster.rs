@@ -256,7 +256,10 @@ async fn acknowledged_creates_survive_a_partition_leader_crash() {
     }
     let listed = fs.readdir(ROOT_INO, None, 0).await.unwrap().len()
         + fs.readdir(d.ino, None, 0).await.unwrap().len();
-    assert!(listed > acked.len(), "the directory d and every acknowledged file are listed");
+    assert!(
+        listed > acked.len(),
+        "the directory d and every acknowledged file are listed"
+    );
 
     for m in &metas {
         let _ = m.stop.send(true);

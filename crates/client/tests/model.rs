@@ -513,6 +513,13 @@ async fn compare_trees(fs: &MetaFs<MemMeta>, model: &Model) -> Result<(), String
             if a.as_ref().map(|a| a.nlink) != Some(model.nlink(c)) {
                 return Err(format!("readdir-plus attr of {:?}: {a:?}", e.name));
             }
+            let looked = fs.lookup(ino, &e.name).await.map_err(|e| e.to_string())?;
+            if Some(&looked) != a.as_ref() {
+                return Err(format!(
+                    "lookup of {:?}: {looked:?} vs readdir-plus {a:?}",
+                    e.name
+                ));
+            }
             stack.push((e.ino, c));
         }
     }

@@ -128,6 +128,32 @@ pub enum Command {
         parent: Ino,
         target: Vec<u8>,
     },
+    /// `CreateInode` and `CreateDentry` in one atomic step, when the parent is in this partition and
+    /// the new inode can be allocated here: the fast path for creating a file (or directory) next to
+    /// its parent. Errors as for the two commands; `NoInodes` when the range is used up (the caller
+    /// then allocates the inode elsewhere). Replies with the new inode's attributes.
+    Create {
+        parent: Ino,
+        name: Vec<u8>,
+        kind: FileType,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+        rdev: u32,
+        target: Vec<u8>,
+    },
+    /// Removes `name` under `parent` and, when its inode lives in this partition, drops that link in
+    /// the same atomic step (evicting the inode at nlink 0). With `dir` the entry must be a directory
+    /// (`NotDir`) that, when local, has no entries (`NotEmpty`); a directory whose inode lives in
+    /// another partition is refused with `WrongPartition` and nothing changes (the caller checks
+    /// emptiness there first). Without `dir` the entry must not be a directory (`IsDir`). Replies
+    /// `Removed`: the attributes after the drop when the inode is local, `None` when it lives
+    /// elsewhere (the caller drops the link there).
+    Remove {
+        parent: Ino,
+        name: Vec<u8>,
+        dir: bool,
+    },
     /// nlink + 1 (a new hard link). `IsDir` for directories; `NotFound` for an unknown or deleted inode.
     LinkInode {
         ino: Ino,
@@ -139,8 +165,8 @@ pub enum Command {
     UnlinkInode {
         ino: Ino,
     },
-    /// Removes a deleted (nlink 0) inode for good; `Invalid` if it still has links. Returns its
-    /// extent keys (to free on the data nodes).
+    /// Removes a deleted (nlink 0) inode for good; `Invalid` if it still has links. Its extent keys
+    /// join the to-free list (freed on the data nodes by the partition leader) and are returned.
     EvictInode {
         ino: Ino,
     },
@@ -237,6 +263,11 @@ pub enum Query {
         parent: Ino,
         name: Vec<u8>,
     },
+    /// `Lookup` plus the target's attributes when its inode lives in this partition (`Found`).
+    LookupPlus {
+        parent: Ino,
+        name: Vec<u8>,
+    },
     /// Entries of `parent` in name order, strictly after `after` (all when `None`), at most `limit`.
     ReadDir {
         parent: Ino,
@@ -297,6 +328,16 @@ pub enum Reply {
     Attr(Attr),
     Attrs(Vec<Attr>),
     Dentry(Dentry),
+    /// `LookupPlus`: the dentry, with attributes when the inode is local.
+    Found {
+        dentry: Dentry,
+        attr: Option<Attr>,
+    },
+    /// `Remove`: the removed dentry, and its inode's attributes after the drop when local.
+    Removed {
+        dentry: Dentry,
+        attr: Option<Attr>,
+    },
     /// `Rename`: the replaced destination, if any.
     Replaced(Option<Dentry>),
     Entries(Vec<DirEntry>),

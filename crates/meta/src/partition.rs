@@ -137,6 +137,41 @@ impl MetaPartition {
                 let node = Inode::new(*kind, *mode, *uid, *gid, parent.0, now);
                 self.create_inode(node, *rdev, target)
             }
+            Command::Create {
+                parent,
+                name,
+                kind,
+                mode,
+                uid,
+                gid,
+                rdev,
+                target,
+            } => {
+                // Check everything the dentry needs before allocating, so that nothing changes on
+                // failure.
+                let p = self.owned(*parent)?;
+                let key = Key::dentry(p, name)?;
+                let dir = self.live_dir(p)?;
+                if *kind == FileType::Dir && dir.nlink >= MAX_LINKS {
+                    return Err(MetaError::TooManyLinks);
+                }
+                if self.dentries.contains_key(key.as_slice()) {
+                    return Err(MetaError::Exists);
+                }
+                let node = Inode::new(*kind, *mode, *uid, *gid, parent.0, now);
+                let attr = match self.create_inode(node, *rdev, target)? {
+                    Reply::Attr(a) => a,
+                    other => return Ok(other),
+                };
+                let d = Dentry {
+                    ino: attr.ino,
+                    kind: *kind,
+                };
+                self.create_dentry(now, *parent, name, d)?;
+                // The parent's times moved; the new inode's attributes are as allocated.
+                Ok(Reply::Attr(attr))
+            }
+            Command::Remove { parent, name, dir } => self.remove(now, *parent, name, *dir),
             Command::LinkInode { ino } => self.link_inode(now, *ino),
             Command::UnlinkInode { ino } => self.unlink_inode(now, *ino),
             Command::EvictInode { ino } => self.evict_inode(*ino),
@@ -225,6 +260,18 @@ impl MetaPartition {
                     .get(key.as_slice())
                     .ok_or(MetaError::NotFound)?;
                 Ok(Reply::Dentry((*d).into()))
+            }
+            Query::LookupPlus { parent, name } => {
+                let p = self.owned(*parent)?;
+                let key = Key::dentry(p, name)?;
+                self.live_dir(p)?;
+                let d: Dentry = (*self
+                    .dentries
+                    .get(key.as_slice())
+                    .ok_or(MetaError::NotFound)?)
+                .into();
+                let attr = self.live(d.ino).ok().map(|(i, n)| self.attr(i, n));
+                Ok(Reply::Found { dentry: d, attr })
             }
             Query::ReadDir {
                 parent,
@@ -546,7 +593,57 @@ impl MetaPartition {
             }
         }
         self.heap -= node.extents.len() as u64 * EXTENT_BYTES;
-        Ok(Reply::Freed(node.extents.into_vec()))
+        let freed = node.extents.into_vec();
+        self.to_free.extend(freed.iter().copied());
+        Ok(Reply::Freed(freed))
+    }
+
+    /// `Command::Remove`: the dentry, and the link when the inode is local.
+    fn remove(
+        &mut self,
+        now: u64,
+        parent: Ino,
+        name: &[u8],
+        dir: bool,
+    ) -> Result<Reply, MetaError> {
+        let p = self.owned(parent)?;
+        let key = Key::dentry(p, name)?;
+        self.live_dir(p)?;
+        let d: Dentry = (*self
+            .dentries
+            .get(key.as_slice())
+            .ok_or(MetaError::NotFound)?)
+        .into();
+        match (dir, d.kind == FileType::Dir) {
+            (true, false) => return Err(MetaError::NotDir),
+            (false, true) => return Err(MetaError::IsDir),
+            _ => {}
+        }
+        let local = self.owns(d.ino) && self.live(d.ino).is_ok();
+        if dir && !local {
+            return Err(MetaError::WrongPartition(d.ino));
+        }
+        if dir && self.has_children(d.ino.0) {
+            return Err(MetaError::NotEmpty);
+        }
+        self.delete_dentry(now, parent, name, Some(d.ino))?;
+        if !local {
+            return Ok(Reply::Removed {
+                dentry: d,
+                attr: None,
+            });
+        }
+        let attr = match self.unlink_inode(now, d.ino)? {
+            Reply::Attr(a) => a,
+            other => return Ok(other),
+        };
+        if attr.nlink == 0 {
+            self.evict_inode(d.ino)?;
+        }
+        Ok(Reply::Removed {
+            dentry: d,
+            attr: Some(attr),
+        })
     }
 
     fn create_dentry(

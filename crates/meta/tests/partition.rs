@@ -435,6 +435,9 @@ fn unlink_to_zero_deletes_and_evict_removes_for_good() {
         ok(&mut p, 4, Command::EvictInode { ino: f }),
         Reply::Freed(vec![key(0, 1, 0, 100)])
     );
+    // Its extents wait on the to-free list until the data nodes freed them.
+    assert_eq!(to_free(&p), vec![key(0, 1, 0, 100)]);
+    ok(&mut p, 4, Command::AckFreed { count: 1 });
     assert!(orphans(&p).is_empty());
     assert_eq!(p.stats().inodes, 1);
     assert_eq!(
@@ -1645,6 +1648,91 @@ impl Model {
 
     fn apply(&mut self, now: u64, cmd: &Command) -> Result<Reply, MetaError> {
         match cmd.clone() {
+            // The one-step commands are their steps, checked up front so that a failure changes
+            // nothing.
+            Command::Create {
+                parent,
+                name,
+                kind,
+                mode,
+                uid,
+                gid,
+                rdev,
+                target,
+            } => {
+                let p = self.dir(parent, &name)?;
+                if kind == FileType::Dir && self.inodes[&p].nlink >= MAX_LINKS {
+                    return Err(MetaError::TooManyLinks);
+                }
+                if self.dirs.get(&p).is_some_and(|d| d.contains_key(&name)) {
+                    return Err(MetaError::Exists);
+                }
+                let create = Command::CreateInode {
+                    kind,
+                    mode,
+                    uid,
+                    gid,
+                    rdev,
+                    parent,
+                    target,
+                };
+                let Reply::Attr(a) = self.apply(now, &create)? else {
+                    unreachable!("CreateInode answers attributes")
+                };
+                let ino = a.ino;
+                self.apply(
+                    now,
+                    &Command::CreateDentry {
+                        parent,
+                        name,
+                        ino,
+                        kind,
+                    },
+                )?;
+                Ok(Reply::Attr(a))
+            }
+            Command::Remove { parent, name, dir } => {
+                let p = self.dir(parent, &name)?;
+                let d = *self
+                    .dirs
+                    .get(&p)
+                    .and_then(|d| d.get(&name))
+                    .ok_or(MetaError::NotFound)?;
+                match (dir, d.kind == FileType::Dir) {
+                    (true, false) => return Err(MetaError::NotDir),
+                    (false, true) => return Err(MetaError::IsDir),
+                    _ => {}
+                }
+                let local = self.live(d.ino).is_ok();
+                if dir && !local {
+                    return Err(MetaError::WrongPartition(d.ino));
+                }
+                if dir && self.children(d.ino.0) > 0 {
+                    return Err(MetaError::NotEmpty);
+                }
+                let delete = Command::DeleteDentry {
+                    parent,
+                    name,
+                    expect: Some(d.ino),
+                };
+                self.apply(now, &delete)?;
+                if !local {
+                    return Ok(Reply::Removed {
+                        dentry: d,
+                        attr: None,
+                    });
+                }
+                let Reply::Attr(a) = self.apply(now, &Command::UnlinkInode { ino: d.ino })? else {
+                    unreachable!("UnlinkInode answers attributes")
+                };
+                if a.nlink == 0 {
+                    self.apply(now, &Command::EvictInode { ino: d.ino })?;
+                }
+                Ok(Reply::Removed {
+                    dentry: d,
+                    attr: Some(a),
+                })
+            }
             Command::CreateInode {
                 kind,
                 mode,
@@ -1720,7 +1808,9 @@ impl Model {
                     Some(n) if n.nlink > 0 => Err(invalid()),
                     Some(_) => {
                         let n = self.inodes.remove(&ino.0).unwrap();
-                        Ok(Reply::Freed(sorted(&n.keys)))
+                        let freed = sorted(&n.keys);
+                        self.to_free.extend(freed.iter().copied());
+                        Ok(Reply::Freed(freed))
                     }
                 }
             }
@@ -2041,6 +2131,16 @@ impl Model {
                     .map(|d| Reply::Dentry(*d))
                     .ok_or(MetaError::NotFound)
             }
+            Query::LookupPlus { parent, name } => {
+                let p = self.dir(parent, &name)?;
+                let d = *self
+                    .dirs
+                    .get(&p)
+                    .and_then(|d| d.get(&name))
+                    .ok_or(MetaError::NotFound)?;
+                let attr = self.live(d.ino).ok().map(|i| self.attr(i));
+                Ok(Reply::Found { dentry: d, attr })
+            }
             Query::ReadDir {
                 parent,
                 after,
@@ -2182,6 +2282,10 @@ fn compare_all(p: &MetaPartition, m: &Model) {
                 parent: ino,
                 name: name.to_vec(),
             });
+            queries.push(Query::LookupPlus {
+                parent: ino,
+                name: name.to_vec(),
+            });
         }
     }
     for q in &queries {
@@ -2222,6 +2326,18 @@ fn kind(sel: u8) -> FileType {
 /// something that exists (a directory, a file, a dentry), the rest anything at all.
 #[derive(Clone, Debug)]
 enum Op {
+    /// The one-step create (inode and dentry together).
+    CreateHere {
+        dir: u8,
+        name: u8,
+        kind: u8,
+        mode: u16,
+    },
+    /// The one-step remove (dentry and, when local, the link).
+    RemoveHere {
+        dentry: u8,
+        dir: bool,
+    },
     /// CreateInode, then CreateDentry (and SetParent for a directory), as the client does.
     Create {
         dir: u8,
@@ -2315,6 +2431,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (s(), rare()).prop_map(|(dentry, expect)| Op::DeleteDentry { dentry, expect }),
         2 => (s(), s(), rare()).prop_map(|(dentry, ino, kind)| Op::UpdateDentry { dentry, ino, kind }),
         3 => s().prop_map(|dentry| Op::Remove { dentry }),
+        4 => (s(), s(), s(), any::<u16>()).prop_map(|(dir, name, kind, mode)| Op::CreateHere { dir, name, kind, mode }),
+        3 => (s(), any::<bool>()).prop_map(|(dentry, dir)| Op::RemoveHere { dentry, dir }),
         6 => (s(), s(), s()).prop_map(|(src, dir, name)| Op::Rename { src, dir, name }),
         2 => (s(), proptest::option::of(any::<u16>()), o(), o(), rare())
             .prop_map(|(file, mode, uid, size, mtime)| Op::SetAttr { file, mode, uid, size, mtime }),
@@ -2497,6 +2615,32 @@ impl Pair {
                     ino,
                     kind,
                 })
+            }
+            Op::CreateHere {
+                dir: d,
+                name: n,
+                kind: k,
+                mode,
+            } => {
+                let kind = kind(k);
+                Some(Command::Create {
+                    parent: dir(self, d),
+                    name: name(n),
+                    kind,
+                    mode: u32::from(mode),
+                    uid: 2,
+                    gid: 2,
+                    rdev: 0,
+                    target: if kind == FileType::Symlink {
+                        b"t".to_vec()
+                    } else {
+                        Vec::new()
+                    },
+                })
+            }
+            Op::RemoveHere { dentry, dir } => {
+                let (parent, name) = self.dentry(dentry);
+                Some(Command::Remove { parent, name, dir })
             }
             Op::Remove { dentry } => {
                 let (parent, name) = self.dentry(dentry);
@@ -2921,4 +3065,165 @@ proptest! {
             }
         }
     }
+}
+
+fn one_step_create(parent: Ino, name: &str, kind: FileType) -> Command {
+    Command::Create {
+        parent,
+        name: name.as_bytes().to_vec(),
+        kind,
+        mode: 0o640,
+        uid: 3,
+        gid: 4,
+        rdev: 0,
+        target: if kind == FileType::Symlink {
+            b"/t".to_vec()
+        } else {
+            Vec::new()
+        },
+    }
+}
+
+#[test]
+fn create_in_one_step_and_its_errors() {
+    let mut p = part();
+    let f = attr(ok(&mut p, 10, one_step_create(ROOT, "f", FileType::File)));
+    assert_eq!((f.nlink, f.mode, f.uid), (1, 0o640, 3));
+    assert_eq!(lookup(&p, ROOT, "f").unwrap().ino, f.ino);
+    let d = attr(ok(&mut p, 11, one_step_create(ROOT, "d", FileType::Dir)));
+    assert_eq!(
+        getattr(&p, ROOT).unwrap().nlink,
+        3,
+        "root gains a subdirectory"
+    );
+    assert_eq!(getattr(&p, ROOT).unwrap().mtime, 11);
+    assert_eq!(d.nlink, 2);
+    // Every failure changes nothing (checked by `apply`).
+    assert_eq!(
+        err(&mut p, one_step_create(ROOT, "f", FileType::File)),
+        MetaError::Exists
+    );
+    assert_eq!(
+        err(&mut p, one_step_create(f.ino, "x", FileType::File)),
+        MetaError::NotDir
+    );
+    assert_eq!(
+        err(&mut p, one_step_create(FOREIGN, "x", FileType::File)),
+        MetaError::WrongPartition(FOREIGN)
+    );
+    assert_eq!(
+        err(&mut p, one_step_create(ROOT, "a/b", FileType::File)),
+        MetaError::InvalidName
+    );
+    let long = "x".repeat(MAX_NAME + 1);
+    assert_eq!(
+        err(&mut p, one_step_create(ROOT, &long, FileType::File)),
+        MetaError::NameTooLong
+    );
+    let mut bad_link = one_step_create(ROOT, "l", FileType::Symlink);
+    if let Command::Create { target, .. } = &mut bad_link {
+        target.clear();
+    }
+    assert_eq!(err(&mut p, bad_link), MetaError::InvalidName);
+    // A full range: nothing allocated, no dentry.
+    let mut small = MetaPartition::new(1, 3);
+    attr(ok(
+        &mut small,
+        1,
+        one_step_create(ROOT, "a", FileType::File),
+    ));
+    assert_eq!(
+        err(&mut small, one_step_create(ROOT, "b", FileType::File)),
+        MetaError::NoInodes
+    );
+    assert_eq!(lookup(&small, ROOT, "b"), Err(MetaError::NotFound));
+}
+
+#[test]
+fn remove_drops_the_name_and_a_local_link_in_one_step() {
+    let mut p = part();
+    let f = create(&mut p, 1, ROOT, "f", FileType::File);
+    ok(&mut p, 2, dentry(ROOT, "g", f, FileType::File));
+    ok(&mut p, 2, Command::LinkInode { ino: f });
+    let remove = |name: &str, dir: bool| Command::Remove {
+        parent: ROOT,
+        name: name.as_bytes().to_vec(),
+        dir,
+    };
+    match ok(&mut p, 3, remove("f", false)) {
+        Reply::Removed {
+            dentry,
+            attr: Some(a),
+        } => {
+            assert_eq!(dentry.ino, f);
+            assert_eq!(a.nlink, 1);
+        }
+        other => panic!("{other:?}"),
+    }
+    // The last name: the inode is evicted and its extents queued for freeing.
+    ok(&mut p, 4, append(f, vec![key(0, 9, 0, 4096)]));
+    match ok(&mut p, 5, remove("g", false)) {
+        Reply::Removed { attr: Some(a), .. } => assert_eq!(a.nlink, 0),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(getattr(&p, f), Err(MetaError::NotFound));
+    assert!(orphans(&p).is_empty(), "evicted, not left as an orphan");
+    assert_eq!(to_free(&p), vec![key(0, 9, 0, 4096)]);
+
+    let d = create(&mut p, 6, ROOT, "d", FileType::Dir);
+    create(&mut p, 7, d, "inner", FileType::File);
+    assert_eq!(err(&mut p, remove("d", false)), MetaError::IsDir);
+    assert_eq!(err(&mut p, remove("d", true)), MetaError::NotEmpty);
+    let x = create(&mut p, 8, ROOT, "x", FileType::File);
+    assert_eq!(err(&mut p, remove("x", true)), MetaError::NotDir);
+    assert_eq!(err(&mut p, remove("nope", false)), MetaError::NotFound);
+    ok(
+        &mut p,
+        9,
+        Command::Remove {
+            parent: d,
+            name: b"inner".to_vec(),
+            dir: false,
+        },
+    );
+    ok(&mut p, 10, remove("d", true));
+    assert_eq!(getattr(&p, d), Err(MetaError::NotFound));
+    assert_eq!(getattr(&p, ROOT).unwrap().nlink, 2);
+    let _ = x;
+
+    // Names of inodes in other partitions: a file's name goes (the caller drops the link there); a
+    // directory's is refused, since its emptiness is not known here.
+    ok(&mut p, 11, dentry(ROOT, "rf", FOREIGN, FileType::File));
+    match ok(&mut p, 12, remove("rf", false)) {
+        Reply::Removed { dentry, attr: None } => assert_eq!(dentry.ino, FOREIGN),
+        other => panic!("{other:?}"),
+    }
+    ok(&mut p, 13, dentry(ROOT, "rd", FOREIGN, FileType::Dir));
+    assert_eq!(
+        err(&mut p, remove("rd", true)),
+        MetaError::WrongPartition(FOREIGN)
+    );
+}
+
+#[test]
+fn lookup_plus_has_attributes_only_for_local_inodes() {
+    let mut p = part();
+    let f = create(&mut p, 1, ROOT, "f", FileType::File);
+    ok(&mut p, 2, dentry(ROOT, "far", FOREIGN, FileType::File));
+    let q = |name: &str| Query::LookupPlus {
+        parent: ROOT,
+        name: name.as_bytes().to_vec(),
+    };
+    match p.query(&q("f")).unwrap() {
+        Reply::Found {
+            dentry,
+            attr: Some(a),
+        } => assert_eq!((dentry.ino, a.ino), (f, f)),
+        other => panic!("{other:?}"),
+    }
+    match p.query(&q("far")).unwrap() {
+        Reply::Found { dentry, attr: None } => assert_eq!(dentry.ino, FOREIGN),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(p.query(&q("none")), Err(MetaError::NotFound));
 }
