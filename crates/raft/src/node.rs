@@ -461,7 +461,23 @@ impl<S: StateMachine> RaftNode<S> {
     /// Runs one `Ready` round for every group with something to do: one log write for all of them,
     /// then messages and applied results.
     pub fn process_ready(&mut self) -> Result<ReadyOutput, RaftError> {
+        let mut early = Vec::new();
+        let mut out = self.process_ready_with(|m| early.extend(m))?;
+        early.append(&mut out.messages);
+        out.messages = early;
+        Ok(out)
+    }
+
+    /// [`RaftNode::process_ready`], handing the messages that may leave before the log write (a
+    /// leader's appends and heartbeats: raft lets the leader persist in parallel with its followers,
+    /// thesis §10.2.1) to `send_early` *before* writing, so that the followers' disk writes overlap
+    /// the leader's. Messages that must wait for the write are in the output.
+    pub fn process_ready_with(
+        &mut self,
+        mut send_early: impl FnMut(Vec<(GroupId, Message)>),
+    ) -> Result<ReadyOutput, RaftError> {
         let mut out = ReadyOutput::default();
+        let mut early = Vec::new();
         let mut write = LogWrite::default();
         let mut readies = Vec::new();
         let mut sync = false;
@@ -473,8 +489,7 @@ impl<S: StateMachine> RaftNode<S> {
                 continue;
             }
             let mut rd = g.node.ready();
-            out.messages
-                .extend(rd.take_messages().into_iter().map(|m| (gid, m)));
+            early.extend(rd.take_messages().into_iter().map(|m| (gid, m)));
             for rs in rd.take_read_states() {
                 if let Ok(raw) = <[u8; 8]>::try_from(rs.request_ctx.as_slice()) {
                     g.reads.push((rs.index, u64::from_le_bytes(raw)));
@@ -499,6 +514,9 @@ impl<S: StateMachine> RaftNode<S> {
             sync |= rd.must_sync() || gw.conf_state.is_some() || gw.snapshot.is_some();
             write.groups.push(gw);
             readies.push((gid, rd));
+        }
+        if !early.is_empty() {
+            send_early(early);
         }
         if readies.is_empty() {
             return Ok(out);

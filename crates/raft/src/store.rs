@@ -394,6 +394,30 @@ async fn run<S: StateMachine>(
     }
 }
 
+/// Sends raft messages, one frame per peer.
+fn send_batches(
+    outboxes: &BTreeMap<u64, mpsc::UnboundedSender<Bytes>>,
+    from: u64,
+    messages: Vec<(GroupId, Message)>,
+) {
+    let mut per_peer: BTreeMap<u64, Vec<RaftEnvelope>> = BTreeMap::new();
+    for (group, m) in messages {
+        let to = m.to;
+        match m.write_to_bytes() {
+            Ok(bytes) => per_peer.entry(to).or_default().push(RaftEnvelope {
+                group,
+                msg: Bytes::from(bytes),
+            }),
+            Err(e) => tracing::error!(group, error = %e, "cannot encode a raft message"),
+        }
+    }
+    for (peer, msgs) in per_peer {
+        if let Some(tx) = outboxes.get(&peer) {
+            let _ = tx.send(encode_body(&RaftBatch { from, msgs }));
+        }
+    }
+}
+
 impl<S: StateMachine> Loop<S> {
     /// One sender task per peer keeps frames to that peer in order.
     fn add_peers(&mut self, peers: BTreeMap<u64, String>) {
@@ -554,27 +578,11 @@ impl<S: StateMachine> Loop<S> {
     }
 
     fn ready(&mut self) -> Result<(), RaftError> {
-        let out = self.node.process_ready()?;
-        let mut per_peer: BTreeMap<u64, Vec<RaftEnvelope>> = BTreeMap::new();
-        for (group, m) in out.messages {
-            let to = m.to;
-            match m.write_to_bytes() {
-                Ok(bytes) => per_peer.entry(to).or_default().push(RaftEnvelope {
-                    group,
-                    msg: Bytes::from(bytes),
-                }),
-                Err(e) => tracing::error!(group, error = %e, "cannot encode a raft message"),
-            }
-        }
-        for (peer, msgs) in per_peer {
-            if let Some(tx) = self.outboxes.get(&peer) {
-                let batch = RaftBatch {
-                    from: self.node.id(),
-                    msgs,
-                };
-                let _ = tx.send(encode_body(&batch));
-            }
-        }
+        let (outboxes, from) = (&self.outboxes, self.node.id());
+        let out = self
+            .node
+            .process_ready_with(|early| send_batches(outboxes, from, early))?;
+        send_batches(&self.outboxes, self.node.id(), out.messages);
         for (pid, result) in out.finished {
             if let Some((_, tx)) = self.proposals.remove(&pid) {
                 let _ = tx.send(result);
