@@ -293,14 +293,16 @@ impl<T: MetaTransport> MetaFs<T> {
         }
     }
 
-    /// Creates `name` under `parent`. Files go to the parent's partition in one atomic step when it
-    /// has room; directories are spread over the writable partitions (round robin), in one step
-    /// when that is the parent's partition, else inode first, then dentry.
+    /// Creates `name` under `parent`. An inode goes to its parent's partition, in one atomic step,
+    /// when that partition has room — except directories made directly under the root, which are
+    /// spread over the writable partitions (round robin) so that top-level trees (one per workload,
+    /// typically) land on different partitions and their leaders. A remote inode is created first,
+    /// then its dentry.
     pub async fn create(&self, parent: Ino, name: &[u8], new: &NewInode) -> FsResult<Attr> {
         nacre_meta::ops::check_name(name)?;
         let pp = self.partition_of(parent)?;
         let parts = self.t.partitions();
-        let local = if new.kind == FileType::Dir {
+        let local = if new.kind == FileType::Dir && parent == nacre_meta::ROOT_INO {
             let writable: Vec<&MetaRange> = parts.iter().filter(|p| p.writable).collect();
             let pick = self.next.fetch_add(1, Ordering::Relaxed);
             writable

@@ -225,6 +225,9 @@ async fn phases(
             .create(ROOT_INO, name.as_bytes(), &NewInode::dir(0o755, 0, 0))
             .await?;
         roots.push(a.ino);
+        // Connect to the partition leader the client's tree will use, as a mounted client already
+        // is when mdtest starts.
+        fs.getattr(a.ino).await?;
     }
     let (nodes, leaves) = tree(p.branch, p.depth);
     let shared = Arc::new(Shared {
