@@ -214,3 +214,55 @@ fn up_starts_a_cluster_the_admin_commands_find() {
     assert!(child.0.wait().unwrap().success());
     assert!(!dir.path().join(".nacre/up.json").exists());
 }
+
+#[test]
+fn bench_meta_runs_every_mdtest_phase_against_a_local_cluster() {
+    let text = run_ok(Command::new(BIN).args([
+        "bench",
+        "meta",
+        "--clients",
+        "2",
+        "--items",
+        "5",
+        "--branch",
+        "2",
+        "--depth",
+        "1",
+        "--json",
+    ]));
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let phases: Vec<&str> = rows.iter().map(|r| r["phase"].as_str().unwrap()).collect();
+    assert_eq!(
+        phases,
+        [
+            "TreeCreation",
+            "DirCreation",
+            "DirStat",
+            "DirRemoval",
+            "FileCreation",
+            "FileStat",
+            "FileRemoval",
+            "TreeRemoval"
+        ]
+    );
+    for r in &rows {
+        assert_eq!(
+            (r["bench"].as_str(), r["impl"].as_str()),
+            (Some("meta"), Some("nacre"))
+        );
+        assert!(r["ops_per_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    // 2 clients × 5 items; each tree has 2 directories below the client's root.
+    assert_eq!(rows[1]["ops"], 10);
+    assert_eq!(rows[0]["ops"], 4);
+
+    let mem: serde_json::Value = serde_json::from_str(&run_ok(
+        Command::new(BIN).args(["bench", "meta", "--memory", "2000", "--json"]),
+    ))
+    .unwrap();
+    let per_file = mem["bytes_per_file"].as_f64().unwrap();
+    assert!(per_file > 50.0 && per_file < 400.0, "{mem}");
+}
