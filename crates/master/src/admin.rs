@@ -80,6 +80,8 @@ pub struct PartitionInfo {
     pub pending: Vec<NodeId>,
     pub inodes: u64,
     pub used: u64,
+    /// Operations per second its leader reports (meta partitions).
+    pub ops_per_s: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -357,6 +359,7 @@ fn partitions(map: &ClusterMap, volume: Option<&str>) -> Vec<PartitionInfo> {
             pending: pending(&p.replicas, &p.ready),
             inodes: p.inode_count,
             used: p.memory,
+            ops_per_s: p.ops_per_s,
         });
     let data = map
         .data_partitions
@@ -374,6 +377,7 @@ fn partitions(map: &ClusterMap, volume: Option<&str>) -> Vec<PartitionInfo> {
             pending: pending(&p.replicas, &p.ready),
             inodes: 0,
             used: p.used,
+            ops_per_s: 0,
         });
     meta.chain(data).collect()
 }

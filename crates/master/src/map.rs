@@ -67,6 +67,8 @@ pub struct MetaPartition {
     pub max_inode: u64,
     /// Memory the leader reports for the partition, in bytes.
     pub memory: u64,
+    /// Operations per second the leader reports.
+    pub ops_per_s: u64,
     /// Replicas whose node reported hosting the partition; the others still have to create it.
     pub ready: Vec<NodeId>,
     /// Map epoch at which the partition was created.
@@ -139,6 +141,8 @@ pub struct PartitionReport {
     pub used: u64,
     /// The partition takes no more writes (data partition at its size limit).
     pub full: bool,
+    /// Operations served per second on this replica (the leader's figure is the partition's).
+    pub ops_per_s: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -379,6 +383,7 @@ impl ClusterMap {
                     p.inode_count = r.inode_count;
                     p.max_inode = r.max_inode;
                     p.memory = r.used;
+                    p.ops_per_s = r.ops_per_s;
                 }
             } else if let Some(p) = self.data_partitions.get_mut(&r.id) {
                 if !p.replicas.contains(&node) {
@@ -680,6 +685,7 @@ impl ClusterMap {
                 inode_count: 0,
                 max_inode: 0,
                 memory: 0,
+                ops_per_s: 0,
                 ready: Vec::new(),
                 created_epoch: self.epoch + 1,
             },

@@ -69,6 +69,9 @@ struct Inner {
     /// Partition → node id → address, for leader hints.
     replicas: Mutex<BTreeMap<PartitionId, BTreeMap<u64, String>>>,
     reports: Mutex<Vec<PartitionReport>>,
+    /// Operations served per partition since start, and the counts at the last report.
+    ops: Mutex<BTreeMap<PartitionId, (u64, u64)>>,
+    last_report: Mutex<Option<std::time::Instant>>,
 }
 
 /// A running meta node. Cheap to clone.
@@ -103,6 +106,8 @@ impl MetaNode {
                 raft: OnceLock::new(),
                 replicas: Mutex::default(),
                 reports: Mutex::default(),
+                ops: Mutex::default(),
+                last_report: Mutex::default(),
             }),
         };
         if let Some(id) = read_id(&config.dir)? {
@@ -227,13 +232,43 @@ impl MetaNode {
         }
     }
 
+    fn count_op(&self, p: PartitionId) {
+        if let Ok(mut ops) = self.inner.ops.lock() {
+            ops.entry(p).or_default().0 += 1;
+        }
+    }
+
+    /// Operations per second per partition since the last call.
+    fn op_rates(&self) -> BTreeMap<PartitionId, u64> {
+        let now = std::time::Instant::now();
+        let secs = self
+            .inner
+            .last_report
+            .lock()
+            .ok()
+            .and_then(|mut l| l.replace(now))
+            .map_or(0.0, |t| now.duration_since(t).as_secs_f64());
+        let Ok(mut ops) = self.inner.ops.lock() else {
+            return BTreeMap::new();
+        };
+        ops.iter_mut()
+            .map(|(p, (total, last))| {
+                let delta = total.saturating_sub(std::mem::replace(last, *total));
+                let rate = if secs > 0.0 { delta as f64 / secs } else { 0.0 };
+                (*p, rate.round() as u64)
+            })
+            .collect()
+    }
+
     async fn refresh_reports(&self) {
         let Some(raft) = self.inner.raft.get() else {
             return;
         };
+        let rates = self.op_rates();
         let mut reports = Vec::new();
         for spec in self.inner.registry.specs() {
             let id = spec.id;
+            let ops_per_s = rates.get(&id).copied().unwrap_or(0);
             let r = raft
                 .local_read(id.0, move |sm: &MetaSm, leader| {
                     let s = sm.partition.stats();
@@ -244,6 +279,7 @@ impl MetaNode {
                         max_inode: s.max_inode,
                         used: s.memory,
                         full: false,
+                        ops_per_s,
                     }
                 })
                 .await;
@@ -297,6 +333,7 @@ impl MetaNode {
                 let node = w.clone();
                 async move {
                     let raft = node.raft().map_err(unavailable)?;
+                    node.count_op(req.partition);
                     let bytes = postcard::to_allocvec(&(now_ns(), req.cmd))
                         .map_err(|e| RemoteError::new(ErrorCode::BadRequest, e.to_string()))?;
                     let out = raft
@@ -312,6 +349,7 @@ impl MetaNode {
                 let node = r.clone();
                 async move {
                     let raft = node.raft().map_err(unavailable)?;
+                    node.count_op(req.partition);
                     let q: Query = req.query;
                     let result = raft
                         .read(req.partition.0, move |sm: &MetaSm| sm.partition.query(&q))

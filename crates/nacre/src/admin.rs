@@ -549,6 +549,7 @@ fn partition_table(ps: &[PartitionInfo]) -> Table {
             ids(&p.replicas),
             p.leader.map_or("-".into(), |l| l.to_string()),
             format!("{:?}", p.status).to_uppercase(),
+            p.ops_per_s.to_string(),
             ids(&p.pending),
         ]);
     }
