@@ -21,9 +21,24 @@ use tokio::sync::watch;
 
 struct MetaProc {
     host: String,
+    addr: String,
     node: MetaNode,
     msgr: Messenger,
     stop: watch::Sender<bool>,
+    runner: tokio::task::JoinHandle<()>,
+}
+
+impl MetaProc {
+    /// Stops everything and waits until the raft store (and its log) is closed.
+    async fn shut(self) {
+        let _ = self.stop.send(true);
+        self.runner.await.unwrap();
+        drop(self.node);
+        let msgr = self.msgr.clone();
+        tokio::task::spawn_blocking(move || msgr.shutdown())
+            .await
+            .unwrap();
+    }
 }
 
 fn fast_raft() -> StoreConfig {
@@ -81,11 +96,18 @@ async fn start_master(
     (msgr, addr, epochs, stop)
 }
 
-async fn start_meta(net: &MemNetwork, i: usize, dir: &std::path::Path, master: &str) -> MetaProc {
+async fn start_meta(
+    net: &MemNetwork,
+    i: usize,
+    dir: &std::path::Path,
+    master: &str,
+    at: Option<&str>,
+) -> MetaProc {
     let host = format!("meta{i}");
     let msgr =
         Messenger::new(&host, MsgrConfig::default(), Arc::new(net.transport(&host))).unwrap();
-    let l = msgr.transport().bind(&format!("{host}:0")).await.unwrap();
+    let bind = at.map_or_else(|| format!("{host}:0"), str::to_string);
+    let l = msgr.transport().bind(&bind).await.unwrap();
     let addr = l.local_addr().unwrap();
     let cfg = MetaNodeConfig {
         dir: dir.join(&host),
@@ -102,7 +124,7 @@ async fn start_meta(net: &MemNetwork, i: usize, dir: &std::path::Path, master: &
     let (id_tx, id_rx) = watch::channel::<Option<NodeId>>(None);
     let agent = AgentConfig {
         register: RegisterRequest {
-            addr,
+            addr: addr.clone(),
             role: Role::Meta,
             zone: "z".into(),
             capacity: 1 << 30,
@@ -120,19 +142,20 @@ async fn start_meta(net: &MemNetwork, i: usize, dir: &std::path::Path, master: &
             let _ = rx.wait_for(|s| *s).await;
         },
     ));
-    let (runner, mut rx) = (node.clone(), stop.subscribe());
-    tokio::spawn(async move {
-        runner
-            .run(id_rx, Duration::from_millis(50), async move {
-                let _ = rx.wait_for(|s| *s).await;
-            })
-            .await;
+    let (run, mut rx) = (node.clone(), stop.subscribe());
+    let runner = tokio::spawn(async move {
+        run.run(id_rx, Duration::from_millis(50), async move {
+            let _ = rx.wait_for(|s| *s).await;
+        })
+        .await;
     });
     MetaProc {
         host,
+        addr,
         node,
         msgr,
         stop,
+        runner,
     }
 }
 
@@ -162,7 +185,7 @@ async fn acknowledged_creates_survive_a_partition_leader_crash() {
     let (master_msgr, master_addr, mut epochs, master_stop) = start_master(&net).await;
     let mut metas = Vec::new();
     for i in 0..3 {
-        metas.push(start_meta(&net, i, dir.path(), &master_addr).await);
+        metas.push(start_meta(&net, i, dir.path(), &master_addr, None).await);
     }
     let cli = Messenger::new("cli", MsgrConfig::default(), Arc::new(net.transport("cli"))).unwrap();
     let mc = MasterClient::new(cli.client(), vec![master_addr.clone()]);
@@ -261,16 +284,49 @@ async fn acknowledged_creates_survive_a_partition_leader_crash() {
         "the directory d and every acknowledged file are listed"
     );
 
-    for m in &metas {
-        let _ = m.stop.send(true);
+    // The crashed node restarts from its disk (same address) and catches up; then another node
+    // dies, so every partition's quorum needs the restarted one: all acknowledged files are there.
+    let old = metas.remove(victim);
+    let (host, addr) = (old.host.clone(), old.addr.clone());
+    old.shut().await;
+    net.heal_host(&host);
+    let back = start_meta(
+        &net,
+        victim_index(&host),
+        dir.path(),
+        &master_addr,
+        Some(&addr),
+    )
+    .await;
+    metas.insert(victim, back);
+    // Bounded wait until the restarted replica has applied everything (it reports max inodes).
+    let want: u64 = acked.iter().map(|(_, _, ino)| ino.0).max().unwrap();
+    let restarted = metas[victim].node.clone();
+    let mut caught_up = false;
+    for _ in 0..600 {
+        if restarted.applied_max_inode().await >= want {
+            caught_up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    assert!(caught_up, "the restarted meta node did not catch up");
+    let other = (0..metas.len()).find(|&i| i != victim).unwrap();
+    net.isolate(&metas[other].host);
+    let _ = metas[other].stop.send(true);
+    for (parent, name, ino) in &acked {
+        let a = fs.lookup(*parent, name).await.unwrap_or_else(|e| {
+            panic!(
+                "{:?} lost after the restart: {e}",
+                String::from_utf8_lossy(name)
+            )
+        });
+        assert_eq!(a.ino, *ino);
+    }
+
     let _ = master_stop.send(true);
     for m in metas {
-        let msgr = m.msgr.clone();
-        drop(m.node);
-        tokio::task::spawn_blocking(move || msgr.shutdown())
-            .await
-            .unwrap();
+        m.shut().await;
     }
     tokio::task::spawn_blocking(move || cli.shutdown())
         .await
@@ -278,4 +334,8 @@ async fn acknowledged_creates_survive_a_partition_leader_crash() {
     tokio::task::spawn_blocking(move || master_msgr.shutdown())
         .await
         .unwrap();
+}
+
+fn victim_index(host: &str) -> usize {
+    host.trim_start_matches("meta").parse().unwrap()
 }

@@ -208,20 +208,37 @@ impl MetaNode {
         let mut tick = tokio::time::interval(report_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut adopted = false;
+        let mut agent_gone = false;
+        // Restarted with an id on disk: serve the partitions at once, even before the master
+        // answers.
+        if let Some(known) = self.id() {
+            match self.adopt(known).await {
+                Ok(()) => adopted = true,
+                Err(e) => tracing::error!(error = %e, "cannot reopen the meta partitions"),
+            }
+        }
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
-                changed = id.changed(), if !adopted => {
+                changed = id.changed(), if !agent_gone => {
                     if changed.is_err() {
-                        adopted = true; // the agent is gone; keep serving what we have
+                        // The agent is gone (shutting down); keep serving what we have.
+                        agent_gone = true;
                         continue;
                     }
                     let current = *id.borrow_and_update();
-                    if let Some(node) = current {
-                        match self.adopt(node).await {
+                    match current {
+                        Some(node) if !adopted => match self.adopt(node).await {
                             Ok(()) => adopted = true,
                             Err(e) => tracing::error!(error = %e, "cannot start the meta node"),
-                        }
+                        },
+                        Some(node) if self.id() != Some(node) => tracing::error!(
+                            %node,
+                            own = ?self.id(),
+                            "the master registered this node under another id; its partitions \
+                             keep running under the id on disk"
+                        ),
+                        _ => {}
                     }
                 }
                 _ = tick.tick() => self.refresh_reports().await,
@@ -230,6 +247,24 @@ impl MetaNode {
         if let Some(r) = self.inner.raft.get() {
             let _ = r.stop().await;
         }
+    }
+
+    /// The highest inode allocated across this node's replicas, as applied locally (for tests and
+    /// tools that wait for a replica to catch up).
+    pub async fn applied_max_inode(&self) -> u64 {
+        let Some(raft) = self.inner.raft.get() else {
+            return 0;
+        };
+        let mut max = 0;
+        for spec in self.inner.registry.specs() {
+            if let Ok(m) = raft
+                .local_read(spec.id.0, |sm: &MetaSm, _| sm.partition.stats().max_inode)
+                .await
+            {
+                max = max.max(m);
+            }
+        }
+        max
     }
 
     fn count_op(&self, p: PartitionId) {
