@@ -209,15 +209,31 @@ fn main() -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Server(a) => server(a),
         Cmd::Up(a) => up(a),
-        Cmd::Cluster(a) => admin::run(admin::AdminCmd::Cluster(a)),
-        Cmd::Node(a) => admin::run(admin::AdminCmd::Node(a)),
-        Cmd::Vol(a) => admin::run(admin::AdminCmd::Vol(a)),
-        Cmd::Partition(a) => admin::run(admin::AdminCmd::Partition(a)),
-        Cmd::Tenant(a) => admin::run(admin::AdminCmd::Tenant(a)),
+        Cmd::Cluster(a) => admin_cli(admin::AdminCmd::Cluster(a)),
+        Cmd::Node(a) => admin_cli(admin::AdminCmd::Node(a)),
+        Cmd::Vol(a) => admin_cli(admin::AdminCmd::Vol(a)),
+        Cmd::Partition(a) => admin_cli(admin::AdminCmd::Partition(a)),
+        Cmd::Tenant(a) => admin_cli(admin::AdminCmd::Tenant(a)),
         Cmd::Ping(a) => ping(a),
         Cmd::Bench(BenchCmd::Msgr(a)) => bench_msgr(a),
         Cmd::Bench(BenchCmd::Raft(a)) => bench_raft(a),
         Cmd::Bench(BenchCmd::Meta(a)) => bench_meta(a),
+    }
+}
+
+/// An admin command: like other Unix tools, it ends quietly when its output pipe closes
+/// (`nacre vol list | head -3`) instead of failing on the broken pipe.
+fn admin_cli(cmd: admin::AdminCmd) -> anyhow::Result<()> {
+    default_sigpipe();
+    admin::run(cmd)
+}
+
+#[allow(unsafe_code)]
+fn default_sigpipe() {
+    // SAFETY: restores the default disposition of SIGPIPE before any other thread exists; only the
+    // short-lived admin commands do this (servers keep Rust's default of ignoring it).
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 
