@@ -25,7 +25,7 @@ use nacre_types::{ExtentId, Ino, PartitionId};
 use serde::Serialize;
 use tokio::sync::Barrier;
 
-use crate::node::{MsgrSection, Node, NodeConfig, RoleName};
+use crate::node::{MasterSection, MsgrSection, Node, NodeConfig, RoleName};
 
 pub const PHASES: [&str; 8] = [
     "TreeCreation",
@@ -79,6 +79,11 @@ impl LocalCluster {
             listen: "127.0.0.1:0".into(),
             http_listen: String::new(),
             data_dir: dir.path().join("master"),
+            // No data nodes here: the volume's files have no data.
+            master: MasterSection {
+                min_writable_data_partitions: 0,
+                ..MasterSection::default()
+            },
             ..NodeConfig::default()
         })
         .await?;
