@@ -111,7 +111,7 @@ async fn start_meta(
     let addr = l.local_addr().unwrap();
     let cfg = MetaNodeConfig {
         dir: dir.join(&host),
-        raft: fast_raft(),
+        raft: fast_raft().with_read_lease(),
         report_interval: Duration::from_millis(50),
     };
     let node = MetaNode::open(&cfg, msgr.client()).unwrap();

@@ -348,7 +348,7 @@ impl Node {
                 let host: Arc<dyn PartitionHost> = if role == Role::Meta {
                     let meta_cfg = MetaNodeConfig {
                         dir: cfg.data_dir.clone(),
-                        raft: StoreConfig::default(),
+                        raft: StoreConfig::default().with_read_lease(),
                         report_interval: Duration::from_millis(cfg.heartbeat_ms.max(10) / 2),
                     };
                     let meta = MetaNode::open(&meta_cfg, msgr.client()).with_context(|| {

@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use protobuf::Message as _;
 use raft::eraftpb::{ConfChange, ConfChangeV2, Entry, EntryType, Message, MessageType, Snapshot};
@@ -98,6 +99,13 @@ pub struct NodeConfig {
     /// any message but a heartbeat, and when the node hosting its leader is reported down
     /// ([`RaftNode::set_peer_alive`]). 0 disables hibernation.
     pub hibernate_after: usize,
+    /// How long after a ReadIndex round it **sent** was confirmed by a quorum a leader may answer
+    /// reads without another round ([`RaftNode::read`]). No other leader can exist before the
+    /// followers' election timeout runs out after that round, so this must stay well under the
+    /// minimum election timeout in real time (`election_tick` ticks), minus clock drift. Unlike
+    /// raft-rs's lease (`lease_reads`), it survives hibernation: a leader that stopped ticking has
+    /// no lease until a new round confirms it. Zero disables it.
+    pub read_lease: std::time::Duration,
 }
 
 impl Default for NodeConfig {
@@ -110,6 +118,7 @@ impl Default for NodeConfig {
             compact_after: 10_000,
             lease_reads: false,
             hibernate_after: 20,
+            read_lease: std::time::Duration::ZERO,
         }
     }
 }
@@ -124,6 +133,10 @@ struct Group<S> {
     /// Ticks since the group last had something to do.
     idle_ticks: usize,
     hibernating: bool,
+    /// Until when, and in which term, this leader may read without a quorum round.
+    lease: Option<(Instant, u64)>,
+    /// Send times of this leader's ReadIndex rounds not yet confirmed (for the lease).
+    read_sent: BTreeMap<ProposalId, Instant>,
 }
 
 impl<S> Group<S> {
@@ -264,6 +277,8 @@ impl<S: StateMachine> RaftNode<S> {
                 sm,
                 pending: BTreeMap::new(),
                 reads: Vec::new(),
+                lease: None,
+                read_sent: BTreeMap::new(),
                 idle_ticks: 0,
                 hibernating: false,
             },
@@ -431,6 +446,36 @@ impl<S: StateMachine> RaftNode<S> {
         Ok(id)
     }
 
+    /// A linearizable read of `group` on its leader at time `now`: answered from the leader's read
+    /// lease when it holds one (no message; see [`NodeConfig::read_lease`]), else by a ReadIndex
+    /// round, whose confirmation renews the lease from the time it was sent.
+    pub fn read(&mut self, group: GroupId, now: Instant) -> Result<ProposalId, RaftError> {
+        let lease = self.config.read_lease;
+        if lease.is_zero() {
+            return self.read_index(group);
+        }
+        let id = self.next_proposal;
+        let g = self.leading(group)?;
+        let r = &g.node.raft;
+        let committed = r.raft_log.committed;
+        let valid = g
+            .lease
+            .is_some_and(|(until, term)| now < until && term == r.term)
+            && r.lead_transferee.is_none()
+            && r.raft_log.term(committed).ok() == Some(r.term);
+        if valid {
+            g.reads.push((committed, id));
+        } else {
+            g.node.read_index(id.to_le_bytes().to_vec());
+            // Rounds that never complete (lost leadership) are forgotten after a while.
+            g.read_sent
+                .retain(|_, t| now.saturating_duration_since(*t) < lease * 20);
+            g.read_sent.insert(id, now);
+        }
+        self.next_proposal += 1;
+        Ok(id)
+    }
+
     /// Asks the leader of `group` (this node) to hand leadership to `to`, which must be a voter. The
     /// transfer completes when `to` wins the election it is told to start; proposals are refused
     /// meanwhile.
@@ -486,13 +531,31 @@ impl<S: StateMachine> RaftNode<S> {
                 continue;
             };
             if !g.node.has_ready() {
+                // Lease reads wait only for the state machine to catch up.
+                let applied = g.node.raft.raft_log.applied;
+                g.reads.retain(|&(index, id)| {
+                    let ready = index <= applied;
+                    if ready {
+                        out.reads.push((gid, id));
+                    }
+                    !ready
+                });
                 continue;
             }
             let mut rd = g.node.ready();
             early.extend(rd.take_messages().into_iter().map(|m| (gid, m)));
             for rs in rd.take_read_states() {
                 if let Ok(raw) = <[u8; 8]>::try_from(rs.request_ctx.as_slice()) {
-                    g.reads.push((rs.index, u64::from_le_bytes(raw)));
+                    let id = u64::from_le_bytes(raw);
+                    g.reads.push((rs.index, id));
+                    // A quorum confirmed this leader as of the round's send time.
+                    if let Some(sent) = g.read_sent.remove(&id) {
+                        let until = sent + self.config.read_lease;
+                        let term = g.node.raft.term;
+                        if g.lease.is_none_or(|(u, t)| t != term || u < until) {
+                            g.lease = Some((until, term));
+                        }
+                    }
                 }
             }
             let mut gw = GroupWrite::new(gid);

@@ -52,6 +52,16 @@ impl Default for StoreConfig {
     }
 }
 
+impl StoreConfig {
+    /// Turns on read leases of a third of the minimum election timeout (`election_tick` ticks): a
+    /// leader confirmed by a quorum answers reads without a round trip for that long.
+    pub fn with_read_lease(mut self) -> Self {
+        let ticks = u32::try_from(self.node.election_tick).unwrap_or(u32::MAX);
+        self.node.read_lease = self.tick_interval * ticks / 3;
+        self
+    }
+}
+
 type Reader<S> = Box<dyn FnOnce(Result<&S, RaftError>) + Send>;
 /// Gets the state machine and whether this node leads the group.
 type LocalReader<S> = Box<dyn FnOnce(Result<(&S, bool), RaftError>) + Send>;
@@ -475,7 +485,7 @@ impl<S: StateMachine> Loop<S> {
                     let _ = reply.send(Err(e));
                 }
             },
-            Cmd::Read { group, reader } => match self.node.read_index(group) {
+            Cmd::Read { group, reader } => match self.node.read(group, std::time::Instant::now()) {
                 Ok(rid) => {
                     self.reads.insert(rid, (self.ticks, reader));
                 }

@@ -129,17 +129,24 @@ impl Rng {
 /// One seeded run. With `read_index == false`, reads are served at once from the state machine of a
 /// random live node (possibly isolated or behind): the unsafe shortcut the checker must catch.
 fn run(seed: u64, read_index: bool, lease: bool) -> Vec<Op> {
+    run_with(seed, read_index, lease, std::time::Duration::ZERO)
+}
+
+/// [`run`] with nacre's own read lease (`read_lease`); the cluster's clock advances 100 ms per tick.
+fn run_with(seed: u64, read_index: bool, lease: bool, read_lease: std::time::Duration) -> Vec<Op> {
     let mut rng = Rng(seed);
     let config = NodeConfig {
         lease_reads: lease,
+        read_lease,
         ..NodeConfig::default()
     };
+    let base = std::time::Instant::now();
     let mut c = Cluster::new(3, &[1], config);
     c.leader(1);
     let mut pending: BTreeMap<(u64, ProposalId), Op> = BTreeMap::new();
     let mut history = Vec::new();
     let mut next_value = 1;
-    for _ in 0..60 {
+    for ticks in 0..60u32 {
         match rng.below(10) {
             // Faults: isolate or crash a node, or heal everything and restart the dead.
             0 => {
@@ -198,7 +205,10 @@ fn run(seed: u64, read_index: bool, lease: bool) -> Vec<Op> {
                             };
                             pending.insert((l, pid), op);
                         }
-                    } else if let Ok(rid) = c.node(l).read_index(1) {
+                    } else if let Ok(rid) = c
+                        .node(l)
+                        .read(1, base + std::time::Duration::from_millis(100) * ticks)
+                    {
                         pending.insert(
                             (l, rid),
                             Op {
@@ -277,6 +287,16 @@ fn the_check_catches_stale_reads_served_without_read_index() {
 fn lease_reads_stay_linearizable_when_clocks_agree() {
     for seed in 100..130 {
         let history = run(seed, true, true);
+        assert!(linearizable(&history), "seed {seed}: {history:#?}");
+    }
+}
+
+/// nacre's read lease (a third of the election timeout, counted from a confirmed round's send
+/// time) under the same faults: crashes, isolations and elections.
+#[test]
+fn read_leases_stay_linearizable_under_faults() {
+    for seed in 200..240 {
+        let history = run_with(seed, true, false, std::time::Duration::from_millis(333));
         assert!(linearizable(&history), "seed {seed}: {history:#?}");
     }
 }
