@@ -113,6 +113,7 @@ async fn start_meta(
         dir: dir.join(&host),
         raft: fast_raft().with_read_lease(),
         report_interval: Duration::from_millis(50),
+        orphan_grace: Duration::ZERO,
     };
     let node = MetaNode::open(&cfg, msgr.client()).unwrap();
     let (stop, _) = watch::channel(false);
@@ -338,4 +339,96 @@ async fn acknowledged_creates_survive_a_partition_leader_crash() {
 
 fn victim_index(host: &str) -> usize {
     host.trim_start_matches("meta").parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_leaders_evict_orphans_that_clients_left_behind() {
+    use nacre_client::MetaTransport as _;
+    use nacre_meta::{Command as MetaCommand, Query, Reply};
+    let dir = tempfile::tempdir().unwrap();
+    let net = MemNetwork::new(32);
+    let (master_msgr, master_addr, mut epochs, master_stop) = start_master(&net).await;
+    let mut metas = Vec::new();
+    for i in 0..3 {
+        metas.push(start_meta(&net, i, dir.path(), &master_addr, None).await);
+    }
+    let cli = Messenger::new("cli", MsgrConfig::default(), Arc::new(net.transport("cli"))).unwrap();
+    let mc = MasterClient::new(cli.client(), vec![master_addr.clone()]);
+    wait_map(&mc, &mut epochs, |m| m.nodes.len() == 3).await;
+    mc.execute(&Command::CreateTenant {
+        name: "t".into(),
+        access_key: "AK".into(),
+        secret_key: "0123456789abcdef".into(),
+    })
+    .await
+    .unwrap();
+    mc.execute(&Command::CreateVolume {
+        name: "vol".into(),
+        owner: "t".into(),
+        replicas: 3,
+        capacity: 0,
+        meta_partitions: 1,
+        data_partitions: 0,
+        inode_step: 1000,
+    })
+    .await
+    .unwrap();
+    let map = wait_map(&mc, &mut epochs, |m| {
+        m.pending_replicas().is_empty() && m.meta_partitions.values().all(|p| p.leader.is_some())
+    })
+    .await;
+    let pid = map.volumes["vol"].meta_partitions[0];
+    let fs = MetaFs::new(
+        NetMeta::connect(cli.client(), mc.clone(), "vol")
+            .await
+            .unwrap(),
+    );
+    let f = fs
+        .create(ROOT_INO, b"f", &NewInode::file(0o644, 0, 0))
+        .await
+        .unwrap();
+    // A client that died between unlink's steps: the name is gone, nlink reached 0, no eviction.
+    let t = fs.transport();
+    let delete = MetaCommand::DeleteDentry {
+        parent: ROOT_INO,
+        name: b"f".to_vec(),
+        expect: Some(f.ino),
+    };
+    t.write(pid, delete).await.unwrap().unwrap();
+    t.write(pid, MetaCommand::UnlinkInode { ino: f.ino })
+        .await
+        .unwrap()
+        .unwrap();
+    // The partition leader's sweep (grace 0 here) evicts it; bounded wait at the sweep's pace.
+    let mut evicted = false;
+    for _ in 0..500 {
+        match t
+            .read(pid, Query::Orphans { limit: 0 })
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            Reply::Inos(v) if v.is_empty() => {
+                evicted = true;
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    assert!(evicted, "the orphan was not evicted");
+    match t.read(pid, Query::Stats).await.unwrap().unwrap() {
+        Reply::Stats(s) => assert_eq!((s.inodes, s.orphans), (1, 0), "only the root is left"),
+        other => panic!("{other:?}"),
+    }
+
+    let _ = master_stop.send(true);
+    for m in metas {
+        m.shut().await;
+    }
+    tokio::task::spawn_blocking(move || cli.shutdown())
+        .await
+        .unwrap();
+    tokio::task::spawn_blocking(move || master_msgr.shutdown())
+        .await
+        .unwrap();
 }

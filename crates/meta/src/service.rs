@@ -56,8 +56,12 @@ impl StateMachine for MetaSm {
 pub struct MetaNodeConfig {
     pub dir: PathBuf,
     pub raft: StoreConfig,
-    /// How often per-partition reports are refreshed for heartbeats.
+    /// How often per-partition reports are refreshed for heartbeats (and orphans swept).
     pub report_interval: Duration,
+    /// An inode deleted (nlink 0) but not evicted by its client for this long is evicted by the
+    /// partition leader. Clients evict at once (or, with open files, at the last close), so this only
+    /// cleans up after clients that failed or died in between.
+    pub orphan_grace: Duration,
 }
 
 struct Inner {
@@ -69,6 +73,9 @@ struct Inner {
     /// Partition → node id → address, for leader hints.
     replicas: Mutex<BTreeMap<PartitionId, BTreeMap<u64, String>>>,
     reports: Mutex<Vec<PartitionReport>>,
+    orphan_grace: Duration,
+    /// When this node, as leader, first saw each orphan.
+    orphans_seen: Mutex<BTreeMap<(PartitionId, u64), std::time::Instant>>,
     /// Operations served per partition since start, and the counts at the last report.
     ops: Mutex<BTreeMap<PartitionId, (u64, u64)>>,
     last_report: Mutex<Option<std::time::Instant>>,
@@ -106,6 +113,8 @@ impl MetaNode {
                 raft: OnceLock::new(),
                 replicas: Mutex::default(),
                 reports: Mutex::default(),
+                orphan_grace: config.orphan_grace,
+                orphans_seen: Mutex::default(),
                 ops: Mutex::default(),
                 last_report: Mutex::default(),
             }),
@@ -241,7 +250,10 @@ impl MetaNode {
                         _ => {}
                     }
                 }
-                _ = tick.tick() => self.refresh_reports().await,
+                _ = tick.tick() => {
+                    self.refresh_reports().await;
+                    self.sweep_orphans().await;
+                }
             }
         }
         if let Some(r) = self.inner.raft.get() {
@@ -265,6 +277,53 @@ impl MetaNode {
             }
         }
         max
+    }
+
+    /// Evicts, on the partitions this node leads, inodes deleted longer than `orphan_grace` ago.
+    async fn sweep_orphans(&self) {
+        let Some(raft) = self.inner.raft.get() else {
+            return;
+        };
+        let now = std::time::Instant::now();
+        let mut live = std::collections::BTreeSet::new();
+        for spec in self.inner.registry.specs() {
+            let id = spec.id;
+            let orphans = raft
+                .local_read(id.0, |sm: &MetaSm, leader| {
+                    if !leader {
+                        return Vec::new();
+                    }
+                    match sm.partition.query(&Query::Orphans { limit: 1024 }) {
+                        Ok(Reply::Inos(v)) => v,
+                        _ => Vec::new(),
+                    }
+                })
+                .await
+                .unwrap_or_default();
+            for ino in orphans {
+                live.insert((id, ino.0));
+                let first = match self.inner.orphans_seen.lock() {
+                    Ok(mut seen) => *seen.entry((id, ino.0)).or_insert(now),
+                    Err(_) => continue,
+                };
+                if now.duration_since(first) < self.inner.orphan_grace {
+                    continue;
+                }
+                let Ok(bytes) = postcard::to_allocvec(&(now_ns(), Command::EvictInode { ino }))
+                else {
+                    continue;
+                };
+                match raft.propose(id.0, bytes).await {
+                    Ok(_) => tracing::info!(partition = %id, %ino, "evicted an orphan inode"),
+                    Err(e) => {
+                        tracing::debug!(partition = %id, %ino, error = %e, "orphan not evicted")
+                    }
+                }
+            }
+        }
+        if let Ok(mut seen) = self.inner.orphans_seen.lock() {
+            seen.retain(|k, _| live.contains(k));
+        }
     }
 
     fn count_op(&self, p: PartitionId) {

@@ -350,6 +350,7 @@ impl Node {
                         dir: cfg.data_dir.clone(),
                         raft: StoreConfig::default().with_read_lease(),
                         report_interval: Duration::from_millis(cfg.heartbeat_ms.max(10) / 2),
+                        orphan_grace: Duration::from_secs(600),
                     };
                     let meta = MetaNode::open(&meta_cfg, msgr.client()).with_context(|| {
                         format!("cannot open the meta node in {}", cfg.data_dir.display())
