@@ -300,17 +300,21 @@ async fn acknowledged_creates_survive_a_partition_leader_crash() {
     )
     .await;
     metas.insert(victim, back);
-    // Bounded wait until the restarted replica has applied everything (it reports max inodes).
+    // Wait (bounded) until the restarted replica has applied everything: it allocated up to `want`.
     let want: u64 = acked.iter().map(|(_, _, ino)| ino.0).max().unwrap();
     let restarted = metas[victim].node.clone();
-    let mut caught_up = false;
-    for _ in 0..600 {
-        if restarted.applied_max_inode().await >= want {
-            caught_up = true;
-            break;
+    let mut applied = restarted.applied().expect("the node id was on disk");
+    let caught_up = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            applied.borrow_and_update();
+            if restarted.applied_max_inode().await >= want {
+                return;
+            }
+            applied.changed().await.unwrap();
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
+    .is_ok();
     assert!(caught_up, "the restarted meta node did not catch up");
     let other = (0..metas.len()).find(|&i| i != victim).unwrap();
     net.isolate(&metas[other].host);
@@ -399,22 +403,25 @@ async fn partition_leaders_evict_orphans_that_clients_left_behind() {
         .await
         .unwrap()
         .unwrap();
-    // The partition leader's sweep (grace 0 here) evicts it; bounded wait at the sweep's pace.
-    let mut evicted = false;
-    for _ in 0..500 {
-        match t
-            .read(pid, Query::Orphans { limit: 0 })
-            .await
-            .unwrap()
-            .unwrap()
-        {
-            Reply::Inos(v) if v.is_empty() => {
-                evicted = true;
-                break;
+    // The partition leader's sweep (grace 0 here) evicts it; every replica applies the eviction, so
+    // wait on one node's applied count (bounded).
+    let mut applied = metas[0].node.applied().unwrap();
+    let evicted = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            applied.borrow_and_update();
+            match t
+                .read(pid, Query::Orphans { limit: 0 })
+                .await
+                .unwrap()
+                .unwrap()
+            {
+                Reply::Inos(v) if v.is_empty() => return,
+                _ => applied.changed().await.unwrap(),
             }
-            _ => tokio::time::sleep(Duration::from_millis(20)).await,
         }
-    }
+    })
+    .await
+    .is_ok();
     assert!(evicted, "the orphan was not evicted");
     match t.read(pid, Query::Stats).await.unwrap().unwrap() {
         Reply::Stats(s) => assert_eq!((s.inodes, s.orphans), (1, 0), "only the root is left"),

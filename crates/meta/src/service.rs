@@ -130,6 +130,12 @@ impl MetaNode {
         self.inner.raft.get().map(|r| NodeId(r.id()))
     }
 
+    /// Log entries applied by this node's partitions, once its raft store runs (see
+    /// `RaftHandle::applied`).
+    pub fn applied(&self) -> Option<watch::Receiver<u64>> {
+        self.inner.raft.get().map(RaftHandle::applied)
+    }
+
     fn start_raft(&self, id: NodeId) -> std::io::Result<()> {
         if self.inner.raft.get().is_some() {
             return Ok(());

@@ -78,6 +78,8 @@ pub struct ReadyOutput {
     /// Reads started with [`RaftNode::read_index`] that may now be served from the group's state
     /// machine: everything committed before the read started has been applied.
     pub reads: Vec<(GroupId, ProposalId)>,
+    /// Log entries applied to state machines in this round (all groups).
+    pub applied: u64,
 }
 
 /// Timing and sizing of every group on a node.
@@ -678,6 +680,7 @@ fn apply_entries<S: StateMachine>(
     out: &mut ReadyOutput,
 ) -> Result<Option<raft::eraftpb::ConfState>, RaftError> {
     let mut conf = None;
+    out.applied += entries.len() as u64;
     for e in entries {
         let result = match e.get_entry_type() {
             EntryType::EntryNormal if e.data.is_empty() => Vec::new(),

@@ -20,7 +20,7 @@ use nacre_proto::msg::raft::{RaftBatch, RaftBatchRpc, RaftEnvelope};
 use nacre_proto::msg::{Rpc, encode_body};
 use protobuf::Message as _;
 use raft::eraftpb::{ConfChangeV2, Message};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::log::{GroupId, LogStore};
 use crate::node::{NodeConfig, ProposalId, RaftError, RaftNode, StateMachine};
@@ -129,6 +129,7 @@ pub struct StoreStatus {
 pub struct RaftHandle<S: StateMachine> {
     id: u64,
     tx: mpsc::UnboundedSender<Cmd<S>>,
+    applied: watch::Receiver<u64>,
 }
 
 impl<S: StateMachine> Clone for RaftHandle<S> {
@@ -136,6 +137,7 @@ impl<S: StateMachine> Clone for RaftHandle<S> {
         Self {
             id: self.id,
             tx: self.tx.clone(),
+            applied: self.applied.clone(),
         }
     }
 }
@@ -153,6 +155,12 @@ fn stopped() -> RaftError {
 impl<S: StateMachine> RaftHandle<S> {
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// The number of log entries this store has applied (all groups), updated after every Ready
+    /// round that applied something: wait on it instead of polling a state machine.
+    pub fn applied(&self) -> watch::Receiver<u64> {
+        self.applied.clone()
     }
 
     /// Hosts a group (see [`RaftNode::add_group`]).
@@ -308,6 +316,7 @@ pub fn start<S: StateMachine>(
     client: Client,
 ) -> std::io::Result<RaftHandle<S>> {
     let (tx, rx) = mpsc::unbounded_channel();
+    let (applied_tx, applied) = watch::channel(0u64);
     thread::Builder::new()
         .name(format!("raft-{id}"))
         .spawn(move || {
@@ -322,9 +331,9 @@ pub fn start<S: StateMachine>(
                 }
             };
             let node = RaftNode::new(id, config.node.clone(), log);
-            rt.block_on(run(node, config, rx, peers, client));
+            rt.block_on(run(node, config, rx, peers, client, applied_tx));
         })?;
-    Ok(RaftHandle { id, tx })
+    Ok(RaftHandle { id, tx, applied })
 }
 
 struct Loop<S: StateMachine> {
@@ -337,6 +346,7 @@ struct Loop<S: StateMachine> {
     outboxes: BTreeMap<u64, mpsc::UnboundedSender<Bytes>>,
     peer_addrs: BTreeMap<u64, String>,
     client: Client,
+    applied: watch::Sender<u64>,
     ticks: u64,
 }
 
@@ -346,6 +356,7 @@ async fn run<S: StateMachine>(
     mut rx: mpsc::UnboundedReceiver<Cmd<S>>,
     peers: BTreeMap<u64, String>,
     client: Client,
+    applied: watch::Sender<u64>,
 ) {
     let id = node.id();
     let mut lp = Loop {
@@ -356,6 +367,7 @@ async fn run<S: StateMachine>(
         outboxes: BTreeMap::new(),
         peer_addrs: BTreeMap::new(),
         client,
+        applied,
         ticks: 0,
     };
     lp.add_peers(peers);
@@ -593,6 +605,9 @@ impl<S: StateMachine> Loop<S> {
             .node
             .process_ready_with(|early| send_batches(outboxes, from, early))?;
         send_batches(&self.outboxes, self.node.id(), out.messages);
+        if out.applied > 0 {
+            self.applied.send_modify(|n| *n += out.applied);
+        }
         for (pid, result) in out.finished {
             if let Some((_, tx)) = self.proposals.remove(&pid) {
                 let _ = tx.send(result);

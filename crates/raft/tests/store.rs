@@ -74,6 +74,21 @@ async fn cluster_with(
     nodes
 }
 
+/// Fires whenever one of `handles` applies log entries (a new leader's no-op included): what a
+/// caller waits for between attempts instead of sleeping.
+fn progress<'a>(handles: impl IntoIterator<Item = &'a RaftHandle<Kv>>) -> Arc<tokio::sync::Notify> {
+    let notify = Arc::new(tokio::sync::Notify::new());
+    for h in handles {
+        let (mut rx, n) = (h.applied(), notify.clone());
+        tokio::spawn(async move {
+            while rx.changed().await.is_ok() {
+                n.notify_one();
+            }
+        });
+    }
+    notify
+}
+
 /// Proposes on whichever node leads, following NotLeader hints, until `deadline`.
 async fn propose(
     nodes: &BTreeMap<u64, Node>,
@@ -81,6 +96,7 @@ async fn propose(
     cmd: &str,
     deadline: Instant,
 ) -> Result<Vec<u8>, RaftError> {
+    let moved = progress(nodes.values().map(|n| &n.handle));
     let mut target = *nodes.keys().next().unwrap();
     loop {
         match nodes[&target]
@@ -89,13 +105,14 @@ async fn propose(
             .await
         {
             Err(RaftError::NotLeader { leader, .. }) if Instant::now() < deadline => {
-                target = if leader != 0 && nodes.contains_key(&leader) {
-                    leader
-                } else {
-                    target % nodes.len() as u64 + 1
-                };
-                // No leader yet: wait for the next tick rather than spinning.
-                tokio::time::sleep(Duration::from_millis(5)).await;
+                if leader != 0 && leader != target && nodes.contains_key(&leader) {
+                    target = leader;
+                    continue;
+                }
+                target = target % nodes.len() as u64 + 1;
+                // No leader known yet: wait until some store applies something (an election's
+                // no-op), bounded by the deadline.
+                let _ = tokio::time::timeout_at(deadline.into(), moved.notified()).await;
             }
             r => return r,
         }
@@ -174,6 +191,7 @@ async fn an_isolated_leader_is_replaced_and_the_cluster_keeps_committing() {
         .map(|(id, n)| (*id, n))
         .collect();
     // The majority elects a new leader and commits.
+    let moved = progress(rest.values().map(|n| &n.handle));
     let mut committed = false;
     while !committed && Instant::now() < deadline {
         for n in rest.values() {
@@ -182,7 +200,10 @@ async fn an_isolated_leader_is_replaced_and_the_cluster_keeps_committing() {
                 break;
             }
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        if !committed {
+            // Wait for the election to move (its no-op gets applied), bounded by the deadline.
+            let _ = tokio::time::timeout_at(deadline.into(), moved.notified()).await;
+        }
     }
     assert!(
         committed,
@@ -286,22 +307,29 @@ async fn peers_added_later_groups_removed_and_local_reads() {
     let deadline = Instant::now() + Duration::from_secs(10);
     propose(&nodes, 7, "k=v", deadline).await.unwrap();
 
-    // Every replica applies it; a local read shows it (bounded wait on the followers).
+    // Every replica applies it; a local read shows it (waiting on each store's applied count).
     for n in nodes.values() {
-        let mut seen = false;
-        for _ in 0..500 {
-            let v = n
-                .handle
-                .local_read(7, |kv: &Kv, _leader| kv.map.get("k").cloned())
-                .await
-                .unwrap();
-            if v.as_deref() == Some("v") {
-                seen = true;
-                break;
+        let mut applied = n.handle.applied();
+        let seen = tokio::time::timeout_at(deadline.into(), async {
+            loop {
+                applied.borrow_and_update();
+                let v = n
+                    .handle
+                    .local_read(7, |kv: &Kv, _leader| kv.map.get("k").cloned())
+                    .await
+                    .unwrap();
+                if v.as_deref() == Some("v") {
+                    return;
+                }
+                applied.changed().await.unwrap();
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert!(seen, "replica {} never applied the entry", n.handle.id());
+        })
+        .await;
+        assert!(
+            seen.is_ok(),
+            "replica {} never applied the entry",
+            n.handle.id()
+        );
     }
     let leaders: usize = {
         let mut c = 0;
