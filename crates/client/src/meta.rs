@@ -19,8 +19,8 @@
 //! of an unreachable inode (a space leak, cleaned later) rather than a dentry without an inode.
 
 use std::future::Future;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use nacre_meta::ops::{ExtentKey, XattrMode};
 use nacre_meta::{Attr, Command, Dentry, DirEntry, FileType, MetaError, Query, Reply, SetAttr};
@@ -50,8 +50,8 @@ pub enum CallError {
 
 /// Reaches the meta partitions of one volume.
 pub trait MetaTransport: Send + Sync + 'static {
-    /// The volume's meta partitions in inode-range order.
-    fn partitions(&self) -> Vec<MetaRange>;
+    /// The volume's meta partitions in inode-range order (shared: asked on every operation).
+    fn partitions(&self) -> Arc<[MetaRange]>;
     /// Applies a command on the partition's leader.
     fn write(
         &self,
@@ -216,12 +216,8 @@ impl<T: MetaTransport> MetaFs<T> {
 
     /// Allocates an inode in a writable partition (round robin; full ranges are skipped).
     async fn create_inode(&self, parent: Ino, new: &NewInode) -> FsResult<Attr> {
-        let parts: Vec<MetaRange> = self
-            .t
-            .partitions()
-            .into_iter()
-            .filter(|p| p.writable)
-            .collect();
+        let all = self.t.partitions();
+        let parts: Vec<&MetaRange> = all.iter().filter(|p| p.writable).collect();
         if parts.is_empty() {
             return Err(MetaError::NoInodes.into());
         }
@@ -807,7 +803,7 @@ impl<T: MetaTransport> MetaFs<T> {
     pub async fn statfs(&self) -> FsResult<(u64, u64)> {
         let mut inodes = 0;
         let mut dentries = 0;
-        for p in self.t.partitions() {
+        for p in self.t.partitions().iter() {
             match self.read(p.id, Query::Stats).await? {
                 Reply::Stats(s) => {
                     inodes += s.inodes;

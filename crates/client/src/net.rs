@@ -8,7 +8,7 @@
 //! means the command was **not applied**; a timeout or reset after sending means **unknown**.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use nacre_master::MasterClient;
@@ -24,7 +24,7 @@ use crate::meta::{CallError, MetaRange, MetaTransport};
 #[derive(Debug, Default)]
 struct View {
     epoch: u64,
-    ranges: Vec<MetaRange>,
+    ranges: Arc<[MetaRange]>,
     replicas: HashMap<PartitionId, Vec<String>>,
 }
 
@@ -73,12 +73,13 @@ impl NetMeta {
             epoch: v.epoch,
             ..View::default()
         };
+        let mut ranges = Vec::new();
         let mut leaders = Vec::new();
         for p in &v.meta_partitions {
             let PartitionKind::Meta { start, end } = p.spec.kind else {
                 continue;
             };
-            view.ranges.push(MetaRange {
+            ranges.push(MetaRange {
                 id: p.spec.id,
                 start,
                 end,
@@ -92,6 +93,7 @@ impl NetMeta {
             }
             view.replicas.insert(p.spec.id, addrs);
         }
+        view.ranges = ranges.into();
         if let Ok(mut w) = self.view.write() {
             *w = view;
         }
@@ -214,11 +216,11 @@ impl NetMeta {
 }
 
 impl MetaTransport for NetMeta {
-    fn partitions(&self) -> Vec<MetaRange> {
+    fn partitions(&self) -> Arc<[MetaRange]> {
         self.view
             .read()
             .map(|v| v.ranges.clone())
-            .unwrap_or_default()
+            .unwrap_or_else(|_| Arc::new([]))
     }
 
     async fn write(

@@ -179,14 +179,27 @@ async fn wait_map(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acknowledged_creates_survive_a_partition_leader_crash() {
-    let dir = tempfile::tempdir().unwrap();
-    let net = MemNetwork::new(31);
-    let (master_msgr, master_addr, mut epochs, master_stop) = start_master(&net).await;
+struct TestCluster {
+    master_msgr: Messenger,
+    master_addr: String,
+    master_stop: watch::Sender<bool>,
+    metas: Vec<MetaProc>,
+    cli: Messenger,
+    mc: MasterClient,
+    /// The map once every replica of the volume exists and every meta partition has a leader.
+    map: ClusterMap,
+}
+
+/// A master, three meta nodes, and a volume `vol` with `meta_partitions` partitions × 3 replicas.
+async fn cluster_with_volume(
+    net: &MemNetwork,
+    dir: &std::path::Path,
+    meta_partitions: u32,
+) -> TestCluster {
+    let (master_msgr, master_addr, mut epochs, master_stop) = start_master(net).await;
     let mut metas = Vec::new();
     for i in 0..3 {
-        metas.push(start_meta(&net, i, dir.path(), &master_addr, None).await);
+        metas.push(start_meta(net, i, dir, &master_addr, None).await);
     }
     let cli = Messenger::new("cli", MsgrConfig::default(), Arc::new(net.transport("cli"))).unwrap();
     let mc = MasterClient::new(cli.client(), vec![master_addr.clone()]);
@@ -203,17 +216,40 @@ async fn acknowledged_creates_survive_a_partition_leader_crash() {
         owner: "t".into(),
         replicas: 3,
         capacity: 0,
-        meta_partitions: 2,
+        meta_partitions,
         data_partitions: 0,
         inode_step: 1000,
     })
     .await
     .unwrap();
-    // Replicas created and a leader reported for each partition.
     let map = wait_map(&mc, &mut epochs, |m| {
         m.pending_replicas().is_empty() && m.meta_partitions.values().all(|p| p.leader.is_some())
     })
     .await;
+    TestCluster {
+        master_msgr,
+        master_addr,
+        master_stop,
+        metas,
+        cli,
+        mc,
+        map,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_creates_survive_a_partition_leader_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let net = MemNetwork::new(31);
+    let TestCluster {
+        master_msgr,
+        master_addr,
+        master_stop,
+        mut metas,
+        cli,
+        mc,
+        map,
+    } = cluster_with_volume(&net, dir.path(), 2).await;
 
     let meta = NetMeta::connect(cli.client(), mc.clone(), "vol")
         .await
@@ -351,36 +387,15 @@ async fn partition_leaders_evict_orphans_that_clients_left_behind() {
     use nacre_meta::{Command as MetaCommand, Query, Reply};
     let dir = tempfile::tempdir().unwrap();
     let net = MemNetwork::new(32);
-    let (master_msgr, master_addr, mut epochs, master_stop) = start_master(&net).await;
-    let mut metas = Vec::new();
-    for i in 0..3 {
-        metas.push(start_meta(&net, i, dir.path(), &master_addr, None).await);
-    }
-    let cli = Messenger::new("cli", MsgrConfig::default(), Arc::new(net.transport("cli"))).unwrap();
-    let mc = MasterClient::new(cli.client(), vec![master_addr.clone()]);
-    wait_map(&mc, &mut epochs, |m| m.nodes.len() == 3).await;
-    mc.execute(&Command::CreateTenant {
-        name: "t".into(),
-        access_key: "AK".into(),
-        secret_key: "0123456789abcdef".into(),
-    })
-    .await
-    .unwrap();
-    mc.execute(&Command::CreateVolume {
-        name: "vol".into(),
-        owner: "t".into(),
-        replicas: 3,
-        capacity: 0,
-        meta_partitions: 1,
-        data_partitions: 0,
-        inode_step: 1000,
-    })
-    .await
-    .unwrap();
-    let map = wait_map(&mc, &mut epochs, |m| {
-        m.pending_replicas().is_empty() && m.meta_partitions.values().all(|p| p.leader.is_some())
-    })
-    .await;
+    let TestCluster {
+        master_msgr,
+        master_stop,
+        metas,
+        cli,
+        mc,
+        map,
+        ..
+    } = cluster_with_volume(&net, dir.path(), 1).await;
     let pid = map.volumes["vol"].meta_partitions[0];
     let fs = MetaFs::new(
         NetMeta::connect(cli.client(), mc.clone(), "vol")

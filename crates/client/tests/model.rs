@@ -68,7 +68,7 @@ impl MemMeta {
 }
 
 impl MetaTransport for MemMeta {
-    fn partitions(&self) -> Vec<MetaRange> {
+    fn partitions(&self) -> std::sync::Arc<[MetaRange]> {
         self.parts
             .lock()
             .unwrap()

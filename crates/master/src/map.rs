@@ -238,7 +238,11 @@ pub enum Outcome {
     VolumeCreated(VolumeId),
     PartitionsCreated(Vec<PartitionId>),
     /// Answer to a heartbeat: every partition the node should host.
-    Assigned(Vec<PartitionSpec>),
+    Assigned {
+        /// The map's epoch once the heartbeat was applied.
+        epoch: u64,
+        partitions: Vec<PartitionSpec>,
+    },
 }
 
 #[derive(Debug, Error, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -316,7 +320,10 @@ impl ClusterMap {
                 if self.heartbeat(*node, *used, *now_ms, partitions) {
                     self.epoch += 1;
                 }
-                Ok(Outcome::Assigned(self.assigned(*node)))
+                Ok(Outcome::Assigned {
+                    epoch: self.epoch,
+                    partitions: self.assigned(*node),
+                })
             }
             Command::CheckLiveness { now_ms, timeout_ms } => {
                 if self.check_liveness(*now_ms, *timeout_ms) {
@@ -455,7 +462,11 @@ impl ClusterMap {
                     return Err(MapError::UnknownNode(*node));
                 }
                 self.heartbeat(*node, *used, *now_ms, partitions);
-                Ok(Outcome::Assigned(self.assigned(*node)))
+                // Only reached through the copy-and-bump path: the epoch it will have.
+                Ok(Outcome::Assigned {
+                    epoch: self.epoch + 1,
+                    partitions: self.assigned(*node),
+                })
             }
             Command::CheckLiveness { now_ms, timeout_ms } => {
                 self.check_liveness(*now_ms, *timeout_ms);
@@ -656,6 +667,18 @@ impl ClusterMap {
             .collect()
     }
 
+    /// Places `replicas` replicas of a new partition of `role` and allocates its id.
+    fn place_new(
+        &mut self,
+        role: Role,
+        replicas: u8,
+    ) -> Result<(PartitionId, Vec<NodeId>), MapError> {
+        let nodes = place(&self.candidates(role), usize::from(replicas))
+            .map_err(|source| MapError::Placement { role, source })?;
+        self.next_partition += 1;
+        Ok((PartitionId(self.next_partition), nodes))
+    }
+
     fn new_meta_partition(
         &mut self,
         volume: VolumeId,
@@ -663,15 +686,7 @@ impl ClusterMap {
         end: u64,
         replicas: u8,
     ) -> Result<PartitionId, MapError> {
-        let nodes =
-            place(&self.candidates(Role::Meta), usize::from(replicas)).map_err(|source| {
-                MapError::Placement {
-                    role: Role::Meta,
-                    source,
-                }
-            })?;
-        self.next_partition += 1;
-        let id = PartitionId(self.next_partition);
+        let (id, nodes) = self.place_new(Role::Meta, replicas)?;
         self.meta_partitions.insert(
             id,
             MetaPartition {
@@ -698,15 +713,7 @@ impl ClusterMap {
         volume: VolumeId,
         replicas: u8,
     ) -> Result<PartitionId, MapError> {
-        let nodes =
-            place(&self.candidates(Role::Data), usize::from(replicas)).map_err(|source| {
-                MapError::Placement {
-                    role: Role::Data,
-                    source,
-                }
-            })?;
-        self.next_partition += 1;
-        let id = PartitionId(self.next_partition);
+        let (id, nodes) = self.place_new(Role::Data, replicas)?;
         self.data_partitions.insert(
             id,
             DataPartition {
@@ -726,22 +733,20 @@ impl ClusterMap {
 
     /// A partition is RW exactly when all its replicas are up.
     fn refresh_partition_status(&mut self) {
-        let up = |nodes: &BTreeMap<NodeId, Node>, r: &NodeId| {
-            nodes.get(r).is_some_and(|n| n.status == NodeStatus::Up)
+        let nodes = &self.nodes;
+        let status = |replicas: &[NodeId], full: bool| {
+            let up = |r: &NodeId| nodes.get(r).is_some_and(|n| n.status == NodeStatus::Up);
+            if !full && replicas.iter().all(up) {
+                PartitionStatus::Rw
+            } else {
+                PartitionStatus::Ro
+            }
         };
         for p in self.meta_partitions.values_mut() {
-            p.status = if p.replicas.iter().all(|r| up(&self.nodes, r)) {
-                PartitionStatus::Rw
-            } else {
-                PartitionStatus::Ro
-            };
+            p.status = status(&p.replicas, false);
         }
         for p in self.data_partitions.values_mut() {
-            p.status = if !p.full && p.replicas.iter().all(|r| up(&self.nodes, r)) {
-                PartitionStatus::Rw
-            } else {
-                PartitionStatus::Ro
-            };
+            p.status = status(&p.replicas, p.full);
         }
     }
 
@@ -806,18 +811,17 @@ impl ClusterMap {
 
     /// Replicas that have not yet reported hosting their partition: (partition, node).
     pub fn pending_replicas(&self) -> Vec<(PartitionId, NodeId)> {
-        let meta = self.meta_partitions.values().flat_map(|p| {
-            p.replicas
+        let pending = |id: PartitionId, replicas: &[NodeId], ready: &[NodeId]| {
+            replicas
                 .iter()
-                .filter(|r| !p.ready.contains(r))
-                .map(|r| (p.id, *r))
-        });
-        let data = self.data_partitions.values().flat_map(|p| {
-            p.replicas
-                .iter()
-                .filter(|r| !p.ready.contains(r))
-                .map(|r| (p.id, *r))
-        });
+                .filter(|r| !ready.contains(r))
+                .map(|r| (id, *r))
+                .collect::<Vec<_>>()
+        };
+        let meta =
+            (self.meta_partitions.values()).flat_map(|p| pending(p.id, &p.replicas, &p.ready));
+        let data =
+            (self.data_partitions.values()).flat_map(|p| pending(p.id, &p.replicas, &p.ready));
         meta.chain(data).collect()
     }
 

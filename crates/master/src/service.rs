@@ -502,11 +502,11 @@ impl Master {
                         now_ms: Self::now_ms(),
                         partitions: req.partitions,
                     };
-                    let out = m.execute(&cmd).await;
-                    // The epoch read after the heartbeat applied is at least the assignment's.
-                    let epoch = m.read(|map| map.epoch).await.unwrap_or_default();
-                    map_result(out.and_then(|o| match o {
-                        Outcome::Assigned(assigned) => Ok(HeartbeatReply { epoch, assigned }),
+                    map_result(m.execute(&cmd).await.and_then(|o| match o {
+                        Outcome::Assigned { epoch, partitions } => Ok(HeartbeatReply {
+                            epoch,
+                            assigned: partitions,
+                        }),
                         other => Err(unexpected(&other)),
                     }))
                 }

@@ -277,7 +277,9 @@ fn heartbeats_confirm_replicas_report_leaders_and_return_assignments() {
     create(&mut m, "vol", 2, 2).unwrap();
     assert_eq!(m.pending_replicas().len(), 4 * 3, "nothing confirmed yet");
     let node = m.meta_partitions.values().next().unwrap().replicas[0];
-    let Outcome::Assigned(specs) = m
+    let Outcome::Assigned {
+        partitions: specs, ..
+    } = m
         .apply(&Command::Heartbeat {
             node,
             used: 0,

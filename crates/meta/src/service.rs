@@ -413,7 +413,7 @@ impl MetaNode {
                 format!("meta partition {g} is not hosted here"),
             ),
             // The proposal may still be applied: the caller must not assume either way.
-            RaftError::Timeout => RemoteError::new(ErrorCode::DeadlineExceeded, e_timeout()),
+            e @ RaftError::Timeout => RemoteError::new(ErrorCode::DeadlineExceeded, e.to_string()),
             other => unavailable(other.to_string()),
         }
     }
@@ -544,10 +544,6 @@ impl PartitionHost for MetaNode {
             self.inner.registry.remove(id).await
         })
     }
-}
-
-fn e_timeout() -> String {
-    RaftError::Timeout.to_string()
 }
 
 fn now_ns() -> u64 {

@@ -14,6 +14,7 @@ use nacre_raft::store::start;
 use nacre_raft::{GroupId, LogStore, MemLogStore, NodeConfig, RaftError, RaftHandle, StoreConfig};
 
 struct Node {
+    addr: String,
     handle: RaftHandle<Kv>,
     msgr: Messenger,
     stop: tokio::sync::oneshot::Sender<()>,
@@ -21,15 +22,17 @@ struct Node {
 
 /// Three stores with in-memory logs on hosts `{prefix}1..3`.
 async fn cluster(net: &MemNetwork, prefix: &str, config: &StoreConfig) -> BTreeMap<u64, Node> {
-    cluster_with(net, prefix, config, |_| Arc::new(MemLogStore::new())).await
+    cluster_with(net, prefix, config, |_| Arc::new(MemLogStore::new()), true).await
 }
 
-/// Three stores on hosts `{prefix}1..3` whose logs come from `log(id)`.
+/// Three stores on hosts `{prefix}1..3` whose logs come from `log(id)`; with `know_peers` false they
+/// start knowing no peer (as a meta node does before its first partition).
 async fn cluster_with(
     net: &MemNetwork,
     prefix: &str,
     config: &StoreConfig,
     log: impl Fn(u64) -> Arc<dyn LogStore>,
+    know_peers: bool,
 ) -> BTreeMap<u64, Node> {
     let n = 3;
     let mut listeners = BTreeMap::new();
@@ -54,7 +57,7 @@ async fn cluster_with(
         let m = msgrs.remove(&id).unwrap();
         let peers = addrs
             .iter()
-            .filter(|(p, _)| **p != id)
+            .filter(|(p, _)| know_peers && **p != id)
             .map(|(p, a)| (*p, a.clone()))
             .collect();
         let handle = start::<Kv>(id, config.clone(), log(id), peers, m.client()).unwrap();
@@ -65,6 +68,7 @@ async fn cluster_with(
         nodes.insert(
             id,
             Node {
+                addr: addrs[&id].clone(),
                 handle,
                 msgr: m,
                 stop,
@@ -224,11 +228,18 @@ async fn stores_on_raft_engine_restart_with_every_acknowledged_write() {
     let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
     let net = MemNetwork::new(5);
     for round in 0..2 {
-        let nodes = cluster_with(&net, &format!("r{round}n"), &fast(), |id| {
-            let log: Arc<dyn LogStore> =
-                Arc::new(nacre_raft::EngineLogStore::open(dirs[id as usize - 1].path()).unwrap());
-            log
-        })
+        let nodes = cluster_with(
+            &net,
+            &format!("r{round}n"),
+            &fast(),
+            |id| {
+                let log: Arc<dyn LogStore> = Arc::new(
+                    nacre_raft::EngineLogStore::open(dirs[id as usize - 1].path()).unwrap(),
+                );
+                log
+            },
+            true,
+        )
         .await;
         for n in nodes.values() {
             n.handle
@@ -267,43 +278,15 @@ async fn stores_on_raft_engine_restart_with_every_acknowledged_write() {
 async fn peers_added_later_groups_removed_and_local_reads() {
     let net = MemNetwork::new(41);
     let config = fast();
-    // Stores that start knowing no peer (as meta nodes do before their first partition).
-    let mut listeners = BTreeMap::new();
-    let mut nodes = BTreeMap::new();
-    for id in 1..=3u64 {
-        let host = format!("lp{id}");
-        let m =
-            Messenger::new(&host, MsgrConfig::default(), Arc::new(net.transport(&host))).unwrap();
-        listeners.insert(id, m.transport().bind(&format!("{host}:0")).await.unwrap());
-        let log: Arc<dyn LogStore> = Arc::new(MemLogStore::new());
-        let handle = start::<Kv>(id, config.clone(), log, BTreeMap::new(), m.client()).unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let l = listeners.remove(&id).unwrap();
-        let addr = l.local_addr().unwrap();
-        tokio::spawn(m.serve(l, Arc::new(handle.router()), async {
-            let _ = stopped.await;
-        }));
-        nodes.insert(
-            id,
-            (
-                Node {
-                    handle,
-                    msgr: m,
-                    stop,
-                },
-                addr,
-            ),
-        );
-    }
-    let addrs: BTreeMap<u64, String> = nodes.iter().map(|(id, (_, a))| (*id, a.clone())).collect();
-    for (n, _) in nodes.values() {
+    let nodes = cluster_with(&net, "lp", &config, |_| Arc::new(MemLogStore::new()), false).await;
+    let addrs: BTreeMap<u64, String> = nodes.iter().map(|(id, n)| (*id, n.addr.clone())).collect();
+    for n in nodes.values() {
         n.handle.add_peers(addrs.clone()).unwrap();
         n.handle
             .add_group(7, &[1, 2, 3], Kv::default())
             .await
             .unwrap();
     }
-    let nodes: BTreeMap<u64, Node> = nodes.into_iter().map(|(id, (n, _))| (id, n)).collect();
     let deadline = Instant::now() + Duration::from_secs(10);
     propose(&nodes, 7, "k=v", deadline).await.unwrap();
 
