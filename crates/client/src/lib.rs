@@ -2,8 +2,10 @@
 //! metadata workflows over meta partitions. The data path and the `FileSystem` trait join it with
 //! the data node and client issues.
 
+pub mod data;
 pub mod meta;
 pub mod net;
 
+pub use data::{DataCallError, SeqWriter};
 pub use meta::{CallError, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};
-pub use net::NetMeta;
+pub use net::{DataPartitionInfo, NetVolume};

@@ -1,5 +1,5 @@
-//! [`NetMeta`]: the meta partitions of a volume over the messenger, with the volume view and the
-//! partition leaders cached.
+//! [`NetVolume`]: the meta and data partitions of a volume over the messenger, with the volume view
+//! and the partition leaders cached.
 //!
 //! A call goes to the cached leader, else to the replicas in order. `NotLeader` with a hint goes to
 //! the hinted node; an unknown partition or an unreachable node moves on to the next replica and,
@@ -21,16 +21,25 @@ use nacre_types::{ErrorCode, PartitionId};
 
 use crate::meta::{CallError, MetaRange, MetaTransport};
 
+/// A data partition as the client sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataPartitionInfo {
+    pub id: PartitionId,
+    /// Takes appends and new extents (every replica up, not full).
+    pub writable: bool,
+}
+
 #[derive(Debug, Default)]
 struct View {
     epoch: u64,
     ranges: Arc<[MetaRange]>,
+    data: Arc<[DataPartitionInfo]>,
     replicas: HashMap<PartitionId, Vec<String>>,
 }
 
-/// Routes meta ops of one volume.
+/// Routes the meta and data ops of one volume.
 #[derive(Debug)]
-pub struct NetMeta {
+pub struct NetVolume {
     client: Client,
     master: MasterClient,
     volume: String,
@@ -42,7 +51,7 @@ pub struct NetMeta {
     pub retry_for: Duration,
 }
 
-impl NetMeta {
+impl NetVolume {
     /// Fetches the volume's view from the master.
     pub async fn connect(
         client: Client,
@@ -74,17 +83,22 @@ impl NetMeta {
             ..View::default()
         };
         let mut ranges = Vec::new();
+        let mut data = Vec::new();
         let mut leaders = Vec::new();
-        for p in &v.meta_partitions {
-            let PartitionKind::Meta { start, end } = p.spec.kind else {
-                continue;
-            };
-            ranges.push(MetaRange {
-                id: p.spec.id,
-                start,
-                end,
-                writable: p.status == PartitionStatus::Rw,
-            });
+        for p in v.meta_partitions.iter().chain(&v.data_partitions) {
+            let writable = p.status == PartitionStatus::Rw;
+            match p.spec.kind {
+                PartitionKind::Meta { start, end } => ranges.push(MetaRange {
+                    id: p.spec.id,
+                    start,
+                    end,
+                    writable,
+                }),
+                PartitionKind::Data => data.push(DataPartitionInfo {
+                    id: p.spec.id,
+                    writable,
+                }),
+            }
             let addrs: Vec<String> = p.spec.replicas.iter().map(|r| r.addr.clone()).collect();
             if let Some(l) = p.leader
                 && let Some(r) = p.spec.replicas.iter().find(|r| r.node == l)
@@ -94,6 +108,7 @@ impl NetMeta {
             view.replicas.insert(p.spec.id, addrs);
         }
         view.ranges = ranges.into();
+        view.data = data.into();
         if let Ok(mut w) = self.view.write() {
             *w = view;
         }
@@ -128,15 +143,28 @@ impl NetMeta {
         }
     }
 
-    async fn call<R>(
+    /// The volume's data partitions (shared: asked on every new extent).
+    pub fn data_partitions(&self) -> Arc<[DataPartitionInfo]> {
+        self.view
+            .read()
+            .map(|v| v.data.clone())
+            .unwrap_or_else(|_| Arc::new([]))
+    }
+
+    /// The messenger client calls go through.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Calls `R` on partition `p`'s leader (see the module doc for the retry rules); `data` is the
+    /// frame's data segment, sent again on every attempt.
+    pub async fn call<R: Rpc>(
         &self,
         p: PartitionId,
         req: &R::Request,
+        data: Payload,
         idempotent: bool,
-    ) -> Result<Result<Reply, MetaError>, CallError>
-    where
-        R: Rpc<Response = Result<Reply, MetaError>>,
-    {
+    ) -> Result<(R::Response, Payload), CallError> {
         let deadline = tokio::time::Instant::now() + self.retry_for;
         let mut target = self.cached_leader(p);
         let mut tried = 0usize;
@@ -149,7 +177,7 @@ impl NetMeta {
                 None if replicas.is_empty() => {
                     if refreshed {
                         return Err(CallError::NotApplied(format!(
-                            "meta partition {p} is not in volume {}",
+                            "partition {p} is not in volume {}",
                             self.volume
                         )));
                     }
@@ -164,14 +192,14 @@ impl NetMeta {
                 ..Default::default()
             };
             let mut hinted = false;
-            match self
-                .client
-                .call_with::<R>(&addr, req, Payload::none(), opts)
-                .await
-            {
-                Ok((resp, _)) => {
+            let payload = Payload {
+                bytes: data.bytes.clone(),
+                crc: data.crc,
+            };
+            match self.client.call_with::<R>(&addr, req, payload, opts).await {
+                Ok(out) => {
                     self.set_leader(p, &addr);
-                    return Ok(resp);
+                    return Ok(out);
                 }
                 Err(MsgrError::Remote { error, .. }) => match error.code() {
                     ErrorCode::NotLeader => {
@@ -215,7 +243,7 @@ impl NetMeta {
     }
 }
 
-impl MetaTransport for NetMeta {
+impl MetaTransport for NetVolume {
     fn partitions(&self) -> Arc<[MetaRange]> {
         self.view
             .read()
@@ -228,8 +256,11 @@ impl MetaTransport for NetMeta {
         partition: PartitionId,
         cmd: Command,
     ) -> Result<Result<Reply, MetaError>, CallError> {
-        self.call::<MetaWrite>(partition, &WriteRequest { partition, cmd }, false)
-            .await
+        let req = WriteRequest { partition, cmd };
+        Ok(self
+            .call::<MetaWrite>(partition, &req, Payload::none(), false)
+            .await?
+            .0)
     }
 
     async fn read(
@@ -237,7 +268,10 @@ impl MetaTransport for NetMeta {
         partition: PartitionId,
         query: Query,
     ) -> Result<Result<Reply, MetaError>, CallError> {
-        self.call::<MetaRead>(partition, &ReadRequest { partition, query }, true)
-            .await
+        let req = ReadRequest { partition, query };
+        Ok(self
+            .call::<MetaRead>(partition, &req, Payload::none(), true)
+            .await?
+            .0)
     }
 }

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use nacre_client::{FsError, MetaFs, NetMeta, NewInode};
+use nacre_client::{FsError, MetaFs, NetVolume, NewInode};
 use nacre_master::agent::{AgentConfig, node_router, run_agent};
 use nacre_master::map::{ClusterMap, Command, Role};
 use nacre_master::rpc::RegisterRequest;
@@ -114,6 +114,7 @@ async fn start_meta(
         raft: fast_raft().with_read_lease(),
         report_interval: Duration::from_millis(50),
         orphan_grace: Duration::ZERO,
+        masters: vec![master.to_string()],
     };
     let node = MetaNode::open(&cfg, msgr.client()).unwrap();
     let (stop, _) = watch::channel(false);
@@ -251,7 +252,7 @@ async fn acknowledged_creates_survive_a_partition_leader_crash() {
         map,
     } = cluster_with_volume(&net, dir.path(), 2).await;
 
-    let meta = NetMeta::connect(cli.client(), mc.clone(), "vol")
+    let meta = NetVolume::connect(cli.client(), mc.clone(), "vol")
         .await
         .unwrap();
     let fs = Arc::new(MetaFs::new(meta));
@@ -398,7 +399,7 @@ async fn partition_leaders_evict_orphans_that_clients_left_behind() {
     } = cluster_with_volume(&net, dir.path(), 1).await;
     let pid = map.volumes["vol"].meta_partitions[0];
     let fs = MetaFs::new(
-        NetMeta::connect(cli.client(), mc.clone(), "vol")
+        NetVolume::connect(cli.client(), mc.clone(), "vol")
             .await
             .unwrap(),
     );

@@ -242,3 +242,33 @@ impl PartitionHost for SpecRegistry {
         Box::pin(async move { r })
     }
 }
+
+/// The node id persisted in `DIR/node-id` by an earlier run, if any.
+pub fn read_node_id(dir: &Path) -> std::io::Result<Option<NodeId>> {
+    match std::fs::read_to_string(dir.join("node-id")) {
+        Ok(s) => s
+            .trim()
+            .parse::<u64>()
+            .map(|n| Some(NodeId(n)))
+            .map_err(|e| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{}: bad node id: {e}", dir.join("node-id").display()),
+                )
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Persists the node id in `DIR/node-id` (temp file, fsync, rename, fsync dir).
+pub fn write_node_id(dir: &Path, id: NodeId) -> std::io::Result<()> {
+    use std::io::Write as _;
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join("node-id.tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    writeln!(f, "{}", id.0)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join("node-id"))?;
+    std::fs::File::open(dir)?.sync_all()
+}

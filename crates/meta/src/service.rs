@@ -8,11 +8,11 @@
 //! [`PartitionHost::ensure`] (the master's create request or a heartbeat reconciliation).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use nacre_master::agent::{BoxFuture, PartitionHost, SpecRegistry};
+use nacre_master::agent::{BoxFuture, PartitionHost, SpecRegistry, read_node_id, write_node_id};
 use nacre_master::map::{PartitionKind, PartitionReport, PartitionSpec, Role};
 use nacre_msgr::{Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
@@ -62,6 +62,9 @@ pub struct MetaNodeConfig {
     /// partition leader. Clients evict at once (or, with open files, at the last close), so this only
     /// cleans up after clients that failed or died in between.
     pub orphan_grace: Duration,
+    /// Masters to ask for volume views, to release freed extents on the data nodes. Empty: freed
+    /// extents stay listed.
+    pub masters: Vec<String>,
 }
 
 struct Inner {
@@ -79,6 +82,9 @@ struct Inner {
     /// Operations served per partition since start, and the counts at the last report.
     ops: Mutex<BTreeMap<PartitionId, (u64, u64)>>,
     last_report: Mutex<Option<std::time::Instant>>,
+    masters: Vec<String>,
+    /// Data partition → its replicas' addresses, leader first, from the master's volume views.
+    data_replicas: Mutex<BTreeMap<PartitionId, Vec<String>>>,
 }
 
 /// A running meta node. Cheap to clone.
@@ -117,9 +123,11 @@ impl MetaNode {
                 orphans_seen: Mutex::default(),
                 ops: Mutex::default(),
                 last_report: Mutex::default(),
+                masters: config.masters.clone(),
+                data_replicas: Mutex::default(),
             }),
         };
-        if let Some(id) = read_id(&config.dir)? {
+        if let Some(id) = read_node_id(&config.dir)? {
             node.start_raft(id)?;
         }
         Ok(node)
@@ -174,7 +182,7 @@ impl MetaNode {
                 ));
             }
         } else {
-            write_id(&self.inner.dir, id).map_err(|e| e.to_string())?;
+            write_node_id(&self.inner.dir, id).map_err(|e| e.to_string())?;
             self.start_raft(id).map_err(|e| e.to_string())?;
         }
         for spec in self.inner.registry.specs() {
@@ -259,6 +267,7 @@ impl MetaNode {
                 _ = tick.tick() => {
                     self.refresh_reports().await;
                     self.sweep_orphans().await;
+                    self.release_freed().await;
                 }
             }
         }
@@ -330,6 +339,139 @@ impl MetaNode {
         if let Ok(mut seen) = self.inner.orphans_seen.lock() {
             seen.retain(|k, _| live.contains(k));
         }
+    }
+
+    /// On the partitions this node leads, releases the extents of evicted inodes on the data nodes
+    /// (deleted or hole-punched there) and then drops them from the to-free list. Release is
+    /// idempotent, so a failure anywhere only means trying again next time.
+    async fn release_freed(&self) {
+        let Some(raft) = self.inner.raft.get() else {
+            return;
+        };
+        if self.inner.masters.is_empty() {
+            return;
+        }
+        for spec in self.inner.registry.specs() {
+            let id = spec.id;
+            let keys = raft
+                .local_read(id.0, |sm: &MetaSm, leader| {
+                    if !leader {
+                        return Vec::new();
+                    }
+                    match sm.partition.query(&Query::ToFree { limit: 256 }) {
+                        Ok(Reply::Freed(v)) => v,
+                        _ => Vec::new(),
+                    }
+                })
+                .await
+                .unwrap_or_default();
+            if keys.is_empty() {
+                continue;
+            }
+            let mut by_part: BTreeMap<PartitionId, Vec<(nacre_types::ExtentId, u64, u64)>> =
+                BTreeMap::new();
+            for k in &keys {
+                by_part.entry(k.partition).or_default().push((
+                    k.extent,
+                    k.extent_offset,
+                    u64::from(k.size),
+                ));
+            }
+            let mut all_done = true;
+            for (dp, ranges) in by_part {
+                if let Err(e) = self.release_on(&spec.volume, dp, ranges).await {
+                    tracing::debug!(partition = %dp, error = %e, "extents not released yet");
+                    all_done = false;
+                    break;
+                }
+            }
+            if !all_done {
+                continue;
+            }
+            let cmd = Command::AckFreed {
+                count: keys.len() as u64,
+            };
+            let Ok(bytes) = postcard::to_allocvec(&(now_ns(), cmd)) else {
+                continue;
+            };
+            match raft.propose(id.0, bytes).await {
+                Ok(_) => tracing::debug!(partition = %id, n = keys.len(), "freed extents released"),
+                Err(e) => tracing::debug!(partition = %id, error = %e, "to-free list not trimmed"),
+            }
+        }
+    }
+
+    /// Sends one release to a data partition's leader (hinted or any replica).
+    async fn release_on(
+        &self,
+        volume: &str,
+        partition: PartitionId,
+        ranges: Vec<(nacre_types::ExtentId, u64, u64)>,
+    ) -> Result<(), String> {
+        use nacre_data::rpc::{Release, ReleaseRequest};
+        let known = self
+            .inner
+            .data_replicas
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&partition).cloned());
+        let addrs = match known {
+            Some(a) => a,
+            None => {
+                let mc = nacre_master::MasterClient::new(
+                    self.inner.client.clone(),
+                    self.inner.masters.clone(),
+                );
+                let view = mc.volume(volume).await.map_err(|e| e.to_string())?;
+                let mut m = self.inner.data_replicas.lock().map_err(|e| e.to_string())?;
+                for p in &view.data_partitions {
+                    let mut addrs: Vec<String> =
+                        p.spec.replicas.iter().map(|r| r.addr.clone()).collect();
+                    if let Some(l) = p.leader
+                        && let Some(i) = p.spec.replicas.iter().position(|r| r.node == l)
+                    {
+                        addrs.swap(0, i);
+                    }
+                    m.insert(p.spec.id, addrs);
+                }
+                m.get(&partition).cloned().ok_or_else(|| {
+                    format!("data partition {partition} is not in volume {volume}")
+                })?
+            }
+        };
+        let req = ReleaseRequest { partition, ranges };
+        let mut last = String::from("no replica");
+        let mut targets: std::collections::VecDeque<String> = addrs.into();
+        let mut tries = 0;
+        while let Some(addr) = targets.pop_front() {
+            tries += 1;
+            if tries > 6 {
+                break;
+            }
+            match self
+                .inner
+                .client
+                .call::<Release>(&addr, &req, Payload::none())
+                .await
+            {
+                Ok((Ok(()), _)) => return Ok(()),
+                Ok((Err(e), _)) => return Err(e.to_string()),
+                Err(nacre_msgr::MsgrError::Remote { error, .. })
+                    if error.code() == ErrorCode::NotLeader =>
+                {
+                    if let Some(h) = error.leader_hint {
+                        targets.push_front(h);
+                    }
+                    last = format!("{addr}: not the leader");
+                }
+                Err(e) => last = e.to_string(),
+            }
+        }
+        // The view may be stale: look it up again next time.
+        if let Ok(mut m) = self.inner.data_replicas.lock() {
+            m.remove(&partition);
+        }
+        Err(last)
     }
 
     fn count_op(&self, p: PartitionId) {
@@ -550,32 +692,4 @@ fn now_ns() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
-}
-
-fn read_id(dir: &Path) -> std::io::Result<Option<NodeId>> {
-    match std::fs::read_to_string(dir.join("node-id")) {
-        Ok(s) => s
-            .trim()
-            .parse::<u64>()
-            .map(|n| Some(NodeId(n)))
-            .map_err(|e| {
-                std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("{}: bad node id: {e}", dir.join("node-id").display()),
-                )
-            }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
-fn write_id(dir: &Path, id: NodeId) -> std::io::Result<()> {
-    use std::io::Write as _;
-    std::fs::create_dir_all(dir)?;
-    let tmp = dir.join("node-id.tmp");
-    let mut f = std::fs::File::create(&tmp)?;
-    writeln!(f, "{}", id.0)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, dir.join("node-id"))?;
-    std::fs::File::open(dir)?.sync_all()
 }

@@ -113,6 +113,10 @@ enum BenchCmd {
     /// cluster in this process (1 master, 3 meta nodes, 3 replicas); or, with --memory N, the bytes
     /// a meta partition needs per small file.
     Meta(BenchMetaArgs),
+    /// The data path through the client SDK against a local cluster in this process (1 master, 3
+    /// meta and 3 data nodes, 3 replicas): sequential writes, random overwrites and reads, and
+    /// primary-backup versus Raft appends, beside the raw disk.
+    Data(BenchDataArgs),
     /// Raft replication: 3 stores in this process (loopback TCP, raft-engine logs in a temp dir);
     /// proposals/s and commit latency, idle CPU and memory per group.
     Raft(BenchRaftArgs),
@@ -141,6 +145,33 @@ struct BenchMetaArgs {
     /// Extent keys per file for --memory.
     #[arg(long, default_value_t = 0)]
     extents: u64,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct BenchDataArgs {
+    /// Workloads, comma-separated: disk, seq-write, overwrite-4k, overwrite-64k, read-4k,
+    /// append-pb, append-raft.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "disk,seq-write,overwrite-4k,overwrite-64k,read-4k,append-pb,append-raft"
+    )]
+    workloads: Vec<String>,
+    /// Concurrent operations, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,128")]
+    inflight: Vec<usize>,
+    /// Measured seconds per configuration.
+    #[arg(long, default_value_t = 5.0)]
+    secs: f64,
+    /// MiB per prefilled extent (one per data partition) for overwrites and reads.
+    #[arg(long, default_value_t = 64)]
+    file_mib: u64,
+    /// Data partitions of the benchmark volume.
+    #[arg(long, default_value_t = 3)]
+    data_partitions: u32,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
@@ -218,6 +249,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Bench(BenchCmd::Msgr(a)) => bench_msgr(a),
         Cmd::Bench(BenchCmd::Raft(a)) => bench_raft(a),
         Cmd::Bench(BenchCmd::Meta(a)) => bench_meta(a),
+        Cmd::Bench(BenchCmd::Data(a)) => bench_data(a),
     }
 }
 
@@ -568,6 +600,41 @@ fn bench_meta(a: BenchMetaArgs) -> anyhow::Result<()> {
     }))?;
     if !json {
         bench::meta::print_table(&rows);
+    }
+    Ok(())
+}
+
+fn bench_data(a: BenchDataArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.inflight.iter().all(|n| *n > 0) && a.secs > 0.0 && a.file_mib > 0,
+        "--inflight values, --secs and --file-mib must be positive"
+    );
+    anyhow::ensure!(
+        a.data_partitions > 0,
+        "--data-partitions must be at least 1"
+    );
+    let p = bench::data::Params {
+        workloads: a.workloads,
+        inflight: a.inflight,
+        secs: a.secs,
+        file_mib: a.file_mib,
+        data_partitions: a.data_partitions,
+    };
+    let json = a.json;
+    let rows = runtime()?.block_on(bench::data::run(&p, |r| {
+        if json {
+            if let Ok(line) = serde_json::to_string(r) {
+                println!("{line}");
+            }
+        } else {
+            eprintln!(
+                "  {} x{}: {:.0} ops/s, {:.1} MiB/s",
+                r.workload, r.inflight, r.ops_per_s, r.mib_per_s
+            );
+        }
+    }))?;
+    if !json {
+        bench::data::print_table(&rows);
     }
     Ok(())
 }

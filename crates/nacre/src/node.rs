@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use nacre_master::agent::{AgentConfig, PartitionHost, SpecRegistry, node_router, run_agent};
+use nacre_data::{DataNode, DataNodeConfig};
+use nacre_master::agent::{AgentConfig, PartitionHost, node_router, run_agent};
 use nacre_master::map::Role;
 use nacre_master::rpc::RegisterRequest;
 use nacre_master::{MASTER_GROUP, Master, MasterClient, MasterConfig, MasterSm};
@@ -351,6 +352,7 @@ impl Node {
                         raft: StoreConfig::default().with_read_lease(),
                         report_interval: Duration::from_millis(cfg.heartbeat_ms.max(10) / 2),
                         orphan_grace: Duration::from_secs(600),
+                        masters: cfg.masters.clone(),
                     };
                     let meta = MetaNode::open(&meta_cfg, msgr.client()).with_context(|| {
                         format!("cannot open the meta node in {}", cfg.data_dir.display())
@@ -364,16 +366,18 @@ impl Node {
                     }));
                     Arc::new(meta)
                 } else {
-                    Arc::new(
-                        SpecRegistry::open(&cfg.data_dir.join("partitions"), role).with_context(
-                            || {
-                                format!(
-                                    "cannot open the partition registry in {}",
-                                    cfg.data_dir.display()
-                                )
-                            },
-                        )?,
-                    )
+                    let mut data_cfg = DataNodeConfig::new(cfg.data_dir.clone());
+                    data_cfg.report_interval = Duration::from_millis(cfg.heartbeat_ms.max(10) / 2);
+                    let data = DataNode::open(&data_cfg, msgr.client()).with_context(|| {
+                        format!("cannot open the data node in {}", cfg.data_dir.display())
+                    })?;
+                    router = router.merge(data.router());
+                    let (runner, done) = (data.clone(), stopped(&stop));
+                    tasks.push(tokio::spawn(async move {
+                        runner.run(id_rx, done).await;
+                        Ok(())
+                    }));
+                    Arc::new(data)
                 };
                 router = router.merge(node_router(host.clone()));
                 let capacity = if cfg.capacity > 0 {

@@ -3,93 +3,12 @@
 //! of every master.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-const BIN: &str = env!("CARGO_BIN_EXE_nacre");
-
-/// A server process; killed on drop. Its stderr (the log) is read by a thread into `log`.
-struct Proc {
-    child: Child,
-    log: mpsc::Receiver<String>,
-    seen: Vec<String>,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    fn spawn(envs: &[(&str, String)]) -> Self {
-        let mut cmd = Command::new(BIN);
-        cmd.arg("server")
-            .env("NACRE_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, log) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Self {
-            child,
-            log,
-            seen: Vec::new(),
-        }
-    }
-
-    /// Waits until the log has a line containing `needle` (including lines already seen).
-    fn wait_log(&mut self, needle: &str, timeout: Duration) {
-        if self.seen.iter().any(|l| l.contains(needle)) {
-            return;
-        }
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.log.recv_timeout(left) {
-                Ok(line) => {
-                    let hit = line.contains(needle);
-                    self.seen.push(line);
-                    if hit {
-                        return;
-                    }
-                }
-                Err(_) => panic!(
-                    "no log line with {needle:?} within {timeout:?}; log:\n{}",
-                    self.seen.join("\n")
-                ),
-            }
-        }
-    }
-
-    fn kill(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+mod common;
+use common::{BIN, Proc, free_port};
 
 struct Masters {
     addrs: Vec<String>,

@@ -110,7 +110,7 @@ enum Cmd<S> {
     },
     Leader {
         group: GroupId,
-        reply: oneshot::Sender<u64>,
+        reply: oneshot::Sender<(u64, u64)>,
     },
     Stop {
         reply: oneshot::Sender<()>,
@@ -278,6 +278,12 @@ impl<S: StateMachine> RaftHandle<S> {
 
     /// The node this store believes leads `group` (0 if unknown).
     pub async fn leader(&self, group: GroupId) -> Result<u64, RaftError> {
+        Ok(self.leader_term(group).await?.0)
+    }
+
+    /// The node this store believes leads `group` (0 if unknown) and the group's current term here.
+    /// A node that sees itself as leader under a new term knows it was elected (again) since.
+    pub async fn leader_term(&self, group: GroupId) -> Result<(u64, u64), RaftError> {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(Cmd::Leader { group, reply })
@@ -538,7 +544,7 @@ impl<S: StateMachine> Loop<S> {
                 let _ = reply.send(self.node.transfer_leader(group, to));
             }
             Cmd::Leader { group, reply } => {
-                let _ = reply.send(self.node.leader(group));
+                let _ = reply.send((self.node.leader(group), self.node.term(group)));
             }
             Cmd::Stop { reply } => {
                 // Handled by the loop; a stray one is answered at once.

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use nacre_client::{MetaFs, NetMeta, NewInode};
+use nacre_client::{MetaFs, NetVolume, NewInode};
 use nacre_master::MasterClient;
 use nacre_master::map::Command as MapCommand;
 use nacre_meta::{Command, ExtentKey, FileType, MetaPartition, ROOT_INO};
@@ -25,7 +25,7 @@ use nacre_types::{ExtentId, Ino, PartitionId};
 use serde::Serialize;
 use tokio::sync::Barrier;
 
-use crate::node::{MasterSection, MsgrSection, Node, NodeConfig, RoleName};
+use crate::bench::cluster::{LocalCluster, wait_ready};
 
 pub const PHASES: [&str; 8] = [
     "TreeCreation",
@@ -63,89 +63,6 @@ pub struct MetaRow {
     pub ops_per_s: f64,
 }
 
-/// A started local cluster: a master and three meta nodes.
-struct LocalCluster {
-    nodes: Vec<Node>,
-    master: String,
-    _dir: tempfile::TempDir,
-}
-
-impl LocalCluster {
-    async fn start() -> anyhow::Result<Self> {
-        let dir = tempfile::tempdir().context("cannot create a temporary directory")?;
-        let master = Node::start(&NodeConfig {
-            name: "bench-master".into(),
-            role: RoleName::Master,
-            listen: "127.0.0.1:0".into(),
-            http_listen: String::new(),
-            data_dir: dir.path().join("master"),
-            // No data nodes here: the volume's files have no data.
-            master: MasterSection {
-                min_writable_data_partitions: 0,
-                ..MasterSection::default()
-            },
-            ..NodeConfig::default()
-        })
-        .await?;
-        let addr = master.addr.clone();
-        let mut nodes = vec![master];
-        for i in 0..3 {
-            nodes.push(
-                Node::start(&NodeConfig {
-                    name: format!("bench-meta-{i}"),
-                    role: RoleName::Meta,
-                    listen: "127.0.0.1:0".into(),
-                    http_listen: String::new(),
-                    data_dir: dir.path().join(format!("meta-{i}")),
-                    masters: vec![addr.clone()],
-                    heartbeat_ms: 200,
-                    msgr: MsgrSection {
-                        workers: 1,
-                        ..MsgrSection::default()
-                    },
-                    ..NodeConfig::default()
-                })
-                .await?,
-            );
-        }
-        Ok(Self {
-            nodes,
-            master: addr,
-            _dir: dir,
-        })
-    }
-
-    async fn stop(self) -> anyhow::Result<()> {
-        for n in self.nodes.into_iter().rev() {
-            n.stop().await?;
-        }
-        Ok(())
-    }
-}
-
-/// Waits (bounded) until the volume's meta partitions have all replicas and a leader.
-async fn wait_ready(mc: &MasterClient, volume: &str) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let map = mc.map().await?;
-        let ready = map.volumes.get(volume).is_some_and(|v| {
-            v.meta_partitions.iter().all(|p| {
-                map.meta_partitions
-                    .get(p)
-                    .is_some_and(|p| p.leader.is_some() && p.ready.len() == p.replicas.len())
-            })
-        });
-        if ready {
-            return Ok(());
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "the benchmark volume's meta partitions did not become ready in 60 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// One client's subtree: tree nodes parents-first, and its leaves.
 fn tree(branch: usize, depth: usize) -> (Vec<Vec<usize>>, Vec<Vec<usize>>) {
     let mut nodes = vec![Vec::new()];
@@ -167,7 +84,7 @@ fn tree(branch: usize, depth: usize) -> (Vec<Vec<usize>>, Vec<Vec<usize>>) {
 
 /// Runs the phases; `on_row` sees each row as it is measured.
 pub async fn run(p: &Params, mut on_row: impl FnMut(&MetaRow)) -> anyhow::Result<Vec<MetaRow>> {
-    let cluster = LocalCluster::start().await?;
+    let cluster = LocalCluster::start(3, 0).await?;
     let msgr = Messenger::new(
         "bench-meta-client",
         MsgrConfig {
@@ -205,7 +122,7 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&MetaRow)) -> anyhow::Result
 
     let mut clients = Vec::new();
     for _ in 0..p.clients {
-        let meta = NetMeta::connect(msgr.client(), mc.clone(), "mdtest")
+        let meta = NetVolume::connect(msgr.client(), mc.clone(), "mdtest")
             .await
             .map_err(|e| anyhow::anyhow!("cannot open the volume: {e}"))?;
         clients.push(Arc::new(MetaFs::new(meta)));
@@ -219,7 +136,7 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&MetaRow)) -> anyhow::Result
 
 async fn phases(
     p: &Params,
-    clients: &[Arc<MetaFs<NetMeta>>],
+    clients: &[Arc<MetaFs<NetVolume>>],
     on_row: &mut impl FnMut(&MetaRow),
 ) -> anyhow::Result<Vec<MetaRow>> {
     // Every client's root directory, made before the clock starts.
@@ -296,7 +213,7 @@ struct Shared {
 /// `shared.nodes`); returns the ops done and the (possibly updated) tree.
 async fn run_phase(
     phase: &str,
-    fs: &MetaFs<NetMeta>,
+    fs: &MetaFs<NetVolume>,
     s: &Shared,
     mut inos: Vec<Ino>,
 ) -> anyhow::Result<(u64, Vec<Ino>)> {

@@ -1,5 +1,7 @@
 //! `nacre bench …`: benchmarks that print a table, or JSON lines with `--json`.
 
+pub mod cluster;
+pub mod data;
 pub mod meta;
 pub mod msgr;
 pub mod raft;

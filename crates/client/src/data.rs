@@ -1,0 +1,374 @@
+//! The data path of the SDK: extents on data partitions, reached through their leaders
+//! ([`NetVolume::call`] routes and retries), and [`SeqWriter`], which streams a file's bytes as
+//! pipelined 128 KiB appends and moves to another partition when one turns read-only.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use bytes::Bytes;
+use nacre_data::rpc::{
+    Append, AppendRaft, AppendRequest, CreateExtent, CreateExtentRequest, DataError, MAX_PACKET,
+    Overwrite, OverwriteRequest, Read, ReadRequest, Release, ReleaseRequest, WriteTiny,
+    WriteTinyRequest, Written,
+};
+use nacre_meta::ExtentKey;
+use nacre_msgr::Payload;
+use nacre_types::{ExtentId, PartitionId};
+use thiserror::Error;
+use tokio::task::JoinHandle;
+
+use crate::meta::CallError;
+use crate::net::NetVolume;
+
+/// Largest extent a writer fills before it starts another (CFS uses 128 MiB too).
+pub const MAX_EXTENT: u64 = 128 << 20;
+
+/// Why a data operation failed.
+#[derive(Clone, Debug, Error)]
+pub enum DataCallError {
+    /// The data node answered with an error.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// No leader could be reached or the outcome is unknown.
+    #[error(transparent)]
+    Call(#[from] CallError),
+    #[error("volume has no writable data partition")]
+    NoWritablePartition,
+    #[error("data node returned {got} bytes, {want} were asked for")]
+    ShortRead { want: u32, got: usize },
+}
+
+impl DataCallError {
+    /// The partition will not take this write; another one may.
+    pub fn try_elsewhere(&self) -> bool {
+        matches!(
+            self,
+            Self::Data(DataError::ReadOnly(_) | DataError::OutOfRange { .. }) | Self::Call(_)
+        )
+    }
+}
+
+impl NetVolume {
+    /// A writable data partition, spreading callers round robin from `hint`; `skip` lists
+    /// partitions that just failed.
+    pub fn pick_writable(&self, hint: usize, skip: &[PartitionId]) -> Option<PartitionId> {
+        let parts = self.data_partitions();
+        let n = parts.len();
+        (0..n)
+            .map(|i| parts[(hint + i) % n])
+            .find(|p| p.writable && !skip.contains(&p.id))
+            .map(|p| p.id)
+    }
+
+    pub async fn create_extent(&self, partition: PartitionId) -> Result<ExtentId, DataCallError> {
+        let req = CreateExtentRequest { partition };
+        let (r, _) = self
+            .call::<CreateExtent>(partition, &req, Payload::none(), false)
+            .await?;
+        Ok(r?)
+    }
+
+    /// Appends `data` (at most 128 KiB) at `offset`, the extent's end.
+    pub async fn append(
+        &self,
+        partition: PartitionId,
+        extent: ExtentId,
+        offset: u64,
+        data: Bytes,
+    ) -> Result<Written, DataCallError> {
+        let req = AppendRequest {
+            partition,
+            extent,
+            offset,
+        };
+        let (r, _) = self
+            .call::<Append>(partition, &req, Payload::new(data), false)
+            .await?;
+        Ok(r?)
+    }
+
+    /// Appends through the partition's Raft group instead of primary-backup (for benchmarks).
+    pub async fn append_raft(
+        &self,
+        partition: PartitionId,
+        extent: ExtentId,
+        offset: u64,
+        data: Bytes,
+    ) -> Result<Written, DataCallError> {
+        let req = AppendRequest {
+            partition,
+            extent,
+            offset,
+        };
+        let (r, _) = self
+            .call::<AppendRaft>(partition, &req, Payload::new(data), false)
+            .await?;
+        Ok(r?)
+    }
+
+    /// Stores a small file (at most 128 KiB) in a tiny extent of `partition`.
+    pub async fn write_tiny(
+        &self,
+        partition: PartitionId,
+        data: Bytes,
+    ) -> Result<Written, DataCallError> {
+        let req = WriteTinyRequest { partition };
+        let (r, _) = self
+            .call::<WriteTiny>(partition, &req, Payload::new(data), false)
+            .await?;
+        Ok(r?)
+    }
+
+    /// Overwrites committed bytes in place (through the partition's Raft group). Rewriting the same
+    /// bytes is harmless, so it is retried like a read.
+    pub async fn overwrite(
+        &self,
+        partition: PartitionId,
+        extent: ExtentId,
+        offset: u64,
+        data: Bytes,
+    ) -> Result<(), DataCallError> {
+        let req = OverwriteRequest {
+            partition,
+            extent,
+            offset,
+        };
+        let (r, _) = self
+            .call::<Overwrite>(partition, &req, Payload::new(data), true)
+            .await?;
+        Ok(r?)
+    }
+
+    /// Reads committed bytes of an extent.
+    pub async fn read_extent(
+        &self,
+        partition: PartitionId,
+        extent: ExtentId,
+        offset: u64,
+        len: u32,
+    ) -> Result<Bytes, DataCallError> {
+        let req = ReadRequest {
+            partition,
+            extent,
+            offset,
+            len,
+        };
+        let (r, data) = self
+            .call::<Read>(partition, &req, Payload::none(), true)
+            .await?;
+        r?;
+        if data.bytes.len() != len as usize {
+            return Err(DataCallError::ShortRead {
+                want: len,
+                got: data.bytes.len(),
+            });
+        }
+        Ok(data.bytes)
+    }
+
+    /// Releases extents (normal: deleted; tiny: `(offset, len)` punched out). Idempotent.
+    pub async fn release(
+        &self,
+        partition: PartitionId,
+        ranges: Vec<(ExtentId, u64, u64)>,
+    ) -> Result<(), DataCallError> {
+        let req = ReleaseRequest { partition, ranges };
+        let (r, _) = self
+            .call::<Release>(partition, &req, Payload::none(), true)
+            .await?;
+        Ok(r?)
+    }
+}
+
+struct Packet {
+    file_offset: u64,
+    data: Bytes,
+    partition: PartitionId,
+    extent: ExtentId,
+    extent_offset: u64,
+    reply: JoinHandle<Result<Written, DataCallError>>,
+}
+
+/// Writes one file's bytes sequentially: 128 KiB appends with up to `inflight` outstanding, new
+/// extents as needed, and a move to another partition (rewriting every unacknowledged packet) when
+/// one fails. The acknowledged pieces come back as extent keys.
+pub struct SeqWriter {
+    vol: Arc<NetVolume>,
+    inflight: usize,
+    /// Current extent and the offset of its next packet.
+    cur: Option<(PartitionId, ExtentId, u64)>,
+    file_offset: u64,
+    pending: VecDeque<Packet>,
+    keys: Vec<ExtentKey>,
+    /// Partitions that failed a write of this file.
+    failed: Vec<PartitionId>,
+    /// Attempts left to move to another partition.
+    moves_left: u32,
+}
+
+impl std::fmt::Debug for SeqWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SeqWriter")
+            .field("cur", &self.cur)
+            .field("file_offset", &self.file_offset)
+            .field("pending", &self.pending.len())
+            .finish()
+    }
+}
+
+static NEXT_HINT: AtomicUsize = AtomicUsize::new(0);
+
+impl SeqWriter {
+    /// A writer starting at `file_offset`.
+    pub fn new(vol: Arc<NetVolume>, file_offset: u64, inflight: usize) -> Self {
+        Self {
+            vol,
+            inflight: inflight.max(1),
+            cur: None,
+            file_offset,
+            pending: VecDeque::new(),
+            keys: Vec::new(),
+            failed: Vec::new(),
+            moves_left: 8,
+        }
+    }
+
+    async fn next_extent(&mut self) -> Result<(PartitionId, ExtentId, u64), DataCallError> {
+        loop {
+            let hint = NEXT_HINT.fetch_add(1, Ordering::Relaxed);
+            let Some(p) = self.vol.pick_writable(hint, &self.failed) else {
+                // The view may be stale (new partitions added for full ones): refresh once.
+                if self.moves_left == 0 {
+                    return Err(DataCallError::NoWritablePartition);
+                }
+                self.moves_left -= 1;
+                let _ = self.vol.refresh().await;
+                self.failed.clear();
+                continue;
+            };
+            match self.vol.create_extent(p).await {
+                Ok(e) => return Ok((p, e, 0)),
+                Err(e) if e.try_elsewhere() && self.moves_left > 0 => {
+                    self.moves_left -= 1;
+                    self.failed.push(p);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Queues `data` (any length) after what was written so far.
+    pub async fn write(&mut self, mut data: Bytes) -> Result<(), DataCallError> {
+        while !data.is_empty() {
+            let (p, e, off) = match self.cur {
+                Some(c) if c.2 < MAX_EXTENT => c,
+                _ => self.next_extent().await?,
+            };
+            let room = (MAX_EXTENT - off).min(MAX_PACKET as u64) as usize;
+            let piece = data.split_to(room.min(data.len()));
+            self.send(p, e, off, piece);
+            self.cur = Some((
+                p,
+                e,
+                off + self.pending.back().map_or(0, |k| k.data.len() as u64),
+            ));
+            while self.pending.len() >= self.inflight {
+                self.settle_one().await?;
+            }
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, partition: PartitionId, extent: ExtentId, offset: u64, data: Bytes) {
+        let vol = self.vol.clone();
+        let d = data.clone();
+        let reply = tokio::spawn(async move { vol.append(partition, extent, offset, d).await });
+        self.pending.push_back(Packet {
+            file_offset: self.file_offset,
+            data,
+            partition,
+            extent,
+            extent_offset: offset,
+            reply,
+        });
+        self.file_offset += self.pending.back().map_or(0, |p| p.data.len() as u64);
+    }
+
+    /// Waits for the oldest packet; on failure moves the rest of the stream elsewhere.
+    async fn settle_one(&mut self) -> Result<(), DataCallError> {
+        let Some(mut pkt) = self.pending.pop_front() else {
+            return Ok(());
+        };
+        let out = match (&mut pkt.reply).await {
+            Ok(r) => r,
+            Err(e) => Err(DataCallError::Call(CallError::Unknown(e.to_string()))),
+        };
+        match out {
+            Ok(_) => {
+                self.record(&pkt);
+                Ok(())
+            }
+            Err(e) if e.try_elsewhere() && self.moves_left > 0 => {
+                self.moves_left -= 1;
+                tracing::debug!(partition = %pkt.partition, error = %e, "append failed; moving on");
+                self.failed.push(pkt.partition);
+                // Every later packet is rewritten, acknowledged or not: the extent's committed
+                // length cannot pass the failed packet.
+                let mut redo = vec![(pkt.file_offset, pkt.data)];
+                for later in self.pending.drain(..) {
+                    later.reply.abort();
+                    redo.push((later.file_offset, later.data));
+                }
+                self.cur = None;
+                let resume = redo[0].0;
+                self.file_offset = resume;
+                for (_, d) in redo {
+                    Box::pin(self.write(d)).await?;
+                }
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Adds an acknowledged packet to the keys, extending the last key when it continues it.
+    fn record(&mut self, pkt: &Packet) {
+        let len = pkt.data.len() as u64;
+        if let Some(last) = self.keys.last_mut()
+            && last.partition == pkt.partition
+            && last.extent == pkt.extent
+            && last.end() == pkt.file_offset
+            && last.extent_offset + u64::from(last.size) == pkt.extent_offset
+            && u64::from(last.size) + len <= u64::from(u32::MAX)
+        {
+            last.crc = nacre_types::crc32c_append(last.crc, &pkt.data);
+            last.size += len as u32;
+            return;
+        }
+        self.keys.push(ExtentKey {
+            file_offset: pkt.file_offset,
+            partition: pkt.partition,
+            extent: pkt.extent,
+            extent_offset: pkt.extent_offset,
+            size: len as u32,
+            crc: nacre_types::crc32c(&pkt.data),
+        });
+    }
+
+    /// Waits until every packet written so far is acknowledged.
+    pub async fn flush(&mut self) -> Result<(), DataCallError> {
+        while !self.pending.is_empty() {
+            self.settle_one().await?;
+        }
+        Ok(())
+    }
+
+    /// Waits for every packet and returns the extent keys of everything written.
+    pub async fn finish(mut self) -> Result<Vec<ExtentKey>, DataCallError> {
+        while !self.pending.is_empty() {
+            self.settle_one().await?;
+        }
+        Ok(self.keys)
+    }
+}

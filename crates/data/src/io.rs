@@ -1,0 +1,770 @@
+//! Synchronous file IO behind a small trait, so the extent store runs on real files ([`FileDisk`]), in
+//! memory with a crash image ([`MemDisk`]) and with injected failures ([`FaultyDisk`]).
+//!
+//! A [`Disk`] is one flat directory: files are addressed by name (no `/`). The contract is POSIX-like
+//! and deliberately weak, because that is what the store may assume of a real file system:
+//! - a write is durable only after [`DiskFile::sync_data`] of that file returns;
+//! - a created, removed or renamed name is durable only after [`Disk::sync_dir`] returns;
+//! - unsynced writes may be lost, reordered or torn (any prefix or subset of sectors may land);
+//! - an open handle keeps working after its name is removed (the inode lives on).
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+
+use rustix::fs::FallocateFlags;
+
+/// A directory of files.
+pub trait Disk: Send + Sync + std::fmt::Debug + 'static {
+    /// Opens (creating if missing) a file by flat name (no `/`).
+    fn open(&self, name: &str) -> io::Result<Arc<dyn DiskFile>>;
+    /// Names of the files present now (durable or not), in no particular order.
+    fn list(&self) -> io::Result<Vec<String>>;
+    /// Removes a name; a missing file is not an error.
+    fn remove(&self, name: &str) -> io::Result<()>;
+    /// Renames a file, replacing `to` if it exists.
+    fn rename(&self, from: &str, to: &str) -> io::Result<()>;
+    /// Makes every create, remove and rename before this call durable.
+    fn sync_dir(&self) -> io::Result<()>;
+    /// Bytes used on the device by this disk's files (allocated blocks; holes do not count where the
+    /// implementation can tell).
+    fn used(&self) -> io::Result<u64>;
+}
+
+/// One open file. All methods take `&self` and may be called from many threads at once.
+#[expect(
+    clippy::len_without_is_empty,
+    reason = "a file's emptiness is never asked; len() is its size"
+)]
+pub trait DiskFile: Send + Sync + std::fmt::Debug {
+    /// Reads into `buf` at `off`; returns fewer bytes than asked only at the end of the file.
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize>;
+    /// Writes the whole of `data` at `off`, extending the file if needed (a gap reads as zeros).
+    fn write_at(&self, data: &[u8], off: u64) -> io::Result<()>;
+    /// Current length (not necessarily durable).
+    fn len(&self) -> io::Result<u64>;
+    /// Truncates or extends (with zeros) the file.
+    fn set_len(&self, len: u64) -> io::Result<()>;
+    /// Makes every write and length change of this file before the call durable.
+    fn sync_data(&self) -> io::Result<()>;
+    /// Deallocates `[off, off + len)`: it reads back as zeros and the file size does not change.
+    fn punch_hole(&self, off: u64, len: u64) -> io::Result<()>;
+}
+
+/// Rejects names that are not a single path component.
+fn check_name(name: &str) -> io::Result<()> {
+    if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\0']) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("bad file name {name:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Locks a mutex, ignoring poisoning: every critical section here leaves its data consistent.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+// ---------------------------------------------------------------------------------------------------
+// FileDisk
+
+/// Real files in one directory: `pread`/`pwrite`, `fdatasync`, `fallocate(PUNCH_HOLE | KEEP_SIZE)`.
+#[derive(Debug)]
+pub struct FileDisk {
+    dir: PathBuf,
+}
+
+impl FileDisk {
+    /// Uses `dir`, creating it (and its parents) if missing.
+    pub fn new(dir: impl AsRef<Path>) -> io::Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self { dir })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn path(&self, name: &str) -> io::Result<PathBuf> {
+        check_name(name)?;
+        Ok(self.dir.join(name))
+    }
+}
+
+impl Disk for FileDisk {
+    fn open(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(self.path(name)?)?;
+        Ok(Arc::new(RealFile { file }))
+    }
+
+    fn list(&self) -> io::Result<Vec<String>> {
+        let mut names = Vec::new();
+        for entry in std::fs::read_dir(&self.dir)? {
+            let entry = entry?;
+            if entry.file_type()?.is_file()
+                && let Ok(name) = entry.file_name().into_string()
+            {
+                names.push(name);
+            }
+        }
+        Ok(names)
+    }
+
+    fn remove(&self, name: &str) -> io::Result<()> {
+        match std::fs::remove_file(self.path(name)?) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            r => r,
+        }
+    }
+
+    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        std::fs::rename(self.path(from)?, self.path(to)?)
+    }
+
+    fn sync_dir(&self) -> io::Result<()> {
+        File::open(&self.dir)?.sync_all()
+    }
+
+    fn used(&self) -> io::Result<u64> {
+        let mut used = 0u64;
+        for entry in std::fs::read_dir(&self.dir)? {
+            let meta = match entry?.metadata() {
+                Ok(m) => m,
+                // Removed since read_dir listed it.
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            if meta.is_file() {
+                // st_blocks counts 512-byte units whatever the file system's block size.
+                used = used.saturating_add(meta.blocks().saturating_mul(512));
+            }
+        }
+        Ok(used)
+    }
+}
+
+#[derive(Debug)]
+struct RealFile {
+    file: File,
+}
+
+impl DiskFile for RealFile {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], off + done as u64) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+
+    fn write_at(&self, data: &[u8], off: u64) -> io::Result<()> {
+        self.file.write_all_at(data, off)
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        Ok(rustix::fs::fdatasync(&self.file)?)
+    }
+
+    fn punch_hole(&self, off: u64, len: u64) -> io::Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        Ok(rustix::fs::fallocate(
+            &self.file,
+            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+            off,
+            len,
+        )?)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// MemDisk
+
+/// An in-memory disk that also keeps its **crash image**: for every file the content as of its last
+/// `sync_data` plus the writes since (so a crash can keep any subset of them), and the names as of the
+/// last `sync_dir`. Clones share the same files, so a test can keep a handle to inspect, corrupt or
+/// crash the disk a store is using.
+#[derive(Clone, Debug, Default)]
+pub struct MemDisk {
+    dir: Arc<Mutex<MemDir>>,
+}
+
+#[derive(Debug, Default)]
+struct MemDir {
+    /// Names now.
+    live: BTreeMap<String, Arc<MemInode>>,
+    /// Names as of the last `sync_dir`.
+    durable: BTreeMap<String, Arc<MemInode>>,
+}
+
+#[derive(Debug, Default)]
+struct MemInode {
+    state: RwLock<InodeState>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct InodeState {
+    data: Vec<u8>,
+    /// Content as of the last `sync_data`.
+    synced: Vec<u8>,
+    /// Changes since `synced`, in order.
+    pending: Vec<Change>,
+}
+
+#[derive(Clone, Debug)]
+enum Change {
+    Write { off: u64, data: Vec<u8> },
+    SetLen(u64),
+    Punch { off: u64, len: u64 },
+}
+
+/// Sector size used to tear large unsynced writes in a crash image.
+const SECTOR: usize = 512;
+
+impl Change {
+    fn apply(&self, data: &mut Vec<u8>) {
+        match self {
+            Change::Write { off, data: bytes } => write_into(data, *off, bytes),
+            Change::SetLen(len) => data.resize(to_usize(*len), 0),
+            Change::Punch { off, len } => {
+                let start = to_usize(*off).min(data.len());
+                let end = to_usize(off.saturating_add(*len)).min(data.len());
+                data[start..end].fill(0);
+            }
+        }
+    }
+}
+
+fn to_usize(v: u64) -> usize {
+    usize::try_from(v).unwrap_or(usize::MAX)
+}
+
+fn write_into(data: &mut Vec<u8>, off: u64, bytes: &[u8]) {
+    let off = to_usize(off);
+    let end = off.saturating_add(bytes.len());
+    if data.len() < end {
+        data.resize(end, 0);
+    }
+    data[off..end].copy_from_slice(bytes);
+}
+
+/// splitmix64: a tiny deterministic generator for crash images.
+#[derive(Debug)]
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next() % n }
+    }
+}
+
+impl MemDisk {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The disk after a power failure now, keeping only what was synced: the names as of the last
+    /// `sync_dir`, each file as of its last `sync_data`.
+    pub fn crash(&self) -> MemDisk {
+        self.crash_image(None)
+    }
+
+    /// Like [`MemDisk::crash`], but each unsynced change of a surviving file may also have landed, in
+    /// whole or torn (a prefix of a small write, any subset of the 512-byte sectors of a large one),
+    /// chosen deterministically from `seed`. Changes may land out of order.
+    pub fn crash_torn(&self, seed: u64) -> MemDisk {
+        self.crash_image(Some(Rng(seed)))
+    }
+
+    fn crash_image(&self, mut rng: Option<Rng>) -> MemDisk {
+        let dir = lock(&self.dir);
+        let mut files = BTreeMap::new();
+        for (name, inode) in &dir.durable {
+            let st = inode.state.read().unwrap_or_else(PoisonError::into_inner);
+            let mut data = st.synced.clone();
+            if let Some(rng) = rng.as_mut() {
+                for change in &st.pending {
+                    match rng.below(4) {
+                        0 => {}
+                        1 | 2 => change.apply(&mut data),
+                        _ => match change {
+                            Change::Write { off, data: bytes } if bytes.len() > SECTOR => {
+                                for (i, sector) in bytes.chunks(SECTOR).enumerate() {
+                                    if rng.below(2) == 0 {
+                                        write_into(&mut data, off + (i * SECTOR) as u64, sector);
+                                    }
+                                }
+                            }
+                            Change::Write { off, data: bytes } => {
+                                let keep = to_usize(rng.below(bytes.len() as u64 + 1));
+                                write_into(&mut data, *off, &bytes[..keep]);
+                            }
+                            // Length changes and punches are metadata: all or nothing.
+                            other => other.apply(&mut data),
+                        },
+                    }
+                }
+            }
+            let inode = Arc::new(MemInode {
+                state: RwLock::new(InodeState {
+                    synced: data.clone(),
+                    data,
+                    pending: Vec::new(),
+                }),
+            });
+            files.insert(name.clone(), inode);
+        }
+        MemDisk {
+            dir: Arc::new(Mutex::new(MemDir {
+                live: files.clone(),
+                durable: files,
+            })),
+        }
+    }
+
+    /// A file's current content, if the name exists.
+    pub fn read_file(&self, name: &str) -> Option<Vec<u8>> {
+        let dir = lock(&self.dir);
+        let inode = dir.live.get(name)?;
+        let st = inode.state.read().unwrap_or_else(PoisonError::into_inner);
+        Some(st.data.clone())
+    }
+
+    /// Creates or replaces a file with `data`, already durable (name and content).
+    pub fn put_file(&self, name: &str, data: &[u8]) -> io::Result<()> {
+        check_name(name)?;
+        let inode = Arc::new(MemInode {
+            state: RwLock::new(InodeState {
+                data: data.to_vec(),
+                synced: data.to_vec(),
+                pending: Vec::new(),
+            }),
+        });
+        let mut dir = lock(&self.dir);
+        dir.live.insert(name.to_owned(), inode.clone());
+        dir.durable.insert(name.to_owned(), inode);
+        Ok(())
+    }
+
+    /// Flips the lowest bit of the byte at `offset`, in the current and the synced content (bit rot on
+    /// the medium).
+    pub fn corrupt(&self, name: &str, offset: u64) -> io::Result<()> {
+        let dir = lock(&self.dir);
+        let inode = dir
+            .live
+            .get(name)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, name.to_owned()))?;
+        let mut st = inode.state.write().unwrap_or_else(PoisonError::into_inner);
+        let off = to_usize(offset);
+        if off >= st.data.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{name}: offset {offset} is past the end"),
+            ));
+        }
+        st.data[off] ^= 1;
+        if let Some(b) = st.synced.get_mut(off) {
+            *b ^= 1;
+        }
+        Ok(())
+    }
+}
+
+impl Disk for MemDisk {
+    fn open(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
+        check_name(name)?;
+        let mut dir = lock(&self.dir);
+        let inode = dir.live.entry(name.to_owned()).or_default().clone();
+        Ok(Arc::new(MemFile { inode }))
+    }
+
+    fn list(&self) -> io::Result<Vec<String>> {
+        Ok(lock(&self.dir).live.keys().cloned().collect())
+    }
+
+    fn remove(&self, name: &str) -> io::Result<()> {
+        check_name(name)?;
+        lock(&self.dir).live.remove(name);
+        Ok(())
+    }
+
+    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        check_name(from)?;
+        check_name(to)?;
+        let mut dir = lock(&self.dir);
+        let inode = dir
+            .live
+            .remove(from)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, from.to_owned()))?;
+        dir.live.insert(to.to_owned(), inode);
+        Ok(())
+    }
+
+    fn sync_dir(&self) -> io::Result<()> {
+        let mut dir = lock(&self.dir);
+        dir.durable = dir.live.clone();
+        Ok(())
+    }
+
+    /// Sum of the file lengths (a hole counts: this disk does not track allocation).
+    fn used(&self) -> io::Result<u64> {
+        let dir = lock(&self.dir);
+        Ok(dir
+            .live
+            .values()
+            .map(|i| {
+                i.state
+                    .read()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .data
+                    .len() as u64
+            })
+            .sum())
+    }
+}
+
+#[derive(Debug)]
+struct MemFile {
+    inode: Arc<MemInode>,
+}
+
+impl MemFile {
+    fn change(&self, change: Change) {
+        let mut st = self
+            .inode
+            .state
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        change.apply(&mut st.data);
+        st.pending.push(change);
+    }
+}
+
+impl DiskFile for MemFile {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
+        let st = self
+            .inode
+            .state
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        let start = to_usize(off).min(st.data.len());
+        let n = buf.len().min(st.data.len() - start);
+        buf[..n].copy_from_slice(&st.data[start..start + n]);
+        Ok(n)
+    }
+
+    fn write_at(&self, data: &[u8], off: u64) -> io::Result<()> {
+        off.checked_add(data.len() as u64)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "write past u64::MAX"))?;
+        self.change(Change::Write {
+            off,
+            data: data.to_vec(),
+        });
+        Ok(())
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        let st = self
+            .inode
+            .state
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        Ok(st.data.len() as u64)
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.change(Change::SetLen(len));
+        Ok(())
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        let mut st = self
+            .inode
+            .state
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        st.synced = st.data.clone();
+        st.pending.clear();
+        Ok(())
+    }
+
+    fn punch_hole(&self, off: u64, len: u64) -> io::Result<()> {
+        self.change(Change::Punch { off, len });
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// FaultyDisk
+
+/// When a [`FaultyDisk`] starts failing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FaultPlan {
+    /// Operations (on the disk and on its files, reads included) that succeed before every later one
+    /// fails; `None` never fails.
+    pub fail_after: Option<u64>,
+    /// The first failing operation, if it is a write, first writes a prefix (half) of its buffer.
+    pub tear: bool,
+}
+
+impl FaultPlan {
+    /// Fails every operation after `n` successful ones.
+    pub fn fail_after(n: u64) -> Self {
+        Self {
+            fail_after: Some(n),
+            tear: false,
+        }
+    }
+
+    /// Also tears the first failing write.
+    pub fn tearing(self) -> Self {
+        Self { tear: true, ..self }
+    }
+}
+
+/// Wraps a disk and fails every operation after N successful ones (fail-stop: once failing, it keeps
+/// failing). Operations are counted across the disk and all files opened through it.
+#[derive(Clone, Debug)]
+pub struct FaultyDisk {
+    inner: Arc<dyn Disk>,
+    faults: Arc<Faults>,
+}
+
+#[derive(Debug)]
+struct Faults {
+    ops: AtomicU64,
+    /// `u64::MAX` = never.
+    fail_after: AtomicU64,
+    tear: bool,
+}
+
+enum Verdict {
+    Ok,
+    /// The first failing operation.
+    First,
+    Fail,
+}
+
+impl Faults {
+    fn next(&self) -> Verdict {
+        let n = self.ops.fetch_add(1, Ordering::SeqCst);
+        let limit = self.fail_after.load(Ordering::SeqCst);
+        if n < limit {
+            Verdict::Ok
+        } else if n == limit {
+            Verdict::First
+        } else {
+            Verdict::Fail
+        }
+    }
+
+    fn check(&self) -> io::Result<()> {
+        match self.next() {
+            Verdict::Ok => Ok(()),
+            Verdict::First | Verdict::Fail => Err(injected()),
+        }
+    }
+}
+
+fn injected() -> io::Error {
+    io::Error::other("injected fault")
+}
+
+impl FaultyDisk {
+    pub fn new(inner: Arc<dyn Disk>, plan: FaultPlan) -> Self {
+        Self {
+            inner,
+            faults: Arc::new(Faults {
+                ops: AtomicU64::new(0),
+                fail_after: AtomicU64::new(plan.fail_after.unwrap_or(u64::MAX)),
+                tear: plan.tear,
+            }),
+        }
+    }
+
+    /// Operations attempted so far (successful or not).
+    pub fn ops(&self) -> u64 {
+        self.faults.ops.load(Ordering::SeqCst)
+    }
+
+    /// Changes the budget: fail after `n` more successful operations from now (`None`: never).
+    pub fn fail_after_more(&self, n: Option<u64>) {
+        let limit = n.map_or(u64::MAX, |n| self.ops().saturating_add(n));
+        self.faults.fail_after.store(limit, Ordering::SeqCst);
+    }
+}
+
+impl Disk for FaultyDisk {
+    fn open(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
+        self.faults.check()?;
+        let inner = self.inner.open(name)?;
+        Ok(Arc::new(FaultyFile {
+            inner,
+            faults: self.faults.clone(),
+        }))
+    }
+
+    fn list(&self) -> io::Result<Vec<String>> {
+        self.faults.check()?;
+        self.inner.list()
+    }
+
+    fn remove(&self, name: &str) -> io::Result<()> {
+        self.faults.check()?;
+        self.inner.remove(name)
+    }
+
+    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        self.faults.check()?;
+        self.inner.rename(from, to)
+    }
+
+    fn sync_dir(&self) -> io::Result<()> {
+        self.faults.check()?;
+        self.inner.sync_dir()
+    }
+
+    fn used(&self) -> io::Result<u64> {
+        self.faults.check()?;
+        self.inner.used()
+    }
+}
+
+#[derive(Debug)]
+struct FaultyFile {
+    inner: Arc<dyn DiskFile>,
+    faults: Arc<Faults>,
+}
+
+impl DiskFile for FaultyFile {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
+        self.faults.check()?;
+        self.inner.read_at(buf, off)
+    }
+
+    fn write_at(&self, data: &[u8], off: u64) -> io::Result<()> {
+        match self.faults.next() {
+            Verdict::Ok => self.inner.write_at(data, off),
+            Verdict::First if self.faults.tear => {
+                self.inner.write_at(&data[..data.len() / 2], off)?;
+                Err(injected())
+            }
+            Verdict::First | Verdict::Fail => Err(injected()),
+        }
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        self.faults.check()?;
+        self.inner.len()
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.faults.check()?;
+        self.inner.set_len(len)
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        self.faults.check()?;
+        self.inner.sync_data()
+    }
+
+    fn punch_hole(&self, off: u64, len: u64) -> io::Result<()> {
+        self.faults.check()?;
+        self.inner.punch_hole(off, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mem_crash_keeps_only_synced_content_and_names() {
+        let disk = MemDisk::new();
+        let a = disk.open("a").unwrap();
+        a.write_at(b"hello", 0).unwrap();
+        a.sync_data().unwrap();
+        disk.sync_dir().unwrap();
+        a.write_at(b"HELLO world", 0).unwrap();
+        let b = disk.open("b").unwrap();
+        b.write_at(b"x", 0).unwrap();
+        b.sync_data().unwrap();
+
+        let img = disk.crash();
+        assert_eq!(img.read_file("a").unwrap(), b"hello");
+        assert!(img.read_file("b").is_none(), "b's name was never synced");
+
+        disk.remove("a").unwrap();
+        let img = disk.crash();
+        assert_eq!(img.read_file("a").unwrap(), b"hello", "unsynced remove");
+        // The open handle still works after the remove.
+        assert_eq!(a.len().unwrap(), 11);
+    }
+
+    #[test]
+    fn torn_crash_images_stay_between_synced_and_current() {
+        let disk = MemDisk::new();
+        let f = disk.open("f").unwrap();
+        f.write_at(&[1; 100], 0).unwrap();
+        f.sync_data().unwrap();
+        disk.sync_dir().unwrap();
+        f.write_at(&[2; 2000], 50).unwrap();
+        let mut saw_torn = false;
+        for seed in 0..64 {
+            let img = disk.crash_torn(seed).read_file("f").unwrap();
+            assert!((100..=2050).contains(&img.len()));
+            assert!(img[..50].iter().all(|&b| b == 1));
+            assert!(img[50..].iter().all(|&b| b == 1 || b == 2 || b == 0));
+            saw_torn |= img.len() == 2050 && img.contains(&0);
+        }
+        assert!(saw_torn, "some image tears the large write");
+    }
+
+    #[test]
+    fn faulty_disk_fails_after_n_and_tears() {
+        let mem = MemDisk::new();
+        let disk = FaultyDisk::new(Arc::new(mem.clone()), FaultPlan::fail_after(2).tearing());
+        let f = disk.open("f").unwrap(); // op 0
+        f.write_at(b"abcd", 0).unwrap(); // op 1
+        assert!(f.write_at(b"efgh", 4).is_err()); // op 2: torn
+        assert!(f.sync_data().is_err());
+        assert_eq!(mem.read_file("f").unwrap(), b"abcdef");
+        disk.fail_after_more(None);
+        f.sync_data().unwrap();
+    }
+}

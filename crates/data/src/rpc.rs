@@ -1,0 +1,258 @@
+//! Data node ops (`0x03xx`). Bulk bytes travel in the frame's data segment (CRC-checked by the
+//! messenger), never in the postcard body.
+
+use nacre_proto::Op;
+use nacre_proto::msg::Rpc;
+use nacre_types::{ExtentId, PartitionId};
+use serde::{Deserialize, Serialize};
+
+/// Why a data operation failed, as the client sees it. Not-leader and unknown-partition answers are
+/// error frames (with a leader hint), as for meta partitions.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum DataError {
+    /// The partition takes no appends (a replica failed, it is being repaired, or it is full):
+    /// write the rest of the file to another partition.
+    #[error("data partition is read-only: {0}")]
+    ReadOnly(String),
+    #[error("extent {0} not found")]
+    NotFound(ExtentId),
+    /// The range lies (partly) past the extent's committed length, or an append's offset is not the
+    /// extent's end.
+    #[error("extent {extent}: {offset}+{len} is outside its committed length {committed}")]
+    OutOfRange {
+        extent: ExtentId,
+        offset: u64,
+        len: u64,
+        committed: u64,
+    },
+    /// No healthy replica holds a verified copy of the block.
+    #[error("extent {extent} block {block}: checksum mismatch on every replica reached")]
+    Corrupt { extent: ExtentId, block: u64 },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// The local disk failed (the partition is now read-only on this node).
+    #[error("disk error: {0}")]
+    Io(String),
+}
+
+/// Creates a normal extent (through the partition's Raft group, so ids are never reused). Op
+/// `0x0301`, served by the leader.
+#[derive(Debug)]
+pub struct CreateExtent;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CreateExtentRequest {
+    pub partition: PartitionId,
+}
+
+impl Rpc for CreateExtent {
+    const OP: Op = Op(0x0301);
+    const NAME: &'static str = "data_create_extent";
+    type Request = CreateExtentRequest;
+    type Response = Result<ExtentId, DataError>;
+}
+
+/// Appends the data segment (at most [`MAX_PACKET`] bytes) to a normal extent at `offset`, which must
+/// be the extent's end as of the previous packet (op `0x0302`, served by the leader). Several packets
+/// of one extent may be in flight; the leader applies them in offset order.
+#[derive(Debug)]
+pub struct Append;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AppendRequest {
+    pub partition: PartitionId,
+    pub extent: ExtentId,
+    pub offset: u64,
+}
+
+/// What an acknowledged write reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Written {
+    pub extent: ExtentId,
+    /// Where the bytes landed.
+    pub offset: u64,
+    /// The extent's committed length: every byte below it is on every replica.
+    pub committed: u64,
+}
+
+impl Rpc for Append {
+    const OP: Op = Op(0x0302);
+    const NAME: &'static str = "data_append";
+    type Request = AppendRequest;
+    type Response = Result<Written, DataError>;
+}
+
+/// Stores a small file (the data segment, at most [`MAX_PACKET`] bytes) in one of the partition's
+/// tiny extents; the leader picks the extent and offset (op `0x0303`).
+#[derive(Debug)]
+pub struct WriteTiny;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct WriteTinyRequest {
+    pub partition: PartitionId,
+}
+
+impl Rpc for WriteTiny {
+    const OP: Op = Op(0x0303);
+    const NAME: &'static str = "data_write_tiny";
+    type Request = WriteTinyRequest;
+    type Response = Result<Written, DataError>;
+}
+
+/// Overwrites bytes inside the committed part of an extent, through the partition's Raft group
+/// (op `0x0304`).
+#[derive(Debug)]
+pub struct Overwrite;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OverwriteRequest {
+    pub partition: PartitionId,
+    pub extent: ExtentId,
+    pub offset: u64,
+}
+
+impl Rpc for Overwrite {
+    const OP: Op = Op(0x0304);
+    const NAME: &'static str = "data_overwrite";
+    type Request = OverwriteRequest;
+    type Response = Result<(), DataError>;
+}
+
+/// Reads committed bytes of an extent on the leader; the bytes come back in the data segment
+/// (op `0x0305`).
+#[derive(Debug)]
+pub struct Read;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ReadRequest {
+    pub partition: PartitionId,
+    pub extent: ExtentId,
+    pub offset: u64,
+    pub len: u32,
+}
+
+impl Rpc for Read {
+    const OP: Op = Op(0x0305);
+    const NAME: &'static str = "data_read";
+    type Request = ReadRequest;
+    type Response = Result<(), DataError>;
+}
+
+/// Appends like [`Append`], but through the partition's Raft group instead of primary-backup (op
+/// `0x0307`). Not used by clients: it exists to measure what scenario-aware replication buys.
+#[derive(Debug)]
+pub struct AppendRaft;
+
+impl Rpc for AppendRaft {
+    const OP: Op = Op(0x0307);
+    const NAME: &'static str = "data_append_raft";
+    type Request = AppendRequest;
+    type Response = Result<Written, DataError>;
+}
+
+/// Releases extents the meta node no longer references: normal extents are deleted, ranges of tiny
+/// extents are hole-punched (op `0x0306`, through Raft). Idempotent.
+#[derive(Debug)]
+pub struct Release;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ReleaseRequest {
+    pub partition: PartitionId,
+    /// `(extent, offset, len)`; offset and len matter only for tiny extents.
+    pub ranges: Vec<(ExtentId, u64, u64)>,
+}
+
+impl Rpc for Release {
+    const OP: Op = Op(0x0306);
+    const NAME: &'static str = "data_release";
+    type Request = ReleaseRequest;
+    type Response = Result<(), DataError>;
+}
+
+/// Leader → follower: the same bytes at the same place (op `0x0310`). `committed` is the extent's
+/// committed length before this packet: a follower may drop a longer, unacknowledged tail down to
+/// `offset` but never below `committed`.
+#[derive(Debug)]
+pub struct Replicate;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ReplicateRequest {
+    pub partition: PartitionId,
+    pub extent: ExtentId,
+    pub offset: u64,
+    pub committed: u64,
+}
+
+impl Rpc for Replicate {
+    const OP: Op = Op(0x0310);
+    const NAME: &'static str = "data_replicate";
+    type Request = ReplicateRequest;
+    type Response = Result<(), DataError>;
+}
+
+/// Replica ↔ replica during repair: the extents a replica holds and their lengths (op `0x0311`).
+#[derive(Debug)]
+pub struct ListExtents;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ListExtentsRequest {
+    pub partition: PartitionId,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ExtentList {
+    /// `(extent, local length, committed length as known to this replica)`.
+    pub extents: Vec<(ExtentId, u64, u64)>,
+    /// Raft entries applied by this replica's partition (overwrites included up to here).
+    pub applied: u64,
+}
+
+impl Rpc for ListExtents {
+    const OP: Op = Op(0x0311);
+    const NAME: &'static str = "data_list_extents";
+    type Request = ListExtentsRequest;
+    type Response = Result<ExtentList, DataError>;
+}
+
+/// Replica ↔ replica during repair: block CRCs of one extent (op `0x0312`).
+#[derive(Debug)]
+pub struct BlockCrcs;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BlockCrcsRequest {
+    pub partition: PartitionId,
+    pub extent: ExtentId,
+}
+
+impl Rpc for BlockCrcs {
+    const OP: Op = Op(0x0312);
+    const NAME: &'static str = "data_block_crcs";
+    type Request = BlockCrcsRequest;
+    /// `(block size, CRCs, applied index)`.
+    type Response = Result<(u32, Vec<u32>, u64), DataError>;
+}
+
+/// Replica ↔ replica: verified bytes of whole blocks `[first, first + count)`, served from the local
+/// copy without the committed-length check (op `0x0313`). The reply carries the replica's applied
+/// Raft index so the receiver can tell whether it reflects every overwrite it knows of.
+#[derive(Debug)]
+pub struct FetchBlocks;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FetchBlocksRequest {
+    pub partition: PartitionId,
+    pub extent: ExtentId,
+    pub first: u64,
+    pub count: u32,
+}
+
+impl Rpc for FetchBlocks {
+    const OP: Op = Op(0x0313);
+    const NAME: &'static str = "data_fetch_blocks";
+    type Request = FetchBlocksRequest;
+    /// The applied index of the sender; the bytes are in the data segment.
+    type Response = Result<u64, DataError>;
+}
+
+/// Largest data segment of an append, tiny write or overwrite.
+pub const MAX_PACKET: usize = 128 * 1024;

@@ -1,0 +1,1564 @@
+//! The data node service: hosts the data partitions the master places here, each an extent store in
+//! its own directory plus one Raft group (all groups share the node's raft store and log).
+//!
+//! Scenario-aware replication (CFS §2.3): appends and tiny writes go primary-backup — the Raft leader
+//! of the partition writes locally, forwards the packet to every follower in parallel and
+//! acknowledges once all of them (and its own disk) have it; the reply carries the extent's committed
+//! length. Overwrites, extent creation and releases go through Raft.
+//!
+//! Committed lengths live in the leader's memory. A replica that becomes leader (a new Raft term)
+//! first *aligns*: it asks every follower for its extents and takes, per extent, the largest
+//! committed length any replica knew, or else the shortest copy among the replicas that answered —
+//! an acknowledged byte is on every replica, so neither is ever below what was acknowledged.
+//! Nothing past the committed length is served.
+//!
+//! A replica that fails a packet makes the partition read-only (reported to the master as `full`, so
+//! clients write elsewhere) until every follower again holds every committed byte: followers repair
+//! themselves by pulling missing blocks from the leader, throttled.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use nacre_master::agent::{BoxFuture, PartitionHost, SpecRegistry, read_node_id, write_node_id};
+use nacre_master::map::{PartitionKind, PartitionReport, PartitionSpec, Replica, Role};
+use nacre_msgr::{CallOptions, Client, Payload, Router};
+use nacre_proto::msg::RemoteError;
+use nacre_proto::msg::raft::RaftBatchRpc;
+use nacre_raft::{EngineLogStore, LogStore, RaftError, RaftHandle, StoreConfig};
+use nacre_types::{ErrorCode, ExtentId, NodeId, PartitionId};
+use tokio::sync::watch;
+
+use crate::io::FileDisk;
+use crate::rpc::*;
+use crate::sm::{DataCommand, DataSm, SmShared, store_error};
+use crate::store::{ExtentStore, StoreError, StoreOptions, TINY_EXTENTS};
+
+/// Tiny writes start on this boundary so a release can punch whole pages.
+const TINY_ALIGN: u64 = 4096;
+
+/// Settings of a data node.
+#[derive(Clone, Debug)]
+pub struct DataNodeConfig {
+    pub dir: PathBuf,
+    pub raft: StoreConfig,
+    pub store: StoreOptions,
+    /// How often reports are refreshed, read-only partitions re-checked and repairs run.
+    pub report_interval: Duration,
+    /// How long the leader waits for a follower's answer to a packet.
+    pub replicate_timeout: Duration,
+    /// Bytes per second a repair may copy (per node), so foreground IO keeps the bandwidth.
+    pub repair_rate: u64,
+}
+
+impl DataNodeConfig {
+    pub fn new(dir: PathBuf) -> Self {
+        let mut raft = StoreConfig::default().with_read_lease();
+        // Overwrites carry data: keep the log short behind the snapshots.
+        raft.node.compact_after = 2_000;
+        Self {
+            dir,
+            raft,
+            store: StoreOptions::default(),
+            report_interval: Duration::from_millis(500),
+            replicate_timeout: Duration::from_secs(5),
+            repair_rate: 64 << 20,
+        }
+    }
+}
+
+/// Per-extent append state.
+#[derive(Debug)]
+struct Track {
+    /// Serializes the check-write-advance step of appends to this extent.
+    write: Mutex<()>,
+    /// Where the next packet must start (the end of the last one written locally).
+    next: watch::Sender<u64>,
+    /// Every byte below is on every replica.
+    committed: watch::Sender<u64>,
+}
+
+impl Track {
+    fn new(next: u64, committed: u64) -> Arc<Self> {
+        Arc::new(Self {
+            write: Mutex::new(()),
+            next: watch::Sender::new(next),
+            committed: watch::Sender::new(committed),
+        })
+    }
+
+    fn committed(&self) -> u64 {
+        *self.committed.borrow()
+    }
+
+    fn commit(&self, upto: u64) {
+        self.committed.send_if_modified(|c| {
+            let grew = upto > *c;
+            *c = (*c).max(upto);
+            grew
+        });
+    }
+}
+
+/// One hosted data partition.
+#[derive(Debug)]
+struct Part {
+    id: PartitionId,
+    replicas: Mutex<Vec<Replica>>,
+    store: Arc<ExtentStore>,
+    shared: Arc<SmShared>,
+    tracks: Mutex<HashMap<ExtentId, Arc<Track>>>,
+    /// The term under which this replica, as leader, aligned the committed lengths.
+    aligned_term: Mutex<Option<u64>>,
+    align: tokio::sync::Mutex<()>,
+    /// Why the partition takes no appends, if it does not.
+    degraded: Mutex<Option<String>>,
+    tiny_pool: Mutex<Vec<ExtentId>>,
+    tiny_free: tokio::sync::Semaphore,
+    ops: AtomicU64,
+    bytes: AtomicU64,
+    repairing: tokio::sync::Mutex<()>,
+}
+
+impl Part {
+    fn track(&self, extent: ExtentId) -> Result<Arc<Track>, DataError> {
+        let mut tracks = self
+            .tracks
+            .lock()
+            .map_err(|_| DataError::Io("poisoned".into()))?;
+        if let Some(t) = tracks.get(&extent) {
+            return Ok(t.clone());
+        }
+        let len = self.store.len(extent).map_err(store_error)?;
+        let t = Track::new(len, len);
+        tracks.insert(extent, t.clone());
+        Ok(t)
+    }
+
+    fn degrade(&self, why: String) {
+        if let Ok(mut d) = self.degraded.lock() {
+            if d.is_none() {
+                tracing::warn!(partition = %self.id, reason = %why, "data partition is read-only");
+            }
+            d.get_or_insert(why);
+        }
+    }
+
+    fn degraded(&self) -> Option<String> {
+        self.degraded.lock().ok().and_then(|d| d.clone())
+    }
+
+    fn followers(&self, me: u64) -> Vec<Replica> {
+        self.replicas
+            .lock()
+            .map(|r| r.iter().filter(|r| r.node.0 != me).cloned().collect())
+            .unwrap_or_default()
+    }
+
+    fn addr_of(&self, node: u64) -> Option<String> {
+        self.replicas
+            .lock()
+            .ok()?
+            .iter()
+            .find(|r| r.node.0 == node)
+            .map(|r| r.addr.clone())
+    }
+}
+
+struct Inner {
+    dir: PathBuf,
+    config: DataNodeConfig,
+    registry: SpecRegistry,
+    client: Client,
+    raft: OnceLock<RaftHandle<DataSm>>,
+    parts: Mutex<BTreeMap<PartitionId, Arc<Part>>>,
+    reports: Mutex<Vec<PartitionReport>>,
+    last_report: Mutex<Option<(Instant, BTreeMap<PartitionId, u64>)>>,
+    /// Repair budget: bytes that may still be copied before the next refill.
+    repair_tokens: tokio::sync::Mutex<(f64, Instant)>,
+}
+
+/// A running data node. Cheap to clone.
+#[derive(Clone)]
+pub struct DataNode {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for DataNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataNode")
+            .field("dir", &self.inner.dir)
+            .finish()
+    }
+}
+
+fn unavailable(m: impl Into<String>) -> RemoteError {
+    RemoteError::new(ErrorCode::Unavailable, m)
+}
+
+fn err_str(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl DataNode {
+    /// Opens the node's state in `config.dir`. If the node has an id from an earlier run, its raft
+    /// store and partitions start now; otherwise once [`DataNode::run`] learns the id.
+    pub fn open(config: &DataNodeConfig, client: Client) -> std::io::Result<Self> {
+        let registry = SpecRegistry::open(&config.dir.join("partitions"), Role::Data)?;
+        let node = Self {
+            inner: Arc::new(Inner {
+                dir: config.dir.clone(),
+                config: config.clone(),
+                registry,
+                client,
+                raft: OnceLock::new(),
+                parts: Mutex::default(),
+                reports: Mutex::default(),
+                last_report: Mutex::default(),
+                repair_tokens: tokio::sync::Mutex::new((0.0, Instant::now())),
+            }),
+        };
+        if let Some(id) = read_node_id(&config.dir)? {
+            node.start_raft(id)?;
+        }
+        Ok(node)
+    }
+
+    /// The id this node runs under, once known.
+    pub fn id(&self) -> Option<NodeId> {
+        self.inner.raft.get().map(|r| NodeId(r.id()))
+    }
+
+    fn start_raft(&self, id: NodeId) -> std::io::Result<()> {
+        if self.inner.raft.get().is_some() {
+            return Ok(());
+        }
+        let dir = self.inner.dir.join("raft");
+        std::fs::create_dir_all(&dir)?;
+        let log: Arc<dyn LogStore> =
+            Arc::new(EngineLogStore::open(&dir).map_err(std::io::Error::other)?);
+        let handle = nacre_raft::store::start::<DataSm>(
+            id.0,
+            self.inner.config.raft.clone(),
+            log,
+            BTreeMap::new(),
+            self.inner.client.clone(),
+        )?;
+        let _ = self.inner.raft.set(handle);
+        tracing::info!(node = %id, "data node raft store started");
+        Ok(())
+    }
+
+    fn raft(&self) -> Result<&RaftHandle<DataSm>, String> {
+        self.inner
+            .raft
+            .get()
+            .ok_or_else(|| "this data node is not registered yet".to_string())
+    }
+
+    async fn adopt(&self, id: NodeId) -> Result<(), String> {
+        if let Some(r) = self.inner.raft.get() {
+            if r.id() != id.0 {
+                return Err(format!(
+                    "the master now calls this node {id}, but its data belongs to node-{}; \
+                     refusing to serve (was the node's address changed?)",
+                    r.id()
+                ));
+            }
+        } else {
+            write_node_id(&self.inner.dir, id).map_err(err_str)?;
+            self.start_raft(id).map_err(err_str)?;
+        }
+        for spec in self.inner.registry.specs() {
+            if let Err(e) = self.open_partition(&spec).await {
+                tracing::error!(partition = %spec.id, error = %e, "cannot open data partition");
+            }
+        }
+        Ok(())
+    }
+
+    fn part_dir(&self, id: PartitionId) -> PathBuf {
+        self.inner.dir.join("extents").join(id.0.to_string())
+    }
+
+    /// Hosts `spec`'s store and group (idempotent), or updates its replica list.
+    async fn open_partition(&self, spec: &PartitionSpec) -> Result<(), String> {
+        if spec.kind != PartitionKind::Data {
+            return Err(format!("partition {} is not a data partition", spec.id));
+        }
+        let raft = self.raft()?;
+        let peers: BTreeMap<u64, String> = spec
+            .replicas
+            .iter()
+            .map(|r| (r.node.0, r.addr.clone()))
+            .collect();
+        raft.add_peers(peers.clone()).map_err(err_str)?;
+        if let Some(p) = self.part(spec.id) {
+            if let Ok(mut r) = p.replicas.lock() {
+                *r = spec.replicas.clone();
+            }
+            return Ok(());
+        }
+        let dir = self.part_dir(spec.id);
+        let cfg = self.inner.config.store.clone();
+        let store = tokio::task::spawn_blocking(move || {
+            std::fs::create_dir_all(&dir).map_err(err_str)?;
+            let disk = Arc::new(FileDisk::new(&dir).map_err(err_str)?);
+            ExtentStore::open(disk, cfg).map_err(err_str)
+        })
+        .await
+        .map_err(err_str)??;
+        for t in store.recovery_report() {
+            tracing::warn!(partition = %spec.id, trimmed = ?t, "torn extent tail trimmed");
+        }
+        let store = Arc::new(store);
+        let shared = Arc::new(SmShared::default());
+        let voters: Vec<u64> = peers.keys().copied().collect();
+        let sm = DataSm::new(store.clone(), shared.clone());
+        match raft.add_group(spec.id.0, &voters, sm).await {
+            Ok(()) | Err(RaftError::GroupExists(_)) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        let part = Arc::new(Part {
+            id: spec.id,
+            replicas: Mutex::new(spec.replicas.clone()),
+            store,
+            shared,
+            tracks: Mutex::default(),
+            aligned_term: Mutex::new(None),
+            align: tokio::sync::Mutex::new(()),
+            degraded: Mutex::new(None),
+            tiny_pool: Mutex::new((1..=TINY_EXTENTS).rev().map(ExtentId).collect()),
+            tiny_free: tokio::sync::Semaphore::new(TINY_EXTENTS as usize),
+            ops: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            repairing: tokio::sync::Mutex::new(()),
+        });
+        if let Ok(mut parts) = self.inner.parts.lock() {
+            parts.insert(spec.id, part);
+        }
+        Ok(())
+    }
+
+    fn part(&self, id: PartitionId) -> Option<Arc<Part>> {
+        self.inner.parts.lock().ok()?.get(&id).cloned()
+    }
+
+    fn hosted_part(&self, id: PartitionId) -> Result<Arc<Part>, RemoteError> {
+        self.part(id).ok_or_else(|| {
+            RemoteError::new(
+                ErrorCode::UnknownGroup,
+                format!("data partition {id} is not hosted here"),
+            )
+        })
+    }
+
+    /// Runs until `shutdown`: adopts the id the agent publishes on `id`; every `report_interval`
+    /// refreshes reports, re-checks read-only partitions and repairs what this node lacks.
+    pub async fn run(
+        &self,
+        mut id: watch::Receiver<Option<NodeId>>,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut tick = tokio::time::interval(self.inner.config.report_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut adopted = false;
+        let mut agent_gone = false;
+        if let Some(known) = self.id() {
+            match self.adopt(known).await {
+                Ok(()) => adopted = true,
+                Err(e) => tracing::error!(error = %e, "cannot reopen the data partitions"),
+            }
+        }
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                changed = id.changed(), if !agent_gone => {
+                    if changed.is_err() {
+                        agent_gone = true;
+                        continue;
+                    }
+                    let current = *id.borrow_and_update();
+                    match current {
+                        Some(node) if !adopted => match self.adopt(node).await {
+                            Ok(()) => adopted = true,
+                            Err(e) => tracing::error!(error = %e, "cannot start the data node"),
+                        },
+                        Some(node) if self.id() != Some(node) => tracing::error!(
+                            %node,
+                            own = ?self.id(),
+                            "the master registered this node under another id; its partitions \
+                             keep running under the id on disk"
+                        ),
+                        _ => {}
+                    }
+                }
+                _ = tick.tick() => self.maintain().await,
+            }
+        }
+        if let Some(r) = self.inner.raft.get() {
+            let _ = r.stop().await;
+        }
+    }
+
+    /// One round of background duties: leaders align and re-check read-only partitions, followers
+    /// repair, and reports are refreshed.
+    pub async fn maintain(&self) {
+        let parts: Vec<Arc<Part>> = match self.inner.parts.lock() {
+            Ok(p) => p.values().cloned().collect(),
+            Err(_) => return,
+        };
+        for part in &parts {
+            match self.leader_term(part).await {
+                Ok(Some(term)) => {
+                    if let Err(e) = self.ensure_aligned(part, term).await {
+                        tracing::debug!(partition = %part.id, error = %e, "alignment failed");
+                    }
+                    if part.degraded().is_some() {
+                        self.recheck(part).await;
+                    }
+                }
+                Ok(None) => {
+                    let node = self.clone();
+                    let part = part.clone();
+                    // Repairs run in the background so one slow partition does not hold the rest.
+                    tokio::spawn(async move {
+                        if let Err(e) = node.repair(&part).await {
+                            tracing::debug!(partition = %part.id, error = %e, "repair incomplete");
+                        }
+                    });
+                }
+                Err(_) => {}
+            }
+        }
+        self.refresh_reports(&parts).await;
+    }
+
+    /// `Some(term)` if this node leads the partition's group.
+    async fn leader_term(&self, part: &Part) -> Result<Option<u64>, RaftError> {
+        let raft = self.raft().map_err(RaftError::Raft)?;
+        let (leader, term) = raft.leader_term(part.id.0).await?;
+        Ok((leader == raft.id()).then_some(term))
+    }
+
+    fn not_leader(&self, part: &Part, leader: u64) -> RemoteError {
+        RemoteError {
+            leader_hint: part.addr_of(leader),
+            ..RemoteError::new(ErrorCode::NotLeader, "not the data partition leader")
+        }
+    }
+
+    fn remote(&self, part: &Part, e: RaftError) -> RemoteError {
+        match e {
+            RaftError::NotLeader { leader, .. } => self.not_leader(part, leader),
+            RaftError::UnknownGroup(g) => RemoteError::new(
+                ErrorCode::UnknownGroup,
+                format!("data partition {g} is not hosted here"),
+            ),
+            e @ RaftError::Timeout => RemoteError::new(ErrorCode::DeadlineExceeded, e.to_string()),
+            other => unavailable(other.to_string()),
+        }
+    }
+
+    /// Checks that this node leads the partition and has aligned it under the current term.
+    async fn lead(&self, part: &Part) -> Result<(), RemoteError> {
+        let raft = self.raft().map_err(unavailable)?;
+        let (leader, term) = raft
+            .leader_term(part.id.0)
+            .await
+            .map_err(|e| self.remote(part, e))?;
+        if leader != raft.id() {
+            return Err(self.not_leader(part, leader));
+        }
+        self.ensure_aligned(part, term).await.map_err(unavailable)
+    }
+
+    /// Aligns the committed lengths under `term` (once per term).
+    async fn ensure_aligned(&self, part: &Part, term: u64) -> Result<(), String> {
+        let aligned = |p: &Part| p.aligned_term.lock().ok().and_then(|t| *t) == Some(term);
+        if aligned(part) {
+            return Ok(());
+        }
+        let _guard = part.align.lock().await;
+        if aligned(part) {
+            return Ok(());
+        }
+        let me = self.raft()?.id();
+        let local = part.store.extents();
+        let mut lens: HashMap<ExtentId, (u64, u64)> = HashMap::new(); // (min len, max committed)
+        let known: HashMap<ExtentId, u64> = part
+            .tracks
+            .lock()
+            .map(|t| t.iter().map(|(e, t)| (*e, t.committed())).collect())
+            .unwrap_or_default();
+        for (e, len) in &local {
+            let c = known.get(e).copied().unwrap_or(0);
+            lens.insert(*e, (*len, c));
+        }
+        let mut unreachable = Vec::new();
+        for r in part.followers(me) {
+            match self.list_extents(&r.addr, part.id).await {
+                Ok(list) => {
+                    let theirs: HashMap<ExtentId, (u64, u64)> = list
+                        .extents
+                        .iter()
+                        .map(|(e, l, c)| (*e, (*l, *c)))
+                        .collect();
+                    for (e, (min, max_c)) in lens.iter_mut() {
+                        let (l, c) = theirs.get(e).copied().unwrap_or((0, 0));
+                        *min = (*min).min(l);
+                        *max_c = (*max_c).max(c);
+                    }
+                    // Extents only the follower has: created through Raft but not applied here
+                    // yet; their committed bytes (if any) show up in `c`.
+                    for (e, (_, c)) in theirs {
+                        lens.entry(e).or_insert((0, c));
+                    }
+                }
+                Err(e) => unreachable.push(format!("{}: {e}", r.addr)),
+            }
+        }
+        let mut tracks = HashMap::new();
+        let mut short = Vec::new();
+        for (e, (min, max_c)) in lens {
+            let committed = max_c.max(min);
+            let have = local.iter().find(|(id, _)| *id == e).map_or(0, |(_, l)| *l);
+            if have < committed {
+                short.push(e);
+            }
+            tracks.insert(e, Track::new(have.max(committed), committed));
+        }
+        if let Ok(mut t) = part.tracks.lock() {
+            *t = tracks;
+        }
+        if !unreachable.is_empty() {
+            part.degrade(format!(
+                "replicas unreachable at leader change: {}",
+                unreachable.join(", ")
+            ));
+        }
+        if !short.is_empty() {
+            part.degrade(format!(
+                "the leader lacks committed bytes of extents {short:?}"
+            ));
+        }
+        if let Ok(mut t) = part.aligned_term.lock() {
+            *t = Some(term);
+        }
+        tracing::info!(partition = %part.id, term, "data partition aligned");
+        Ok(())
+    }
+
+    async fn list_extents(&self, addr: &str, partition: PartitionId) -> Result<ExtentList, String> {
+        let opts = CallOptions {
+            timeout: Some(self.inner.config.replicate_timeout),
+            ..CallOptions::default()
+        };
+        let (r, _) = self
+            .inner
+            .client
+            .call_with::<ListExtents>(
+                addr,
+                &ListExtentsRequest { partition },
+                Payload::none(),
+                opts,
+            )
+            .await
+            .map_err(err_str)?;
+        r.map_err(err_str)
+    }
+
+    /// A read-only partition returns to read-write once every follower answers and holds every
+    /// committed byte.
+    async fn recheck(&self, part: &Part) {
+        let Ok(me) = self.raft().map(|r| r.id()) else {
+            return;
+        };
+        let committed: Vec<(ExtentId, u64)> = match part.tracks.lock() {
+            Ok(t) => t.iter().map(|(e, t)| (*e, t.committed())).collect(),
+            Err(_) => return,
+        };
+        for (e, c) in &committed {
+            if part.store.len(*e).unwrap_or(0) < *c {
+                return;
+            }
+        }
+        for r in part.followers(me) {
+            let Ok(list) = self.list_extents(&r.addr, part.id).await else {
+                return;
+            };
+            let theirs: HashMap<ExtentId, u64> =
+                list.extents.iter().map(|(e, l, _)| (*e, *l)).collect();
+            if committed
+                .iter()
+                .any(|(e, c)| *c > 0 && theirs.get(e).copied().unwrap_or(0) < *c)
+            {
+                return;
+            }
+        }
+        if let Ok(mut d) = part.degraded.lock()
+            && let Some(why) = d.take()
+        {
+            tracing::info!(partition = %part.id, was = %why, "data partition is read-write again");
+        }
+    }
+
+    /// Waits for the repair budget to allow `bytes` more.
+    async fn throttle(&self, bytes: u64) {
+        let rate = self.inner.config.repair_rate.max(1) as f64;
+        let wait = {
+            let mut b = self.inner.repair_tokens.lock().await;
+            let now = Instant::now();
+            let refill = now.duration_since(b.1).as_secs_f64() * rate;
+            b.0 = (b.0 + refill).min(rate);
+            b.1 = now;
+            b.0 -= bytes as f64;
+            if b.0 < 0.0 {
+                Duration::from_secs_f64(-b.0 / rate)
+            } else {
+                Duration::ZERO
+            }
+        };
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// A follower brings its copy up to the leader's committed lengths (and, for suspect extents,
+    /// to the leader's block contents).
+    async fn repair(&self, part: &Part) -> Result<(), String> {
+        let Ok(_one) = part.repairing.try_lock() else {
+            return Ok(());
+        };
+        let raft = self.raft()?;
+        let leader = raft.leader(part.id.0).await.map_err(err_str)?;
+        if leader == 0 || leader == raft.id() {
+            return Ok(());
+        }
+        let addr = part
+            .addr_of(leader)
+            .ok_or_else(|| format!("leader node-{leader} is not a known replica"))?;
+        let list = self.list_extents(&addr, part.id).await?;
+        let all = part.shared.suspect_all.load(Ordering::Acquire);
+        let suspects: std::collections::BTreeSet<ExtentId> = part
+            .shared
+            .suspect
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_default();
+        let bs = u64::from(part.store.block_size());
+        for (extent, _len, committed) in list.extents {
+            let have = match part.store.len(extent) {
+                Ok(l) => l,
+                Err(StoreError::NotFound(_)) => 0,
+                Err(e) => return Err(e.to_string()),
+            };
+            if all || suspects.contains(&extent) {
+                self.compare_blocks(part, &addr, extent, have.min(committed))
+                    .await?;
+                if let Ok(mut s) = part.shared.suspect.lock() {
+                    s.remove(&extent);
+                }
+            }
+            if have < committed {
+                let first = have / bs;
+                let last = committed.div_ceil(bs);
+                let mut b = first;
+                while b < last {
+                    let count = (last - b).min(8) as u32;
+                    self.copy_blocks(part, &addr, extent, b, count).await?;
+                    b += u64::from(count);
+                }
+                tracing::info!(partition = %part.id, %extent, from = have, to = committed, "extent repaired");
+            }
+        }
+        if all {
+            part.shared.suspect_all.store(false, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Fetches blocks whose CRC differs from the leader's, below `upto`.
+    async fn compare_blocks(
+        &self,
+        part: &Part,
+        addr: &str,
+        extent: ExtentId,
+        upto: u64,
+    ) -> Result<(), String> {
+        let (r, _) = self
+            .inner
+            .client
+            .call::<BlockCrcs>(
+                addr,
+                &BlockCrcsRequest {
+                    partition: part.id,
+                    extent,
+                },
+                Payload::none(),
+            )
+            .await
+            .map_err(err_str)?;
+        let (bs, theirs, _) = r.map_err(err_str)?;
+        if bs != part.store.block_size() {
+            return Err(format!(
+                "block sizes differ: {bs} there, {} here",
+                part.store.block_size()
+            ));
+        }
+        let mine = part.store.block_crcs(extent).unwrap_or_default();
+        let blocks = upto.div_ceil(u64::from(bs));
+        for b in 0..blocks {
+            let i = b as usize;
+            if mine.get(i) != theirs.get(i) {
+                self.copy_blocks(part, addr, extent, b, 1).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies whole blocks from a replica, writing each only when it reflects every overwrite
+    /// applied here (see [`DataNode::install_blocks`]).
+    async fn copy_blocks(
+        &self,
+        part: &Part,
+        addr: &str,
+        extent: ExtentId,
+        first: u64,
+        count: u32,
+    ) -> Result<(), String> {
+        for _attempt in 0..5 {
+            let (data, applied) = self
+                .fetch_blocks(addr, part.id, extent, first, count, true)
+                .await?;
+            self.throttle(data.len() as u64).await;
+            if self
+                .install_blocks(part, extent, first, data, applied)
+                .await?
+            {
+                return Ok(());
+            }
+        }
+        Err(format!(
+            "extent {extent} blocks {first}+{count}: the source stayed behind this replica's \
+             overwrites"
+        ))
+    }
+
+    async fn fetch_blocks(
+        &self,
+        addr: &str,
+        partition: PartitionId,
+        extent: ExtentId,
+        first: u64,
+        count: u32,
+        background: bool,
+    ) -> Result<(Bytes, u64), String> {
+        let mut opts = CallOptions {
+            timeout: Some(self.inner.config.replicate_timeout),
+            ..CallOptions::default()
+        };
+        if background {
+            opts.flags = nacre_proto::Flags::BACKGROUND;
+        }
+        let (r, data) = self
+            .inner
+            .client
+            .call_with::<FetchBlocks>(
+                addr,
+                &FetchBlocksRequest {
+                    partition,
+                    extent,
+                    first,
+                    count,
+                },
+                Payload::none(),
+                opts,
+            )
+            .await
+            .map_err(err_str)?;
+        let applied = r.map_err(err_str)?;
+        Ok((data.bytes, applied))
+    }
+
+    /// Writes blocks fetched from a replica whose partition had applied `applied` entries when it
+    /// read them. Runs on the raft loop (between applies), and only if this replica has applied no
+    /// entry past `applied`: then any overwrite the blocks lack is still to be applied here, in
+    /// order, on top of them. Returns false (nothing written) otherwise.
+    async fn install_blocks(
+        &self,
+        part: &Part,
+        extent: ExtentId,
+        first: u64,
+        data: Bytes,
+        applied: u64,
+    ) -> Result<bool, String> {
+        let raft = self.raft()?;
+        let bs = part.store.block_size() as usize;
+        let r = raft
+            .local_read(part.id.0, move |sm: &DataSm, _| {
+                if sm.shared.applied() > applied {
+                    return Ok(false);
+                }
+                for (i, chunk) in data.chunks(bs).enumerate() {
+                    sm.store
+                        .repair_block(extent, first + i as u64, chunk)
+                        .map_err(err_str)?;
+                }
+                Ok(true)
+            })
+            .await
+            .map_err(err_str)?;
+        if matches!(r, Ok(true)) {
+            let store = part.store.clone();
+            tokio::task::spawn_blocking(move || store.sync())
+                .await
+                .map_err(err_str)?
+                .map_err(err_str)?;
+        }
+        r
+    }
+
+    async fn refresh_reports(&self, parts: &[Arc<Part>]) {
+        let now = Instant::now();
+        let counts: BTreeMap<PartitionId, u64> = parts
+            .iter()
+            .map(|p| (p.id, p.ops.load(Ordering::Relaxed)))
+            .collect();
+        let (secs, before) = match self.inner.last_report.lock() {
+            Ok(mut l) => match l.replace((now, counts.clone())) {
+                Some((t, b)) => (now.duration_since(t).as_secs_f64(), b),
+                None => (0.0, BTreeMap::new()),
+            },
+            Err(_) => return,
+        };
+        let mut reports = Vec::new();
+        for p in parts {
+            let leader = matches!(self.leader_term(p).await, Ok(Some(_)));
+            let delta = counts[&p.id].saturating_sub(before.get(&p.id).copied().unwrap_or(0));
+            let ops_per_s = if secs > 0.0 {
+                (delta as f64 / secs).round() as u64
+            } else {
+                0
+            };
+            reports.push(PartitionReport {
+                id: p.id,
+                leader,
+                inode_count: 0,
+                max_inode: 0,
+                used: p.store.used(),
+                full: leader && p.degraded().is_some(),
+                ops_per_s,
+            });
+        }
+        if let Ok(mut r) = self.inner.reports.lock() {
+            *r = reports;
+        }
+    }
+
+    /// Bytes written to a partition through this node as leader, for stats.
+    fn count(&self, part: &Part, bytes: usize) {
+        part.ops.fetch_add(1, Ordering::Relaxed);
+        part.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    async fn sync_store(store: &Arc<ExtentStore>) -> Result<(), DataError> {
+        let store = store.clone();
+        tokio::task::spawn_blocking(move || store.sync())
+            .await
+            .map_err(|e| DataError::Io(e.to_string()))?
+            .map_err(store_error)
+    }
+
+    /// Sends a packet to every follower and syncs it locally; all must succeed.
+    async fn replicate(
+        &self,
+        part: &Part,
+        extent: ExtentId,
+        offset: u64,
+        committed: u64,
+        data: &Payload,
+    ) -> Result<(), DataError> {
+        let me = self.raft().map_err(DataError::Io)?.id();
+        let opts = CallOptions {
+            timeout: Some(self.inner.config.replicate_timeout),
+            ..CallOptions::default()
+        };
+        let req = ReplicateRequest {
+            partition: part.id,
+            extent,
+            offset,
+            committed,
+        };
+        let mut sends = tokio::task::JoinSet::new();
+        for r in part.followers(me) {
+            let client = self.inner.client.clone();
+            let req = req.clone();
+            let data = Payload::with_crc(data.bytes.clone(), data.crc());
+            sends.spawn(async move {
+                let out = client
+                    .call_with::<Replicate>(&r.addr, &req, data, opts)
+                    .await;
+                match out {
+                    Ok((Ok(()), _)) => Ok(()),
+                    Ok((Err(e), _)) => Err(format!("{}: {e}", r.addr)),
+                    Err(e) => Err(format!("{}: {e}", r.addr)),
+                }
+            });
+        }
+        let (local, remote) = tokio::join!(Self::sync_store(&part.store), sends.join_all());
+        let mut failed: Vec<String> = remote.into_iter().filter_map(Result::err).collect();
+        if let Err(e) = local {
+            failed.push(format!("local disk: {e}"));
+        }
+        if failed.is_empty() {
+            return Ok(());
+        }
+        let why = format!("replication failed: {}", failed.join("; "));
+        part.degrade(why.clone());
+        Err(DataError::ReadOnly(why))
+    }
+
+    async fn append(
+        &self,
+        part: &Part,
+        req: AppendRequest,
+        data: Payload,
+    ) -> Result<Written, DataError> {
+        if ExtentStore::is_tiny(req.extent) {
+            return Err(DataError::Invalid(format!(
+                "{} is a tiny extent: write small files with WriteTiny",
+                req.extent
+            )));
+        }
+        check_packet(&data)?;
+        if let Some(why) = part.degraded() {
+            return Err(DataError::ReadOnly(why));
+        }
+        let track = part.track(req.extent)?;
+        let len = data.bytes.len() as u64;
+        // Packets of one extent may arrive out of order: wait for the previous one's local write.
+        let mut next = track.next.subscribe();
+        let ready = tokio::time::timeout(
+            self.inner.config.replicate_timeout,
+            next.wait_for(|n| *n >= req.offset),
+        )
+        .await
+        .is_ok_and(|r| r.is_ok());
+        if !ready {
+            return Err(DataError::OutOfRange {
+                extent: req.extent,
+                offset: req.offset,
+                len,
+                committed: track.committed(),
+            });
+        }
+        let committed_before = {
+            let _w = track
+                .write
+                .lock()
+                .map_err(|_| DataError::Io("poisoned".into()))?;
+            let next = *track.next.borrow();
+            let committed = track.committed();
+            if next != req.offset {
+                return Err(DataError::OutOfRange {
+                    extent: req.extent,
+                    offset: req.offset,
+                    len,
+                    committed,
+                });
+            }
+            part.store
+                .write(req.extent, req.offset, &data.bytes)
+                .map_err(store_error)?;
+            track.next.send_replace(req.offset + len);
+            committed
+        };
+        self.replicate(part, req.extent, req.offset, committed_before, &data)
+            .await?;
+        // Commit in offset order: the previous packet must be committed first.
+        let mut c = track.committed.subscribe();
+        let prev = tokio::time::timeout(
+            self.inner.config.replicate_timeout,
+            c.wait_for(|c| *c >= req.offset),
+        )
+        .await
+        .is_ok_and(|r| r.is_ok());
+        if !prev {
+            return Err(DataError::ReadOnly(
+                "an earlier packet of this extent was not committed".into(),
+            ));
+        }
+        track.commit(req.offset + len);
+        self.count(part, data.bytes.len());
+        Ok(Written {
+            extent: req.extent,
+            offset: req.offset,
+            committed: track.committed(),
+        })
+    }
+
+    async fn write_tiny(&self, part: &Part, data: Payload) -> Result<Written, DataError> {
+        check_packet(&data)?;
+        if let Some(why) = part.degraded() {
+            return Err(DataError::ReadOnly(why));
+        }
+        let _permit = part
+            .tiny_free
+            .acquire()
+            .await
+            .map_err(|_| DataError::Io("partition closing".into()))?;
+        let extent = part
+            .tiny_pool
+            .lock()
+            .ok()
+            .and_then(|mut p| p.pop())
+            .ok_or_else(|| DataError::Io("no tiny extent free".into()))?;
+        let out = self.write_tiny_into(part, extent, &data).await;
+        if let Ok(mut p) = part.tiny_pool.lock() {
+            p.push(extent);
+        }
+        out
+    }
+
+    async fn write_tiny_into(
+        &self,
+        part: &Part,
+        extent: ExtentId,
+        data: &Payload,
+    ) -> Result<Written, DataError> {
+        let track = match part.track(extent) {
+            Ok(t) => t,
+            Err(DataError::NotFound(_)) => {
+                let t = Track::new(0, 0);
+                if let Ok(mut tracks) = part.tracks.lock() {
+                    tracks.entry(extent).or_insert(t).clone()
+                } else {
+                    t
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        let len = data.bytes.len() as u64;
+        let (offset, committed_before) = {
+            let _w = track
+                .write
+                .lock()
+                .map_err(|_| DataError::Io("poisoned".into()))?;
+            let offset = (*track.next.borrow()).next_multiple_of(TINY_ALIGN);
+            part.store
+                .write(extent, offset, &data.bytes)
+                .map_err(store_error)?;
+            track.next.send_replace(offset + len);
+            (offset, track.committed())
+        };
+        self.replicate(part, extent, offset, committed_before, data)
+            .await?;
+        track.commit(offset + len);
+        self.count(part, data.bytes.len());
+        Ok(Written {
+            extent,
+            offset,
+            committed: track.committed(),
+        })
+    }
+
+    /// A follower stores a packet its leader forwarded.
+    async fn take_replica(
+        &self,
+        part: &Part,
+        req: ReplicateRequest,
+        data: Payload,
+    ) -> Result<(), DataError> {
+        check_packet(&data)?;
+        let tiny = ExtentStore::is_tiny(req.extent);
+        let track = match part.track(req.extent) {
+            Ok(t) => t,
+            // Created through Raft but not applied here yet (or a tiny extent's first write).
+            Err(DataError::NotFound(_)) => {
+                if !tiny {
+                    part.store.create(req.extent).map_err(store_error)?;
+                }
+                let t = Track::new(0, 0);
+                match part.tracks.lock() {
+                    Ok(mut tracks) => tracks.entry(req.extent).or_insert(t).clone(),
+                    Err(_) => t,
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        track.commit(req.committed);
+        let len = data.bytes.len() as u64;
+        if !tiny {
+            let mut next = track.next.subscribe();
+            let _ = tokio::time::timeout(
+                self.inner.config.replicate_timeout / 2,
+                next.wait_for(|n| *n >= req.offset),
+            )
+            .await;
+        }
+        {
+            let _w = track
+                .write
+                .lock()
+                .map_err(|_| DataError::Io("poisoned".into()))?;
+            let have = *track.next.borrow();
+            if req.offset < have {
+                // A longer, unacknowledged tail from an earlier leader: drop it, never below what
+                // is committed.
+                if req.offset < track.committed() {
+                    return Err(DataError::OutOfRange {
+                        extent: req.extent,
+                        offset: req.offset,
+                        len,
+                        committed: track.committed(),
+                    });
+                }
+                part.store
+                    .truncate(req.extent, req.offset)
+                    .map_err(store_error)?;
+            } else if req.offset > have && !tiny {
+                return Err(DataError::OutOfRange {
+                    extent: req.extent,
+                    offset: req.offset,
+                    len,
+                    committed: have,
+                });
+            }
+            part.store
+                .write(req.extent, req.offset, &data.bytes)
+                .map_err(store_error)?;
+            track.next.send_replace(req.offset + len);
+        }
+        Self::sync_store(&part.store).await
+    }
+
+    async fn overwrite(
+        &self,
+        part: &Part,
+        req: OverwriteRequest,
+        data: Payload,
+    ) -> Result<Result<(), DataError>, RemoteError> {
+        if let Err(e) = check_packet(&data) {
+            return Ok(Err(e));
+        }
+        let len = data.bytes.len() as u64;
+        let committed = match part.track(req.extent) {
+            Ok(t) => t.committed(),
+            Err(e) => return Ok(Err(e)),
+        };
+        if req.offset.saturating_add(len) > committed {
+            return Ok(Err(DataError::OutOfRange {
+                extent: req.extent,
+                offset: req.offset,
+                len,
+                committed,
+            }));
+        }
+        let cmd = DataCommand::Overwrite {
+            extent: req.extent,
+            offset: req.offset,
+            data: data.bytes.to_vec(),
+        };
+        let out = self.propose(part, &cmd).await?;
+        if out.is_ok() {
+            self.count(part, data.bytes.len());
+        }
+        Ok(out.map(|_| ()))
+    }
+
+    async fn append_raft(
+        &self,
+        part: &Part,
+        req: AppendRequest,
+        data: Payload,
+    ) -> Result<Result<Written, DataError>, RemoteError> {
+        if let Err(e) = check_packet(&data) {
+            return Ok(Err(e));
+        }
+        let track = match part.track(req.extent) {
+            Ok(t) => t,
+            Err(e) => return Ok(Err(e)),
+        };
+        let len = data.bytes.len() as u64;
+        let cmd = DataCommand::Append {
+            extent: req.extent,
+            offset: req.offset,
+            data: data.bytes.to_vec(),
+        };
+        let out = self.propose(part, &cmd).await?;
+        Ok(out.map(|_| {
+            track.next.send_if_modified(|n| {
+                let grew = req.offset + len > *n;
+                *n = (*n).max(req.offset + len);
+                grew
+            });
+            track.commit(req.offset + len);
+            self.count(part, data.bytes.len());
+            Written {
+                extent: req.extent,
+                offset: req.offset,
+                committed: track.committed(),
+            }
+        }))
+    }
+
+    async fn propose(
+        &self,
+        part: &Part,
+        cmd: &DataCommand,
+    ) -> Result<Result<Option<ExtentId>, DataError>, RemoteError> {
+        let raft = self.raft().map_err(unavailable)?;
+        let bytes = postcard::to_allocvec(cmd)
+            .map_err(|e| RemoteError::new(ErrorCode::BadRequest, e.to_string()))?;
+        let out = raft
+            .propose(part.id.0, bytes)
+            .await
+            .map_err(|e| self.remote(part, e))?;
+        postcard::from_bytes::<Result<Option<ExtentId>, DataError>>(&out)
+            .map_err(|e| unavailable(format!("bad result: {e}")))
+    }
+
+    /// Reads committed bytes on the leader, verifying block CRCs; a bad block is fetched from a
+    /// follower, rewritten here and the read retried.
+    async fn read(&self, part: &Part, req: &ReadRequest) -> Result<Bytes, DataError> {
+        let committed = part.track(req.extent)?.committed();
+        let end = req.offset.saturating_add(u64::from(req.len));
+        if end > committed {
+            return Err(DataError::OutOfRange {
+                extent: req.extent,
+                offset: req.offset,
+                len: u64::from(req.len),
+                committed,
+            });
+        }
+        for _ in 0..3 {
+            match part.store.read(req.extent, req.offset, req.len) {
+                Ok(b) => return Ok(b),
+                Err(StoreError::Corrupt { block, .. }) => {
+                    tracing::error!(
+                        partition = %part.id, extent = %req.extent, block,
+                        "checksum mismatch on read; repairing from a replica"
+                    );
+                    self.repair_block_from_followers(part, req.extent, block)
+                        .await?;
+                }
+                Err(e) => return Err(store_error(e)),
+            }
+        }
+        Err(DataError::Corrupt {
+            extent: req.extent,
+            block: req.offset / u64::from(part.store.block_size()),
+        })
+    }
+
+    async fn repair_block_from_followers(
+        &self,
+        part: &Part,
+        extent: ExtentId,
+        block: u64,
+    ) -> Result<(), DataError> {
+        let me = self.raft().map_err(DataError::Io)?.id();
+        for r in part.followers(me) {
+            match self
+                .fetch_blocks(&r.addr, part.id, extent, block, 1, false)
+                .await
+            {
+                Ok((data, applied)) => {
+                    match self
+                        .install_blocks(part, extent, block, data, applied)
+                        .await
+                    {
+                        Ok(true) => {
+                            tracing::info!(partition = %part.id, %extent, block, from = %r.addr, "block repaired");
+                            return Ok(());
+                        }
+                        Ok(false) => continue,
+                        Err(e) => return Err(DataError::Io(e)),
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(partition = %part.id, %extent, block, from = %r.addr, error = %e, "replica cannot supply the block");
+                }
+            }
+        }
+        Err(DataError::Corrupt { extent, block })
+    }
+
+    fn fetch_local(
+        &self,
+        part: &Part,
+        req: &FetchBlocksRequest,
+    ) -> Result<(u64, Bytes), DataError> {
+        // The applied index first: the bytes read after it reflect at least that much.
+        let applied = part.shared.applied();
+        let bs = u64::from(part.store.block_size());
+        let len = part.store.len(req.extent).map_err(store_error)?;
+        let start = req.first.saturating_mul(bs);
+        if start >= len {
+            return Ok((applied, Bytes::new()));
+        }
+        let end = start
+            .saturating_add(u64::from(req.count.min(64)) * bs)
+            .min(len);
+        let data = part
+            .store
+            .read(req.extent, start, (end - start) as u32)
+            .map_err(store_error)?;
+        Ok((applied, data))
+    }
+
+    /// The messenger ops of a data node: its raft traffic and the data ops. The agent's ops are
+    /// separate (`nacre_master::agent::node_router`).
+    pub fn router(&self) -> Router {
+        let n = self.clone();
+        let raft_in = self.clone();
+        let router = Router::new().route::<RaftBatchRpc, _, _>(move |batch, _inc| {
+            if let Some(raft) = raft_in.inner.raft.get() {
+                raft.deliver(batch);
+            }
+            async { Ok(((), Payload::none())) }
+        });
+        let node = n.clone();
+        let router = router.route::<CreateExtent, _, _>(move |req, _inc| {
+            let node = node.clone();
+            async move {
+                let part = node.hosted_part(req.partition)?;
+                node.lead(&part).await?;
+                if let Some(why) = part.degraded() {
+                    return Ok((Err(DataError::ReadOnly(why)), Payload::none()));
+                }
+                let out = node.propose(&part, &DataCommand::CreateExtent).await?;
+                let out = out.and_then(|id| {
+                    id.ok_or_else(|| DataError::Io("create returned no extent".into()))
+                });
+                if let Ok(id) = out
+                    && let Ok(mut t) = part.tracks.lock()
+                {
+                    t.entry(id).or_insert_with(|| Track::new(0, 0));
+                }
+                Ok((out, Payload::none()))
+            }
+        });
+        let node = n.clone();
+        let router = router.route::<Append, _, _>(move |req, inc| {
+            let node = node.clone();
+            async move {
+                let part = node.hosted_part(req.partition)?;
+                node.lead(&part).await?;
+                let (extent, offset) = (req.extent, req.offset);
+                let out = node.append(&part, req, inc.data).await;
+                if let Err(e) = &out {
+                    tracing::debug!(partition = %part.id, %extent, offset, error = %e, "append refused");
+                }
+                Ok((out, Payload::none()))
+            }
+        });
+        let node = n.clone();
+        let router = router.route::<AppendRaft, _, _>(move |req, inc| {
+            let node = node.clone();
+            async move {
+                let part = node.hosted_part(req.partition)?;
+                node.lead(&part).await?;
+                let out = node.append_raft(&part, req, inc.data).await?;
+                Ok((out, Payload::none()))
+            }
+        });
+        let node = n.clone();
+        let router = router.route::<WriteTiny, _, _>(move |req, inc| {
+            let node = node.clone();
+            async move {
+                let part = node.hosted_part(req.partition)?;
+                node.lead(&part).await?;
+                Ok((node.write_tiny(&part, inc.data).await, Payload::none()))
+            }
+        });
+        let node = n.clone();
+        let router = router.route::<Overwrite, _, _>(move |req, inc| {
+            let node = node.clone();
+            async move {
+                let part = node.hosted_part(req.partition)?;
+                node.lead(&part).await?;
+                let out = node.overwrite(&part, req, inc.data).await?;
+                Ok((out, Payload::none()))
+            }
+        });
+        let node = n.clone();
+        let router = router.route::<Read, _, _>(move |req, _inc| {
+            let node = node.clone();
+            async move {
+                let part = node.hosted_part(req.partition)?;
+                node.lead(&part).await?;
+                // Every overwrite committed before the read is applied here before it is served.
+                let raft = node.raft().map_err(unavailable)?;
+                raft.read(part.id.0, |_| ())
+                    .await
+                    .map_err(|e| node.remote(&part, e))?;
+                part.ops.fetch_add(1, Ordering::Relaxed);
+                match node.read(&part, &req).await {
+                    Ok(b) => Ok((Ok(()), Payload::new(b))),
+                    Err(e) => Ok((Err(e), Payload::none())),
+                }
+            }
+        });
+        let node = n.clone();
+        let router = router.route::<Release, _, _>(move |req, _inc| {
+            let node = node.clone();
+            async move {
+                let part = node.hosted_part(req.partition)?;
+                node.lead(&part).await?;
+                let out = node
+                    .propose(
+                        &part,
+                        &DataCommand::Release {
+                            ranges: req.ranges.clone(),
+                        },
+                    )
+                    .await?;
+                if out.is_ok()
+                    && let Ok(mut t) = part.tracks.lock()
+                {
+                    for (e, _, _) in &req.ranges {
+                        if !ExtentStore::is_tiny(*e) {
+                            t.remove(e);
+                        }
+                    }
+                }
+                Ok((out.map(|_| ()), Payload::none()))
+            }
+        });
+        let node = n.clone();
+        let router = router.route::<Replicate, _, _>(move |req, inc| {
+            let node = node.clone();
+            async move {
+                let part = node.hosted_part(req.partition)?;
+                let (extent, offset) = (req.extent, req.offset);
+                let out = node.take_replica(&part, req, inc.data).await;
+                if let Err(e) = &out {
+                    tracing::debug!(partition = %part.id, %extent, offset, error = %e, "replica refused a packet");
+                }
+                Ok((out, Payload::none()))
+            }
+        });
+        let node = n.clone();
+        let router = router.route::<ListExtents, _, _>(move |req, _inc| {
+            let node = node.clone();
+            async move {
+                let part = node.hosted_part(req.partition)?;
+                let applied = part.shared.applied();
+                let known: HashMap<ExtentId, u64> = part
+                    .tracks
+                    .lock()
+                    .map(|t| t.iter().map(|(e, t)| (*e, t.committed())).collect())
+                    .unwrap_or_default();
+                let extents = part
+                    .store
+                    .extents()
+                    .into_iter()
+                    .map(|(e, len)| (e, len, known.get(&e).copied().unwrap_or(0)))
+                    .collect();
+                Ok((Ok(ExtentList { extents, applied }), Payload::none()))
+            }
+        });
+        let node = n.clone();
+        let router = router.route::<BlockCrcs, _, _>(move |req, _inc| {
+            let node = node.clone();
+            async move {
+                let part = node.hosted_part(req.partition)?;
+                let applied = part.shared.applied();
+                let out = part
+                    .store
+                    .block_crcs(req.extent)
+                    .map(|c| (part.store.block_size(), c, applied))
+                    .map_err(store_error);
+                Ok((out, Payload::none()))
+            }
+        });
+        let node = n;
+        router.route::<FetchBlocks, _, _>(move |req, _inc| {
+            let node = node.clone();
+            async move {
+                let part = node.hosted_part(req.partition)?;
+                match node.fetch_local(&part, &req) {
+                    Ok((applied, data)) => Ok((Ok(applied), Payload::new(data))),
+                    Err(e) => Ok((Err(e), Payload::none())),
+                }
+            }
+        })
+    }
+}
+
+fn check_packet(data: &Payload) -> Result<(), DataError> {
+    if data.bytes.is_empty() {
+        return Err(DataError::Invalid("empty packet".into()));
+    }
+    if data.bytes.len() > MAX_PACKET {
+        return Err(DataError::Invalid(format!(
+            "packet of {} bytes; at most {MAX_PACKET}",
+            data.bytes.len()
+        )));
+    }
+    Ok(())
+}
+
+impl PartitionHost for DataNode {
+    fn hosted(&self) -> Vec<PartitionSpec> {
+        self.inner.registry.specs()
+    }
+
+    fn reports(&self) -> Vec<PartitionReport> {
+        self.inner
+            .reports
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_default()
+    }
+
+    fn used(&self) -> u64 {
+        self.inner
+            .parts
+            .lock()
+            .map(|p| p.values().map(|p| p.store.used()).sum())
+            .unwrap_or(0)
+    }
+
+    fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            if spec.kind != PartitionKind::Data {
+                return Err(format!(
+                    "a data node cannot host meta partition {}",
+                    spec.id
+                ));
+            }
+            self.open_partition(&spec).await?;
+            self.inner.registry.ensure(spec).await
+        })
+    }
+
+    fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            if let Ok(raft) = self.raft() {
+                match raft.remove_group(id.0).await {
+                    Ok(()) | Err(RaftError::UnknownGroup(_)) => {}
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+            if let Ok(mut p) = self.inner.parts.lock() {
+                p.remove(&id);
+            }
+            self.inner.registry.remove(id).await?;
+            let dir = self.part_dir(id);
+            tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(e.to_string()),
+            })
+            .await
+            .map_err(err_str)?
+        })
+    }
+}

@@ -1,0 +1,1153 @@
+//! The extent store of one data partition (DESIGN.md §7): extents in files behind a [`Disk`], a
+//! CRC-32C per block checked on every read, group-committed `fdatasync`, and recovery that trims torn
+//! tails. The byte formats, the commit protocol and the invariants are in `docs/data-store.md`.
+//!
+//! Extents `1..=TINY_EXTENTS` are **tiny extents**: shared files that small files are written into at
+//! any offset at or past the end (the service aligns them to 4 KiB) and released with
+//! [`ExtentStore::punch`]. Extents from [`FIRST_NORMAL_EXTENT`] on are **normal extents**: one per
+//! file, appended to and overwritten in place, removed with [`ExtentStore::delete`].
+//!
+//! Concurrency: the extent map is behind an `RwLock` held only for lookups and inserts; every extent
+//! has its own `RwLock`, read-held by reads (so reads of one extent run in parallel) and write-held by
+//! changes. No lock is held across an fsync except in `truncate` and `punch`, whose ordering needs it.
+
+mod format;
+mod recovery;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{
+    Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
+};
+
+use bytes::Bytes;
+use nacre_types::{ErrorCode, ExtentId, crc32c, crc32c_append};
+use serde::{Deserialize, Serialize};
+
+use crate::io::{Disk, DiskFile};
+use format::{Header, RECORD, Record, SLOT, crc_name, data_name, record_at};
+
+/// Ids `1..=TINY_EXTENTS` are tiny extents.
+pub const TINY_EXTENTS: u64 = 16;
+/// The first id of a normal extent (ids between the tiny ones and this are reserved).
+pub const FIRST_NORMAL_EXTENT: u64 = 1024;
+/// Default size of a checksummed block.
+pub const DEFAULT_BLOCK_SIZE: u32 = 128 * 1024;
+/// Smallest and largest accepted block sizes.
+pub const MIN_BLOCK_SIZE: u32 = 16;
+pub const MAX_BLOCK_SIZE: u32 = 64 << 20;
+/// Most blocks an extent may have (bounds memory: 8 bytes per block).
+pub const MAX_EXTENT_BLOCKS: u64 = 1 << 22;
+
+/// A gap (tiny extents) up to this size is written as zeros with the data, in one write.
+const INLINE_GAP: u64 = 64 * 1024;
+
+/// Settings of an [`ExtentStore`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StoreOptions {
+    /// Bytes covered by one CRC. Fixed for the life of the store: opening with another size fails.
+    pub block_size: u32,
+    /// `false` makes [`ExtentStore::sync`] (and the fsyncs inside truncate and punch) no-ops: nothing
+    /// is durable. For benchmarks.
+    pub sync: bool,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            block_size: DEFAULT_BLOCK_SIZE,
+            sync: true,
+        }
+    }
+}
+
+/// An extent whose tail recovery cut: `old_len` bytes were in its data file, `new_len` verified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Trimmed {
+    pub extent: ExtentId,
+    pub old_len: u64,
+    pub new_len: u64,
+}
+
+/// Group commit counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SyncStats {
+    /// Calls of [`ExtentStore::sync`] that waited for a round (not counting `sync: false` stores).
+    pub calls: u64,
+    /// Rounds run (each fsyncs every file written since the previous round).
+    pub rounds: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("extent {0} not found")]
+    NotFound(ExtentId),
+    #[error("extent {extent}: {len} bytes at {offset} are out of range (length {extent_len})")]
+    OutOfRange {
+        extent: ExtentId,
+        offset: u64,
+        len: u64,
+        extent_len: u64,
+    },
+    #[error("extent {extent}: block {block} (at {offset}) fails its checksum")]
+    Corrupt {
+        extent: ExtentId,
+        /// Index of the block.
+        block: u64,
+        /// Offset of the block's first byte.
+        offset: u64,
+    },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("io error: {0}")]
+    Io(#[from] std::io::Error),
+    /// An fsync, or the IO of a change, failed earlier: what is on disk is unknown, so the store
+    /// refuses all work until it is reopened (which recovers from what is on disk).
+    #[error("the store failed an IO earlier; reopen it")]
+    Failed,
+}
+
+impl StoreError {
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::NotFound(_) => ErrorCode::NotFound,
+            Self::OutOfRange { .. } | Self::Invalid(_) => ErrorCode::InvalidArgument,
+            Self::Corrupt { .. } => ErrorCode::Corrupt,
+            Self::Io(_) | Self::Failed => ErrorCode::Internal,
+        }
+    }
+}
+
+/// The CRC of one block as cached in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Block {
+    /// CRC-32C of the block's bytes (the first `len % block_size` for the last block).
+    crc: u32,
+    /// Known not to match its bytes (found at recovery, or a truncate cut a block that failed): reads
+    /// fail with `Corrupt` until a write replaces the whole block.
+    bad: bool,
+}
+
+impl Block {
+    fn good(crc: u32) -> Self {
+        Self { crc, bad: false }
+    }
+}
+
+/// Where the next commit header goes.
+#[derive(Clone, Copy, Debug)]
+struct Cursor {
+    /// Slot (0 or 1) to write next; the other one holds the last header known durable.
+    slot: u64,
+    /// Sequence number of the next header.
+    seq: u64,
+    /// Headers written since open: an fsync confirms a header only if no other was written since.
+    generation: u64,
+    /// Length in each slot's header (`u64::MAX`: none). While they differ, recovery must read the
+    /// range between them, so a round that leaves them different queues a second header.
+    lens: [u64; 2],
+}
+
+#[derive(Debug)]
+struct State {
+    deleted: bool,
+    len: u64,
+    /// One per block: `len.div_ceil(block_size)` entries.
+    blocks: Vec<Block>,
+    hdr: Cursor,
+}
+
+#[derive(Debug)]
+struct Extent {
+    id: ExtentId,
+    data: Arc<dyn DiskFile>,
+    crc: Arc<dyn DiskFile>,
+    /// In the dirty set. Set only under the dirty-set lock after inserting, cleared when a round takes
+    /// the set: so `true` means "a round not yet started will sync this extent".
+    dirty: AtomicBool,
+    state: RwLock<State>,
+}
+
+#[derive(Debug, Default)]
+struct Dirty {
+    extents: HashMap<ExtentId, Arc<Extent>>,
+    /// A file was created or removed since the last round.
+    dir: bool,
+}
+
+#[derive(Debug, Default)]
+struct Commit {
+    /// Rounds started; rounds are serialized, so a round `r` starts only after `r - 1` finished.
+    started: u64,
+    finished: u64,
+    running: bool,
+    calls: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Tiny,
+    Normal,
+}
+
+/// The extent store of one data partition. `Send + Sync`; every method takes `&self`.
+pub struct ExtentStore {
+    disk: Arc<dyn Disk>,
+    opts: StoreOptions,
+    bs: u64,
+    max_len: u64,
+    /// CRC of a block of zeros.
+    zero_block_crc: u32,
+    extents: RwLock<HashMap<ExtentId, Arc<Extent>>>,
+    /// Serializes creating and deleting extents (their files), not IO on them.
+    namespace: Mutex<()>,
+    dirty: Mutex<Dirty>,
+    commit: Mutex<Commit>,
+    round_done: Condvar,
+    failed: AtomicBool,
+    trimmed: Vec<Trimmed>,
+    bad: Vec<(ExtentId, u64)>,
+}
+
+impl std::fmt::Debug for ExtentStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExtentStore")
+            .field("disk", &self.disk)
+            .field("opts", &self.opts)
+            .field("extents", &read(&self.extents).len())
+            .field("failed", &self.failed.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+// Critical sections update memory only after their IO succeeded, so a panic elsewhere never leaves a
+// half-updated state behind: poisoning is ignored.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+static ZEROS: [u8; 4096] = [0; 4096];
+
+/// Continues `crc` over `n` zero bytes.
+fn crc_zeros(mut crc: u32, mut n: u64) -> u32 {
+    while n > 0 {
+        let k = n.min(ZEROS.len() as u64);
+        crc = crc32c_append(crc, &ZEROS[..k as usize]);
+        n -= k;
+    }
+    crc
+}
+
+fn kind(id: ExtentId) -> Result<Kind, StoreError> {
+    match id.0 {
+        1..=TINY_EXTENTS => Ok(Kind::Tiny),
+        FIRST_NORMAL_EXTENT.. => Ok(Kind::Normal),
+        _ => Err(StoreError::Invalid(format!(
+            "extent id {} is reserved",
+            id.0
+        ))),
+    }
+}
+
+impl ExtentStore {
+    /// Opens the store, recovering every extent: a torn tail (last blocks whose bytes do not match
+    /// their persisted CRC, or data past the CRC records) is trimmed to the end of the last verified
+    /// block; [`ExtentStore::recovery_report`] lists what was trimmed.
+    pub fn open(disk: Arc<dyn Disk>, opts: StoreOptions) -> Result<Self, StoreError> {
+        if !(MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&opts.block_size) {
+            return Err(StoreError::Invalid(format!(
+                "block size {} is not in {MIN_BLOCK_SIZE}..={MAX_BLOCK_SIZE}",
+                opts.block_size
+            )));
+        }
+        let bs = u64::from(opts.block_size);
+        // (data file, crc file) present
+        let mut found: BTreeMap<ExtentId, (bool, bool)> = BTreeMap::new();
+        for name in disk.list()? {
+            match format::parse_name(&name) {
+                Some((id, k)) if kind(id).is_ok() => {
+                    let e = found.entry(id).or_default();
+                    match k {
+                        format::Kind::Data => e.0 = true,
+                        format::Kind::Crc => e.1 = true,
+                    }
+                }
+                _ => tracing::debug!(name, "the extent store ignores a file it does not own"),
+            }
+        }
+        let mut extents = HashMap::new();
+        let mut trimmed = Vec::new();
+        let mut bad = Vec::new();
+        let mut dir_dirty = false;
+        for (id, files) in found {
+            if files != (true, true) {
+                // A create or a delete that was not synced: the extent was never durably there (or
+                // durably gone), so drop the remnant.
+                disk.remove(&data_name(id))?;
+                disk.remove(&crc_name(id))?;
+                dir_dirty = true;
+                tracing::info!(extent = %id, "removed the remnant of an unsynced create or delete");
+                continue;
+            }
+            let data = disk.open(&data_name(id))?;
+            let crc = disk.open(&crc_name(id))?;
+            let r = recovery::recover(id, &*data, &*crc, opts.block_size, opts.sync)?;
+            if r.len != r.found_len {
+                trimmed.push(Trimmed {
+                    extent: id,
+                    old_len: r.found_len,
+                    new_len: r.len,
+                });
+            }
+            bad.extend(r.bad.iter().map(|&b| (id, b)));
+            let state = State {
+                deleted: false,
+                len: r.len,
+                blocks: r.blocks,
+                hdr: r.cursor,
+            };
+            extents.insert(id, Arc::new(Extent::new(id, data, crc, state)));
+        }
+        Ok(Self {
+            disk,
+            max_len: bs * MAX_EXTENT_BLOCKS,
+            zero_block_crc: crc_zeros(0, bs),
+            bs,
+            opts,
+            extents: RwLock::new(extents),
+            namespace: Mutex::new(()),
+            dirty: Mutex::new(Dirty {
+                extents: HashMap::new(),
+                dir: dir_dirty,
+            }),
+            commit: Mutex::new(Commit::default()),
+            round_done: Condvar::new(),
+            failed: AtomicBool::new(false),
+            trimmed,
+            bad,
+        })
+    }
+
+    /// Extents whose tail recovery cut at open.
+    pub fn recovery_report(&self) -> &[Trimmed] {
+        &self.trimmed
+    }
+
+    /// Blocks recovery kept although they fail their CRC (extent, block index): they read as
+    /// `Corrupt` until repaired. Only an in-place change (overwrite, repair) torn by a crash leaves
+    /// these, or damage to the files.
+    pub fn recovery_bad_blocks(&self) -> &[(ExtentId, u64)] {
+        &self.bad
+    }
+
+    pub fn is_tiny(id: ExtentId) -> bool {
+        (1..=TINY_EXTENTS).contains(&id.0)
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.opts.block_size
+    }
+
+    pub fn options(&self) -> &StoreOptions {
+        &self.opts
+    }
+
+    /// Creates an empty normal extent; idempotent (an existing extent is left unchanged). A tiny
+    /// extent id makes its file exist. Durable after the next [`ExtentStore::sync`].
+    pub fn create(&self, id: ExtentId) -> Result<(), StoreError> {
+        self.check()?;
+        self.changing(|| {
+            kind(id)?;
+            if self.lookup(id).is_none() {
+                self.materialize(id)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Writes `data` at `offset`. Normal extents: `offset <= len` (appending or overwriting in place;
+    /// past the end is `OutOfRange`). Tiny extents also accept any `offset >= len` (the gap reads as
+    /// zeros). Extends the length when it writes past it and updates the block CRCs; a partially
+    /// overwritten block is re-read and must verify first (else `Corrupt`, nothing written). Not
+    /// durable until [`ExtentStore::sync`].
+    pub fn write(&self, id: ExtentId, offset: u64, data: &[u8]) -> Result<(), StoreError> {
+        self.check()?;
+        self.changing(|| {
+            let ext = self.writable(id)?;
+            let mut st = write(&ext.state);
+            if st.deleted {
+                return Err(StoreError::NotFound(id));
+            }
+            if offset > st.len && !Self::is_tiny(id) {
+                return Err(StoreError::OutOfRange {
+                    extent: id,
+                    offset,
+                    len: data.len() as u64,
+                    extent_len: st.len,
+                });
+            }
+            self.write_locked(&ext, &mut st, offset, data)?;
+            drop(st);
+            self.mark_dirty(&ext);
+            Ok(())
+        })
+    }
+
+    /// Shrinks an extent to `len` (drops an unacknowledged tail); `len` past the end is `Invalid`.
+    /// Durable when it returns (it fsyncs: a crash must not bring the dropped bytes back).
+    pub fn truncate(&self, id: ExtentId, len: u64) -> Result<(), StoreError> {
+        self.check()?;
+        self.changing(|| {
+            let Some(ext) = self.find(id)? else {
+                return if len == 0 {
+                    Ok(())
+                } else {
+                    Err(StoreError::Invalid(format!(
+                        "{id}: cannot truncate an empty extent to {len}"
+                    )))
+                };
+            };
+            let mut st = write(&ext.state);
+            if st.deleted {
+                return Err(StoreError::NotFound(id));
+            }
+            if len > st.len {
+                return Err(StoreError::Invalid(format!(
+                    "{id}: cannot truncate to {len}, past its length {}",
+                    st.len
+                )));
+            }
+            if len < st.len {
+                self.truncate_locked(&ext, &mut st, len)?;
+            }
+            drop(st);
+            self.mark_dirty(&ext);
+            Ok(())
+        })
+    }
+
+    /// Reads `len` bytes at `offset`, verifying every block it touches against its CRC (whole blocks
+    /// are read and checked; only the asked range is returned). Past the end is `OutOfRange`.
+    pub fn read(&self, id: ExtentId, offset: u64, len: u32) -> Result<Bytes, StoreError> {
+        self.check()?;
+        let out_of_range = |extent_len| StoreError::OutOfRange {
+            extent: id,
+            offset,
+            len: u64::from(len),
+            extent_len,
+        };
+        let end = offset
+            .checked_add(u64::from(len))
+            .ok_or_else(|| out_of_range(0))?;
+        let Some(ext) = self.find(id)? else {
+            return if end == 0 {
+                Ok(Bytes::new())
+            } else {
+                Err(out_of_range(0))
+            };
+        };
+        let st = read(&ext.state);
+        if st.deleted {
+            return Err(StoreError::NotFound(id));
+        }
+        if end > st.len {
+            return Err(out_of_range(st.len));
+        }
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        let bs = self.bs;
+        let first = offset / bs;
+        let last = (end - 1) / bs;
+        let start = first * bs;
+        let stop = st.len.min((last + 1) * bs);
+        let mut buf = vec![0u8; (stop - start) as usize];
+        let got = ext.data.read_at(&mut buf, start)?;
+        for (i, chunk) in buf.chunks(bs as usize).enumerate() {
+            let b = first + i as u64;
+            let blk = st.blocks[b as usize];
+            let complete = got >= i * bs as usize + chunk.len();
+            if blk.bad || !complete || crc32c(chunk) != blk.crc {
+                return Err(StoreError::Corrupt {
+                    extent: id,
+                    block: b,
+                    offset: b * bs,
+                });
+            }
+        }
+        drop(st);
+        Ok(Bytes::from(buf).slice((offset - start) as usize..(end - start) as usize))
+    }
+
+    /// Length of an extent (0 for a tiny extent not written yet).
+    pub fn len(&self, id: ExtentId) -> Result<u64, StoreError> {
+        self.check()?;
+        let Some(ext) = self.find(id)? else {
+            return Ok(0);
+        };
+        let st = read(&ext.state);
+        if st.deleted {
+            return Err(StoreError::NotFound(id));
+        }
+        Ok(st.len)
+    }
+
+    /// The per-block CRCs, for comparing replicas during repair. A block known bad reports the
+    /// complement of its expected CRC, so that it never matches a healthy replica's.
+    pub fn block_crcs(&self, id: ExtentId) -> Result<Vec<u32>, StoreError> {
+        self.check()?;
+        let Some(ext) = self.find(id)? else {
+            return Ok(Vec::new());
+        };
+        let st = read(&ext.state);
+        if st.deleted {
+            return Err(StoreError::NotFound(id));
+        }
+        Ok(st
+            .blocks
+            .iter()
+            .map(|b| if b.bad { !b.crc } else { b.crc })
+            .collect())
+    }
+
+    /// Replaces block `index` wholesale with `data` (a healthy replica's copy: `block_size` bytes, or
+    /// fewer for the last block), creating the extent if missing and recomputing the CRC. The block
+    /// may be the next one past the end (the extent grows), or for a tiny extent any block past it.
+    /// A shorter last block shrinks the extent (durably, as [`ExtentStore::truncate`]). Never reads
+    /// the old bytes, so it fixes a corrupt block. Not durable until [`ExtentStore::sync`].
+    pub fn repair_block(&self, id: ExtentId, index: u64, data: &[u8]) -> Result<(), StoreError> {
+        self.check()?;
+        self.changing(|| {
+            let k = kind(id)?;
+            let bs = self.bs;
+            if data.is_empty() || data.len() as u64 > bs {
+                return Err(StoreError::Invalid(format!(
+                    "{id}: a repaired block has 1..={bs} bytes, not {}",
+                    data.len()
+                )));
+            }
+            let start = index
+                .checked_mul(bs)
+                .filter(|s| s + bs <= self.max_len)
+                .ok_or_else(|| StoreError::Invalid(format!("{id}: block {index} is too far")))?;
+            let ext = match self.lookup(id) {
+                Some(e) => e,
+                None => self.materialize(id)?,
+            };
+            let mut st = write(&ext.state);
+            if st.deleted {
+                return Err(StoreError::NotFound(id));
+            }
+            if k == Kind::Normal && start > st.len {
+                return Err(StoreError::OutOfRange {
+                    extent: id,
+                    offset: start,
+                    len: data.len() as u64,
+                    extent_len: st.len,
+                });
+            }
+            let end = start + data.len() as u64;
+            if st.len > start + bs && data.len() as u64 != bs {
+                return Err(StoreError::Invalid(format!(
+                    "{id}: block {index} is not the last one and needs {bs} bytes, not {}",
+                    data.len()
+                )));
+            }
+            if start < st.len && end < st.len && st.len <= start + bs {
+                // The last block, shorter on the healthy replica.
+                self.truncate_locked(&ext, &mut st, end)?;
+            }
+            self.write_locked(&ext, &mut st, start, data)?;
+            drop(st);
+            self.mark_dirty(&ext);
+            Ok(())
+        })
+    }
+
+    /// Deletes a normal extent (removes its files); idempotent. Durable after the next sync.
+    pub fn delete(&self, id: ExtentId) -> Result<(), StoreError> {
+        self.check()?;
+        self.changing(|| {
+            if kind(id)? == Kind::Tiny {
+                return Err(StoreError::Invalid(format!(
+                    "{id} is a tiny extent: release its ranges with punch"
+                )));
+            }
+            let _ns = lock(&self.namespace);
+            let Some(ext) = self.lookup(id) else {
+                return Ok(());
+            };
+            write(&ext.state).deleted = true;
+            write(&self.extents).remove(&id);
+            lock(&self.dirty).dir = true;
+            self.disk.remove(&data_name(id))?;
+            self.disk.remove(&crc_name(id))?;
+            Ok(())
+        })
+    }
+
+    /// Punches `[offset, offset + len)` out of a tiny extent: the range reads as zeros, its space is
+    /// freed (whole file-system blocks), the size does not change. Recomputes the CRCs of the blocks it
+    /// touches; a block it covers only in part must verify first (else `Corrupt`, nothing changed).
+    ///
+    /// Durable when it returns. The new block records keep the old CRC as an alternative and are
+    /// fsynced (with a commit header) before the data changes, then the data is fsynced: a crash at
+    /// any point leaves every block verifiable, punched or not (unless it tears a 32-byte record
+    /// write, which a disk with atomic sector writes never does).
+    pub fn punch(&self, id: ExtentId, offset: u64, len: u64) -> Result<(), StoreError> {
+        self.check()?;
+        self.changing(|| {
+            if kind(id)? != Kind::Tiny {
+                return Err(StoreError::Invalid(format!(
+                    "{id} is not a tiny extent: only tiny extents are punched"
+                )));
+            }
+            let out_of_range = |extent_len| StoreError::OutOfRange {
+                extent: id,
+                offset,
+                len,
+                extent_len,
+            };
+            let end = offset.checked_add(len).ok_or_else(|| out_of_range(0))?;
+            let Some(ext) = self.find(id)? else {
+                return if end == 0 {
+                    Ok(())
+                } else {
+                    Err(out_of_range(0))
+                };
+            };
+            let mut st = write(&ext.state);
+            if end > st.len {
+                return Err(out_of_range(st.len));
+            }
+            if len == 0 {
+                return Ok(());
+            }
+            let bs = self.bs;
+            let first = offset / bs;
+            let last = (end - 1) / bs;
+            let mut blocks = Vec::with_capacity((last - first + 1) as usize);
+            let mut records = Vec::with_capacity(blocks.capacity() * RECORD as usize);
+            for b in first..=last {
+                let start = b * bs;
+                let blen = (st.len - start).min(bs);
+                let (ps, pe) = (offset.max(start), end.min(start + blen));
+                let old = st.blocks[b as usize];
+                let (crc, alt) = if ps == start && pe == start + blen {
+                    (self.zeros_crc(blen), (!old.bad).then_some(old.crc))
+                } else {
+                    let mut buf = vec![0u8; blen as usize];
+                    let verified = self.read_block(&ext, &mut buf, start, old)?;
+                    buf[(ps - start) as usize..(pe - start) as usize].fill(0);
+                    let crc = crc32c(&buf);
+                    // An unverified block is accepted only if punching makes it match its CRC.
+                    if !verified && crc != old.crc {
+                        return Err(self.corrupt(id, b));
+                    }
+                    (crc, verified.then_some(old.crc))
+                };
+                let rec = Record {
+                    len: blen as u32,
+                    crc,
+                    alt,
+                    epoch: st.hdr.seq,
+                };
+                records.extend_from_slice(&rec.encode());
+                blocks.push((Block::good(crc), alt.is_some(), blen));
+            }
+            let tail_crc = match (st.len % bs, blocks.last()) {
+                (0, _) => 0,
+                (_, Some((blk, _, _))) if last + 1 == st.blocks.len() as u64 => blk.crc,
+                _ => st.blocks.last().map_or(0, |b| b.crc),
+            };
+            ext.crc.write_at(&records, record_at(first))?;
+            let len_now = st.len;
+            let generation = self.write_header(&ext, &mut st, len_now, tail_crc)?;
+            self.fsync_file(&*ext.crc)?;
+            ext.data.punch_hole(offset, len)?;
+            self.fsync_file(&*ext.data)?;
+            if self.opts.sync {
+                Self::header_durable(&mut st, generation);
+            }
+            for (i, &(block, alt, blen)) in blocks.iter().enumerate() {
+                let b = first + i as u64;
+                st.blocks[b as usize] = block;
+                if alt {
+                    // The punch is durable: drop the alternative (unsynced, best effort; a record
+                    // that keeps it costs only a read at recovery).
+                    let rec = Record::new(blen as u32, block.crc, st.hdr.seq);
+                    ext.crc.write_at(&rec.encode(), record_at(b))?;
+                }
+            }
+            drop(st);
+            self.mark_dirty(&ext);
+            Ok(())
+        })
+    }
+
+    /// Every extent and its length (tiny ones included once they exist), by id.
+    pub fn extents(&self) -> Vec<(ExtentId, u64)> {
+        let all: Vec<Arc<Extent>> = read(&self.extents).values().cloned().collect();
+        let mut out: Vec<(ExtentId, u64)> = all
+            .iter()
+            .filter_map(|e| {
+                let st = read(&e.state);
+                (!st.deleted).then_some((e.id, st.len))
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Makes every write before this call durable: data, CRC records, created and removed files.
+    ///
+    /// Group commit: a caller waits for a round that started after its call; whoever finds no round
+    /// running runs the next one for everybody, fsyncing every file written since the previous round
+    /// began. After an IO error in a round (or in any change) the store returns `Failed` for
+    /// everything until reopened.
+    pub fn sync(&self) -> Result<(), StoreError> {
+        self.check()?;
+        if !self.opts.sync {
+            return Ok(());
+        }
+        let mut c = lock(&self.commit);
+        c.calls += 1;
+        // The running round (if any) may have taken the dirty set before our writes: wait for the next.
+        let target = c.started + 1;
+        loop {
+            self.check()?;
+            if c.finished >= target {
+                return Ok(());
+            }
+            if c.running {
+                c = self
+                    .round_done
+                    .wait(c)
+                    .unwrap_or_else(PoisonError::into_inner);
+                continue;
+            }
+            c.running = true;
+            c.started += 1;
+            let round = c.started;
+            drop(c);
+            let result = self.round();
+            c = lock(&self.commit);
+            c.running = false;
+            c.finished = round;
+            if let Err(e) = result {
+                self.fail(&e);
+                self.round_done.notify_all();
+                return Err(e);
+            }
+            self.round_done.notify_all();
+        }
+    }
+
+    /// Group commit counters.
+    pub fn sync_stats(&self) -> SyncStats {
+        let c = lock(&self.commit);
+        SyncStats {
+            calls: c.calls,
+            rounds: c.finished,
+        }
+    }
+
+    /// Bytes on disk ([`Disk::used`]); 0 if the disk cannot tell.
+    pub fn used(&self) -> u64 {
+        self.disk.used().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "cannot measure the extent store's disk use");
+            0
+        })
+    }
+
+    // ---------------------------------------------------------------------------------------------
+
+    fn check(&self) -> Result<(), StoreError> {
+        if self.failed.load(Ordering::SeqCst) {
+            Err(StoreError::Failed)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn corrupt(&self, extent: ExtentId, block: u64) -> StoreError {
+        StoreError::Corrupt {
+            extent,
+            block,
+            offset: block * self.bs,
+        }
+    }
+
+    fn lookup(&self, id: ExtentId) -> Option<Arc<Extent>> {
+        read(&self.extents).get(&id).cloned()
+    }
+
+    /// The extent, `None` for a tiny extent not created yet, `NotFound` for a missing normal one.
+    fn find(&self, id: ExtentId) -> Result<Option<Arc<Extent>>, StoreError> {
+        let k = kind(id)?;
+        match self.lookup(id) {
+            Some(e) => Ok(Some(e)),
+            None if k == Kind::Tiny => Ok(None),
+            None => Err(StoreError::NotFound(id)),
+        }
+    }
+
+    /// The extent to write to, creating a tiny extent's files on first use.
+    fn writable(&self, id: ExtentId) -> Result<Arc<Extent>, StoreError> {
+        match self.find(id)? {
+            Some(e) => Ok(e),
+            None => self.materialize(id),
+        }
+    }
+
+    /// Creates an extent's (empty) files and registers it.
+    fn materialize(&self, id: ExtentId) -> Result<Arc<Extent>, StoreError> {
+        let _ns = lock(&self.namespace);
+        if let Some(e) = self.lookup(id) {
+            return Ok(e);
+        }
+        let data = self.disk.open(&data_name(id))?;
+        let crc = self.disk.open(&crc_name(id))?;
+        // Leftovers of a delete whose remove failed must not show through.
+        for f in [&data, &crc] {
+            if f.len()? != 0 {
+                f.set_len(0)?;
+            }
+        }
+        let state = State {
+            deleted: false,
+            len: 0,
+            blocks: Vec::new(),
+            hdr: Cursor {
+                slot: 0,
+                seq: 1,
+                generation: 0,
+                lens: [u64::MAX; 2],
+            },
+        };
+        let ext = Arc::new(Extent::new(id, data, crc, state));
+        write(&self.extents).insert(id, ext.clone());
+        lock(&self.dirty).dir = true;
+        self.mark_dirty(&ext);
+        Ok(ext)
+    }
+
+    fn mark_dirty(&self, ext: &Arc<Extent>) {
+        if ext.dirty.load(Ordering::SeqCst) {
+            return;
+        }
+        let mut d = lock(&self.dirty);
+        d.extents.insert(ext.id, ext.clone());
+        ext.dirty.store(true, Ordering::SeqCst);
+    }
+
+    fn zeros_crc(&self, n: u64) -> u32 {
+        if n == self.bs {
+            self.zero_block_crc
+        } else {
+            crc_zeros(0, n)
+        }
+    }
+
+    /// Reads a block's bytes into `buf` (its current length) and says whether they verify.
+    fn read_block(
+        &self,
+        ext: &Extent,
+        buf: &mut [u8],
+        start: u64,
+        blk: Block,
+    ) -> Result<bool, StoreError> {
+        let got = ext.data.read_at(buf, start)?;
+        if got < buf.len() {
+            buf[got..].fill(0);
+            return Ok(false);
+        }
+        Ok(!blk.bad && crc32c(buf) == blk.crc)
+    }
+
+    /// Runs the IO of a change. An error there leaves the files in a state memory does not describe
+    /// (a write may have landed in part), so it fails the store: only recovery can tell what is on
+    /// disk.
+    fn changing<T>(&self, f: impl FnOnce() -> Result<T, StoreError>) -> Result<T, StoreError> {
+        f().inspect_err(|e| {
+            if matches!(e, StoreError::Io(_)) {
+                self.fail(e);
+            }
+        })
+    }
+
+    fn fail(&self, e: &StoreError) {
+        if !self.failed.swap(true, Ordering::SeqCst) {
+            tracing::error!(error = %e, "extent store IO failed; refusing work until reopened");
+        }
+    }
+
+    /// fsyncs one file unless the store does not sync; a failure fails the store.
+    fn fsync_file(&self, f: &dyn DiskFile) -> Result<(), StoreError> {
+        if !self.opts.sync {
+            return Ok(());
+        }
+        f.sync_data().map_err(|e| {
+            let e = StoreError::Io(e);
+            self.fail(&e);
+            e
+        })
+    }
+
+    /// Writes a commit header for length `len` into the cursor's slot; returns its generation.
+    fn write_header(
+        &self,
+        ext: &Extent,
+        st: &mut State,
+        len: u64,
+        tail_crc: u32,
+    ) -> Result<u64, StoreError> {
+        let h = Header {
+            block_size: self.opts.block_size,
+            tail_crc,
+            seq: st.hdr.seq,
+            len,
+        };
+        st.hdr.seq = st.hdr.seq.saturating_add(1);
+        st.hdr.generation += 1;
+        st.hdr.lens[st.hdr.slot as usize] = len;
+        ext.crc.write_at(&h.encode(), st.hdr.slot * SLOT)?;
+        Ok(st.hdr.generation)
+    }
+
+    /// An fsync that started after header `generation` was written completed: if no header was written
+    /// since, that slot now holds the durable header and the next one goes to the other slot.
+    fn header_durable(st: &mut State, generation: u64) {
+        if st.hdr.generation == generation {
+            st.hdr.slot = 1 - st.hdr.slot;
+        }
+    }
+
+    /// The write path: computes the new CRC of every block the write changes (re-reading a block it
+    /// overwrites only in part), writes the data, then the records, then updates memory.
+    fn write_locked(
+        &self,
+        ext: &Extent,
+        st: &mut State,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), StoreError> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let bs = self.bs;
+        let end = offset
+            .checked_add(data.len() as u64)
+            .filter(|&e| e <= self.max_len)
+            .ok_or_else(|| {
+                StoreError::Invalid(format!(
+                    "{}: a write may not end past {} bytes",
+                    ext.id, self.max_len
+                ))
+            })?;
+        let old_len = st.len;
+        let new_len = old_len.max(end);
+        // A gap (tiny extents) changes blocks from the old end on.
+        let first = offset.min(old_len) / bs;
+        let last = (end - 1) / bs;
+        let mut blocks = Vec::with_capacity((last - first + 1) as usize);
+        let mut records = Vec::with_capacity(blocks.capacity() * RECORD as usize);
+        for b in first..=last {
+            let start = b * bs;
+            let new_blen = (new_len - start).min(bs);
+            let old_blen = old_len.saturating_sub(start).min(bs);
+            // The part of the write inside this block.
+            let (ws, we) = (offset.max(start), end.min(start + new_blen));
+            let piece: &[u8] = if ws < we {
+                &data[(ws - offset) as usize..(we - offset) as usize]
+            } else {
+                &[]
+            };
+            let block = if old_blen == 0 {
+                // A new block: zeros (a gap) up to the piece, which runs to the block's end.
+                let zeros = new_blen - piece.len() as u64;
+                if zeros == bs {
+                    Block::good(self.zero_block_crc)
+                } else {
+                    Block::good(crc32c_append(crc_zeros(0, zeros), piece))
+                }
+            } else if ws == start && we == start + new_blen {
+                Block::good(crc32c(piece))
+            } else {
+                let old = st.blocks[b as usize];
+                if ws >= start + old_blen {
+                    // Appending to the last block, maybe after a gap: extend its CRC, no read. A bad
+                    // block stays bad.
+                    let gap = new_blen - old_blen - piece.len() as u64;
+                    Block {
+                        crc: crc32c_append(crc_zeros(old.crc, gap), piece),
+                        bad: old.bad,
+                    }
+                } else {
+                    let mut buf = vec![0u8; new_blen as usize];
+                    let verified =
+                        self.read_block(ext, &mut buf[..old_blen as usize], start, old)?;
+                    buf[(ws - start) as usize..(we - start) as usize].copy_from_slice(piece);
+                    let crc = crc32c(&buf);
+                    // Never bless bytes that failed their CRC, unless this write makes the block
+                    // match its record: the replay of a write that a crash tore.
+                    if !verified && crc != old.crc {
+                        return Err(self.corrupt(ext.id, b));
+                    }
+                    Block::good(crc)
+                }
+            };
+            let rec = Record::new(new_blen as u32, block.crc, st.hdr.seq);
+            records.extend_from_slice(&rec.encode());
+            blocks.push(block);
+        }
+
+        if offset > old_len {
+            let gap = offset - old_len;
+            if gap <= INLINE_GAP {
+                let mut buf = Vec::with_capacity(gap as usize + data.len());
+                buf.resize(gap as usize, 0);
+                buf.extend_from_slice(data);
+                ext.data.write_at(&buf, old_len)?;
+            } else {
+                // Cut whatever lies past the end, so the gap is a hole of zeros.
+                ext.data.set_len(old_len)?;
+                ext.data.write_at(data, offset)?;
+            }
+        } else {
+            ext.data.write_at(data, offset)?;
+        }
+        ext.crc.write_at(&records, record_at(first))?;
+
+        for (i, block) in blocks.into_iter().enumerate() {
+            let b = first as usize + i;
+            if b < st.blocks.len() {
+                st.blocks[b] = block;
+            } else {
+                st.blocks.push(block);
+            }
+        }
+        st.len = new_len;
+        Ok(())
+    }
+
+    /// Shrinks to `len < st.len`, durably: the new end record and a header saying `len` are fsynced
+    /// before the files are cut, and the cut is fsynced before new writes can refill the range.
+    fn truncate_locked(&self, ext: &Extent, st: &mut State, len: u64) -> Result<(), StoreError> {
+        let bs = self.bs;
+        let k = len / bs;
+        let p = len % bs;
+        let tail = if p == 0 {
+            None
+        } else {
+            let old = st.blocks[k as usize];
+            let old_blen = (st.len - k * bs).min(bs);
+            let mut buf = vec![0u8; old_blen as usize];
+            let verified = self.read_block(ext, &mut buf, k * bs, old)?;
+            let crc = crc32c(&buf[..p as usize]);
+            // A block that failed keeps a CRC that cannot match, so recovery does not bless it.
+            Some(if verified {
+                Block::good(crc)
+            } else {
+                Block {
+                    crc: !crc,
+                    bad: true,
+                }
+            })
+        };
+        // No record is rewritten (a torn one could spoil a durable block): the header's `tail_crc`
+        // verifies the new last block, and records past `len` are older than the header, which
+        // recovery ignores.
+        let tail_crc = tail.map_or(0, |b| b.crc);
+        let generation = self.write_header(ext, st, len, tail_crc)?;
+        self.fsync_file(&*ext.data)?;
+        self.fsync_file(&*ext.crc)?;
+        let nblocks = len.div_ceil(bs);
+        st.len = len;
+        st.blocks.truncate(nblocks as usize);
+        if let Some(b) = tail {
+            st.blocks[k as usize] = b;
+        }
+        if self.opts.sync {
+            Self::header_durable(st, generation);
+        }
+        ext.data.set_len(len)?;
+        ext.crc.set_len(record_at(nblocks))?;
+        // The other slot still says the old, longer length; recovery may fall back to it (when a
+        // later in-place write is torn) and must not find the dropped bytes promised there.
+        let generation = self.write_header(ext, st, len, tail_crc)?;
+        self.fsync_file(&*ext.data)?;
+        self.fsync_file(&*ext.crc)?;
+        if self.opts.sync {
+            Self::header_durable(st, generation);
+        }
+        Ok(())
+    }
+
+    /// One group-commit round: for every extent written since the last round, a commit header for
+    /// its current length, then fsync of its data and crc files; then the directory if files came or
+    /// went. Any error fails the store (what reached the disk is unknown).
+    fn round(&self) -> Result<(), StoreError> {
+        let (extents, dir) = {
+            let mut d = lock(&self.dirty);
+            for e in d.extents.values() {
+                e.dirty.store(false, Ordering::SeqCst);
+            }
+            (std::mem::take(&mut d.extents), std::mem::take(&mut d.dir))
+        };
+        let mut again = Vec::new();
+        for ext in extents.into_values() {
+            let generation = {
+                let mut st = write(&ext.state);
+                if st.deleted {
+                    continue;
+                }
+                let len = st.len;
+                let tail_crc = match (len % self.bs, st.blocks.last()) {
+                    (0, _) | (_, None) => 0,
+                    (_, Some(b)) => b.crc,
+                };
+                self.write_header(&ext, &mut st, len, tail_crc)?
+            };
+            ext.data.sync_data()?;
+            ext.crc.sync_data()?;
+            let mut st = write(&ext.state);
+            Self::header_durable(&mut st, generation);
+            // Recovery reads every block between the two headers' lengths (the newer header's round
+            // may not have completed). Writing the same length into the other slot next round bounds
+            // that to the last block once the extent goes idle; an extent still being written gets a
+            // new header every round anyway.
+            if st.hdr.lens[0] != st.hdr.lens[1] {
+                again.push(ext.clone());
+            }
+        }
+        if dir {
+            self.disk.sync_dir()?;
+        }
+        for ext in &again {
+            self.mark_dirty(ext);
+        }
+        Ok(())
+    }
+}
+
+impl Extent {
+    fn new(id: ExtentId, data: Arc<dyn DiskFile>, crc: Arc<dyn DiskFile>, state: State) -> Self {
+        Self {
+            id,
+            data,
+            crc,
+            dirty: AtomicBool::new(false),
+            state: RwLock::new(state),
+        }
+    }
+}

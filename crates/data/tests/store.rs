@@ -1,0 +1,1089 @@
+//! Extent store tests: against a naive model (`BTreeMap<ExtentId, Vec<u8>>`), across crash images with
+//! torn writes, with bit rot, with injected IO failures at every step, on real files, and under
+//! concurrent group commit.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use nacre_data::io::{Disk, DiskFile, FaultPlan, FaultyDisk, FileDisk, MemDisk};
+use nacre_data::store::{ExtentStore, StoreError, StoreOptions, Trimmed};
+use nacre_types::{ErrorCode, ExtentId, crc32c};
+use proptest::prelude::*;
+
+/// Small blocks so that short writes span several of them.
+const BS: u32 = 64;
+const NORMAL: [ExtentId; 3] = [ExtentId(1024), ExtentId(1025), ExtentId(1026)];
+const TINY: [ExtentId; 2] = [ExtentId(1), ExtentId(2)];
+/// `NORMAL` then `TINY`.
+const ALL: [ExtentId; 5] = [NORMAL[0], NORMAL[1], NORMAL[2], TINY[0], TINY[1]];
+
+fn opts() -> StoreOptions {
+    StoreOptions {
+        block_size: BS,
+        sync: true,
+    }
+}
+
+fn open(disk: &MemDisk) -> ExtentStore {
+    ExtentStore::open(Arc::new(disk.clone()), opts()).unwrap()
+}
+
+fn data_name(id: ExtentId) -> String {
+    format!("{}.data", id.0)
+}
+
+/// Lengths of the data files on a disk, before a store opens it.
+fn data_lens(disk: &MemDisk) -> BTreeMap<ExtentId, u64> {
+    ALL.iter()
+        .filter_map(|&id| Some((id, disk.read_file(&data_name(id))?.len() as u64)))
+        .collect()
+}
+
+// -------------------------------------------------------------------------------------------------
+// The model
+
+/// An operation; numbers are resolved against the model's current state.
+#[derive(Clone, Debug)]
+enum Op {
+    Create(usize),
+    Append(usize, Vec<u8>),
+    Overwrite(usize, u16, Vec<u8>),
+    TinyWrite(usize, u16, Vec<u8>),
+    Truncate(usize, u16),
+    Punch(usize, u16, u16),
+    Delete(usize),
+    Read(usize, u16, u16),
+    Repair(usize, u16, Vec<u8>),
+    Sync,
+}
+
+/// A resolved operation.
+#[derive(Clone, Debug)]
+enum Call {
+    Create(ExtentId),
+    Write(ExtentId, u64, Vec<u8>),
+    Truncate(ExtentId, u64),
+    Punch(ExtentId, u64, u64),
+    Delete(ExtentId),
+    Read(ExtentId, u64, u32),
+    Repair(ExtentId, u64, Vec<u8>),
+    Sync,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let data = || prop::collection::vec(any::<u8>(), 1..160);
+    prop_oneof![
+        2 => (0..3usize).prop_map(Op::Create),
+        6 => (0..5usize, data()).prop_map(|(e, d)| Op::Append(e, d)),
+        3 => (0..5usize, any::<u16>(), data()).prop_map(|(e, o, d)| Op::Overwrite(e, o, d)),
+        3 => (0..2usize, 0..300u16, data()).prop_map(|(t, g, d)| Op::TinyWrite(t, g, d)),
+        2 => (0..5usize, any::<u16>()).prop_map(|(e, l)| Op::Truncate(e, l)),
+        2 => (0..2usize, any::<u16>(), any::<u16>()).prop_map(|(t, o, l)| Op::Punch(t, o, l)),
+        1 => (0..3usize).prop_map(Op::Delete),
+        3 => (0..5usize, any::<u16>(), any::<u16>()).prop_map(|(e, o, l)| Op::Read(e, o, l)),
+        2 => (0..5usize, any::<u16>(), prop::collection::vec(any::<u8>(), 1..=BS as usize))
+            .prop_map(|(e, i, d)| Op::Repair(e, i, d)),
+        2 => Just(Op::Sync),
+    ]
+}
+
+/// The naive model, plus what a crash may and may not take away.
+#[derive(Debug, Default)]
+struct Sim {
+    model: BTreeMap<ExtentId, Vec<u8>>,
+    /// Content as of the extent's last durable point (a sync, or a truncate or punch, which fsync).
+    synced: BTreeMap<ExtentId, Vec<u8>>,
+    /// Extents whose name was durable at the last sync.
+    dir_synced: BTreeSet<ExtentId>,
+    /// Extents created or deleted since the last sync: they may or may not survive a crash.
+    names_changed: BTreeSet<ExtentId>,
+    /// Extents a failed call may have created or removed files of: unknown from then on.
+    unsure: BTreeSet<ExtentId>,
+    /// Blocks changed in place since the extent's last durable point (a crash may tear them).
+    dirty: BTreeMap<ExtentId, BTreeSet<u64>>,
+    /// A failed truncate may have landed: the durable prefix may end here.
+    cap: BTreeMap<ExtentId, u64>,
+    /// Every content each extent ever had (any verified block must come from one of them).
+    history: BTreeMap<ExtentId, Vec<Vec<u8>>>,
+}
+
+impl Sim {
+    fn bs() -> u64 {
+        u64::from(BS)
+    }
+
+    fn len(&self, id: ExtentId) -> u64 {
+        self.model.get(&id).map_or(0, |v| v.len() as u64)
+    }
+
+    fn exists(&self, id: ExtentId) -> bool {
+        ExtentStore::is_tiny(id) || self.model.contains_key(&id)
+    }
+
+    fn resolve(&self, op: &Op) -> Call {
+        let bs = Self::bs();
+        match op.clone() {
+            Op::Create(i) => Call::Create(NORMAL[i]),
+            Op::Append(e, d) => Call::Write(ALL[e], self.len(ALL[e]), d),
+            Op::Overwrite(e, o, d) => {
+                let id = ALL[e];
+                Call::Write(id, u64::from(o) % (self.len(id) + 1), d)
+            }
+            Op::TinyWrite(t, gap, d) => Call::Write(TINY[t], self.len(TINY[t]) + u64::from(gap), d),
+            Op::Truncate(e, l) => {
+                let id = ALL[e];
+                Call::Truncate(id, u64::from(l) % (self.len(id) + 1))
+            }
+            Op::Punch(t, o, l) => {
+                let id = TINY[t];
+                let len = self.len(id);
+                let off = u64::from(o) % (len + 1);
+                Call::Punch(id, off, u64::from(l) % (len - off + 1))
+            }
+            Op::Delete(i) => Call::Delete(NORMAL[i]),
+            Op::Read(e, o, l) => {
+                let id = ALL[e];
+                let len = self.len(id);
+                let off = u64::from(o) % (len + 1);
+                Call::Read(id, off, (u64::from(l) % (len - off + 1)) as u32)
+            }
+            Op::Repair(e, i, d) => {
+                let id = ALL[e];
+                let len = self.len(id);
+                let blocks = len.div_ceil(bs);
+                let mut index = u64::from(i) % (blocks + 1);
+                if index == blocks && !len.is_multiple_of(bs) {
+                    // Past a partial last block: replace that block instead.
+                    index -= 1;
+                }
+                let data = if (index + 1) * bs < len {
+                    // Not the last block: a whole block.
+                    d.iter().copied().cycle().take(BS as usize).collect()
+                } else {
+                    d
+                };
+                Call::Repair(id, index, data)
+            }
+            Op::Sync => Call::Sync,
+        }
+    }
+
+    /// The error a call must fail with, if the model says it cannot succeed.
+    fn expected_error(&self, call: &Call) -> Option<ErrorCode> {
+        match call {
+            Call::Write(id, ..) | Call::Truncate(id, _) | Call::Read(id, ..)
+                if !self.exists(*id) =>
+            {
+                Some(ErrorCode::NotFound)
+            }
+            _ => None,
+        }
+    }
+
+    fn exec(store: &ExtentStore, call: &Call) -> Result<Option<Vec<u8>>, StoreError> {
+        match call {
+            Call::Create(id) => store.create(*id),
+            Call::Write(id, off, d) => store.write(*id, *off, d),
+            Call::Truncate(id, len) => store.truncate(*id, *len),
+            Call::Punch(id, off, len) => store.punch(*id, *off, *len),
+            Call::Delete(id) => store.delete(*id),
+            Call::Read(id, off, len) => return Ok(Some(store.read(*id, *off, *len)?.to_vec())),
+            Call::Repair(id, index, d) => store.repair_block(*id, *index, d),
+            Call::Sync => store.sync(),
+        }
+        .map(|()| None)
+    }
+
+    fn record(&mut self, id: ExtentId) {
+        let v = self.model.get(&id).cloned().unwrap_or_default();
+        self.history.entry(id).or_default().push(v);
+    }
+
+    /// Records a content an extent may have on disk without the model having it.
+    fn record_maybe(&mut self, id: ExtentId, content: Vec<u8>) {
+        self.history.entry(id).or_default().push(content);
+    }
+
+    fn created(&mut self, id: ExtentId) {
+        if let std::collections::btree_map::Entry::Vacant(e) = self.model.entry(id) {
+            e.insert(Vec::new());
+            self.names_changed.insert(id);
+            self.record(id);
+        }
+    }
+
+    fn dirty_range(&mut self, id: ExtentId, start: u64, end: u64) {
+        let bs = Self::bs();
+        if start < end {
+            self.dirty
+                .entry(id)
+                .or_default()
+                .extend(start / bs..=(end - 1) / bs);
+        }
+    }
+
+    fn applied_write(v: &[u8], off: u64, d: &[u8]) -> Vec<u8> {
+        let mut v = v.to_vec();
+        let (off, end) = (off as usize, off as usize + d.len());
+        if v.len() < end {
+            v.resize(end, 0);
+        }
+        v[off..end].copy_from_slice(d);
+        v
+    }
+
+    /// The store did `call`.
+    fn done(&mut self, call: &Call) {
+        match call {
+            Call::Create(id) => self.created(*id),
+            Call::Write(id, off, d) => {
+                self.created(*id);
+                let old = self.len(*id);
+                self.dirty_range(*id, *off, (off + d.len() as u64).min(old));
+                let v = Self::applied_write(&self.model[id], *off, d);
+                self.model.insert(*id, v);
+                self.record(*id);
+            }
+            Call::Truncate(id, len) => {
+                if *len < self.len(*id) {
+                    self.model.get_mut(id).unwrap().truncate(*len as usize);
+                    self.durable(*id);
+                }
+            }
+            Call::Punch(id, off, len) => {
+                if *len > 0 {
+                    let v = self.model.get_mut(id).unwrap();
+                    v[*off as usize..(off + len) as usize].fill(0);
+                    self.durable(*id);
+                }
+            }
+            Call::Delete(id) => {
+                if self.model.remove(id).is_some() {
+                    self.names_changed.insert(*id);
+                }
+            }
+            Call::Read(..) => {}
+            Call::Repair(id, index, d) => {
+                let start = index * Self::bs();
+                let end = start + d.len() as u64;
+                let len = self.len(*id);
+                if end < len && len <= start + Self::bs() {
+                    self.done(&Call::Truncate(*id, end));
+                }
+                self.done(&Call::Write(*id, start, d.clone()));
+            }
+            Call::Sync => {
+                self.synced = self.model.clone();
+                self.dirty.clear();
+                self.cap.clear();
+                self.names_changed.clear();
+                self.dir_synced = self.model.keys().copied().collect();
+            }
+        }
+    }
+
+    /// Truncate and punch fsync the extent: everything it holds is durable (its name may not be).
+    fn durable(&mut self, id: ExtentId) {
+        self.synced.insert(id, self.model[&id].clone());
+        self.dirty.remove(&id);
+        self.cap.remove(&id);
+        self.record(id);
+    }
+
+    /// `call` failed with an IO error: some of it may have reached the disk.
+    fn maybe(&mut self, call: &Call) {
+        let bs = Self::bs();
+        match call {
+            Call::Create(id) | Call::Delete(id) => {
+                self.unsure.insert(*id);
+            }
+            Call::Write(id, off, d) => {
+                if !self.model.contains_key(id) {
+                    self.unsure.insert(*id);
+                }
+                let cur = self.model.get(id).cloned().unwrap_or_default();
+                self.dirty_range(*id, *off, (off + d.len() as u64).min(cur.len() as u64));
+                self.record_maybe(*id, Self::applied_write(&cur, *off, d));
+            }
+            Call::Truncate(id, len) => {
+                if let Some(cur) = self.model.get(id).cloned() {
+                    let c = self.cap.entry(*id).or_insert(u64::MAX);
+                    *c = (*c).min(*len);
+                    self.record_maybe(*id, cur[..*len as usize].to_vec());
+                }
+            }
+            Call::Punch(id, off, len) => {
+                if let Some(mut cur) = self.model.get(id).cloned() {
+                    self.dirty_range(*id, *off, off + len);
+                    cur[*off as usize..(off + len) as usize].fill(0);
+                    self.record_maybe(*id, cur);
+                }
+            }
+            Call::Repair(id, index, d) => {
+                if !self.model.contains_key(id) {
+                    self.unsure.insert(*id);
+                }
+                let cur = self.model.get(id).cloned().unwrap_or_default();
+                let start = index * bs;
+                let end = start + d.len() as u64;
+                self.dirty.entry(*id).or_default().insert(*index);
+                let mut v = cur.clone();
+                if end < cur.len() as u64 && cur.len() as u64 <= start + bs {
+                    let c = self.cap.entry(*id).or_insert(u64::MAX);
+                    *c = (*c).min(end);
+                    v.truncate(end as usize);
+                    self.record_maybe(*id, v.clone());
+                }
+                self.record_maybe(*id, Self::applied_write(&v, start, d));
+            }
+            Call::Read(..) | Call::Sync => {}
+        }
+    }
+
+    /// Runs `op` on the store and the model; checks reads and expected errors.
+    fn step(&mut self, store: &ExtentStore, op: &Op) -> Result<(), StoreError> {
+        let call = self.resolve(op);
+        let result = Self::exec(store, &call);
+        if let Some(code) = self.expected_error(&call) {
+            match &result {
+                Err(e) if e.code() == code => return Ok(()),
+                Err(StoreError::Io(_) | StoreError::Failed) => {}
+                other => panic!("{call:?}: expected {code:?}, got {other:?}"),
+            }
+        }
+        match result {
+            Ok(read) => {
+                if let (Call::Read(id, off, len), Some(bytes)) = (&call, read) {
+                    let v = self.model.get(id).map_or(&[][..], |v| &v[..]);
+                    assert_eq!(
+                        bytes,
+                        v[*off as usize..*off as usize + *len as usize],
+                        "{call:?}"
+                    );
+                }
+                self.done(&call);
+                Ok(())
+            }
+            Err(e @ StoreError::Io(_)) => {
+                self.maybe(&call);
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The store holds exactly the model.
+    fn check_exact(&self, store: &ExtentStore) {
+        let want: Vec<(ExtentId, u64)> = self
+            .model
+            .iter()
+            .map(|(id, v)| (*id, v.len() as u64))
+            .collect();
+        assert_eq!(store.extents(), want);
+        for (id, v) in &self.model {
+            assert_eq!(store.read(*id, 0, v.len() as u32).unwrap(), v[..], "{id}");
+            let crcs: Vec<u32> = v.chunks(BS as usize).map(crc32c).collect();
+            assert_eq!(store.block_crcs(*id).unwrap(), crcs, "{id}");
+        }
+    }
+
+    /// The store, reopened on a crash image whose data files had `found` lengths, keeps everything
+    /// durable, serves only bytes some state of the extent had, and reports its trims.
+    fn check_recovered(&self, store: &ExtentStore, found: &BTreeMap<ExtentId, u64>) {
+        let bs = Self::bs();
+        let listed: BTreeMap<ExtentId, u64> = store.extents().into_iter().collect();
+        let report: BTreeMap<ExtentId, Trimmed> = store
+            .recovery_report()
+            .iter()
+            .map(|t| (t.extent, *t))
+            .collect();
+        for id in ALL {
+            let uncertain = self.names_changed.contains(&id) || self.unsure.contains(&id);
+            let durable = self.dir_synced.contains(&id) && !uncertain;
+            let Some(&len) = listed.get(&id) else {
+                assert!(!durable, "{id} was durable and is gone");
+                continue;
+            };
+            assert!(durable || uncertain, "{id} appeared from nowhere");
+            let found_len = found[&id];
+            if found_len == len {
+                assert!(!report.contains_key(&id), "{id}: {:?}", report.get(&id));
+            } else {
+                let t = Trimmed {
+                    extent: id,
+                    old_len: found_len,
+                    new_len: len,
+                };
+                assert_eq!(report.get(&id), Some(&t));
+            }
+            let dirty = self.dirty.get(&id).cloned().unwrap_or_default();
+            if durable {
+                let s = &self.synced[&id];
+                let stable = dirty
+                    .first()
+                    .map_or(s.len() as u64, |&b| (b * bs).min(s.len() as u64))
+                    .min(self.cap.get(&id).copied().unwrap_or(u64::MAX));
+                assert!(len >= stable, "{id}: {len} bytes, {stable} were durable");
+                if stable > 0 {
+                    assert_eq!(
+                        store.read(id, 0, stable as u32).unwrap(),
+                        s[..stable as usize],
+                        "{id}: durable bytes changed"
+                    );
+                }
+            }
+            let history = self.history.get(&id).map_or(&[][..], |h| &h[..]);
+            for b in 0..len.div_ceil(bs) {
+                let start = b * bs;
+                let n = (len - start).min(bs);
+                match store.read(id, start, n as u32) {
+                    Ok(bytes) => {
+                        let (s, e) = (start as usize, (start + n) as usize);
+                        assert!(
+                            history.iter().any(|h| h.len() >= e && h[s..e] == bytes[..]),
+                            "{id} block {b}: bytes no state ever had: {bytes:?}"
+                        );
+                    }
+                    Err(StoreError::Corrupt { block, .. }) => {
+                        assert_eq!(block, b);
+                        assert!(
+                            uncertain || dirty.contains(&b),
+                            "{id} block {b} is corrupt but was not changed in place"
+                        );
+                    }
+                    Err(e) => panic!("{id} block {b}: {e}"),
+                }
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    /// Reads always equal the model; a clean reopen finds exactly the model.
+    #[test]
+    fn store_matches_model(ops in prop::collection::vec(op(), 1..60)) {
+        let disk = MemDisk::new();
+        let store = open(&disk);
+        let mut sim = Sim::default();
+        for op in &ops {
+            sim.step(&store, op).unwrap();
+        }
+        sim.check_exact(&store);
+        store.sync().unwrap();
+        drop(store);
+        let store = open(&disk);
+        prop_assert!(store.recovery_report().is_empty(), "{:?}", store.recovery_report());
+        sim.check_exact(&store);
+    }
+
+    /// After a crash (unsynced writes lost, kept or torn), the reopened store keeps everything synced,
+    /// serves nothing unverified and reports what it trimmed.
+    #[test]
+    fn crash_recovery(ops in prop::collection::vec(op(), 1..50), seed in any::<u64>()) {
+        let disk = MemDisk::new();
+        let store = open(&disk);
+        let mut sim = Sim::default();
+        for op in &ops {
+            sim.step(&store, op).unwrap();
+        }
+        for image in [disk.crash(), disk.crash_torn(seed), disk.crash_torn(seed ^ 0x5555)] {
+            let found = data_lens(&image);
+            let recovered = open(&image);
+            sim.check_recovered(&recovered, &found);
+            // Recovery is idempotent.
+            drop(recovered);
+            let again = open(&image);
+            prop_assert!(again.recovery_report().is_empty(), "{:?}", again.recovery_report());
+        }
+    }
+}
+
+// -------------------------------------------------------------------------------------------------
+// Targeted cases
+
+#[test]
+fn normal_and_tiny_semantics() {
+    let disk = MemDisk::new();
+    let s = open(&disk);
+    let n = ExtentId(1024);
+    let t = ExtentId(3);
+    assert!(matches!(s.write(n, 0, b"x"), Err(StoreError::NotFound(_))));
+    s.create(n).unwrap();
+    s.create(n).unwrap();
+    s.write(n, 0, b"hello").unwrap();
+    let e = s.write(n, 6, b"gap").unwrap_err();
+    assert!(
+        matches!(e, StoreError::OutOfRange { extent_len: 5, .. }),
+        "{e}"
+    );
+    assert_eq!(e.code(), ErrorCode::InvalidArgument);
+    // Tiny extents exist lazily and accept a gap.
+    assert_eq!(s.len(t).unwrap(), 0);
+    assert!(s.extents().iter().all(|(id, _)| *id != t));
+    s.write(t, 4096, b"small file").unwrap();
+    assert_eq!(s.len(t).unwrap(), 4106);
+    assert_eq!(s.read(t, 4090, 8).unwrap()[..], b"\0\0\0\0\0\0sm"[..]);
+    assert_eq!(s.extents(), vec![(t, 4106), (n, 5)]);
+    // Wrong-kind and reserved ids.
+    assert!(matches!(s.punch(n, 0, 1), Err(StoreError::Invalid(_))));
+    assert!(matches!(s.delete(t), Err(StoreError::Invalid(_))));
+    assert!(matches!(
+        s.create(ExtentId(100)),
+        Err(StoreError::Invalid(_))
+    ));
+    assert!(matches!(
+        s.write(ExtentId(0), 0, b"x"),
+        Err(StoreError::Invalid(_))
+    ));
+    // Ranges.
+    assert!(matches!(
+        s.read(n, 3, 3),
+        Err(StoreError::OutOfRange { .. })
+    ));
+    assert!(s.read(n, 5, 0).unwrap().is_empty());
+    assert!(matches!(s.truncate(n, 6), Err(StoreError::Invalid(_))));
+    assert!(matches!(
+        s.punch(t, 4100, 7),
+        Err(StoreError::OutOfRange { .. })
+    ));
+    s.truncate(n, 2).unwrap();
+    assert_eq!(s.read(n, 0, 2).unwrap()[..], b"he"[..]);
+    s.delete(n).unwrap();
+    s.delete(n).unwrap();
+    assert!(matches!(s.len(n), Err(StoreError::NotFound(_))));
+    assert_eq!(StoreError::NotFound(n).code(), ErrorCode::NotFound);
+    assert_eq!(StoreError::Failed.code(), ErrorCode::Internal);
+}
+
+#[test]
+fn open_rejects_a_different_block_size() {
+    let disk = MemDisk::new();
+    let s = open(&disk);
+    s.create(NORMAL[0]).unwrap();
+    s.write(NORMAL[0], 0, &[1; 100]).unwrap();
+    s.sync().unwrap();
+    drop(s);
+    let other = StoreOptions {
+        block_size: 128,
+        sync: true,
+    };
+    let e = ExtentStore::open(Arc::new(disk.clone()), other).unwrap_err();
+    assert!(matches!(e, StoreError::Invalid(_)), "{e}");
+    let bad = StoreOptions {
+        block_size: 1,
+        sync: true,
+    };
+    assert!(ExtentStore::open(Arc::new(disk), bad).is_err());
+}
+
+#[test]
+fn a_flipped_bit_is_reported_and_repaired() {
+    let disk = MemDisk::new();
+    let s = open(&disk);
+    let id = NORMAL[0];
+    let good: Vec<u8> = (0..200u8).collect();
+    s.create(id).unwrap();
+    s.write(id, 0, &good).unwrap();
+    s.sync().unwrap();
+    disk.corrupt(&data_name(id), 70).unwrap();
+
+    let e = s.read(id, 0, 200).unwrap_err();
+    assert!(
+        matches!(e, StoreError::Corrupt { extent, block: 1, offset: 64 } if extent == id),
+        "{e}"
+    );
+    assert_eq!(e.code(), ErrorCode::Corrupt);
+    // Other blocks still read; a range inside the bad block does not.
+    assert_eq!(s.read(id, 0, 64).unwrap()[..], good[..64]);
+    assert_eq!(s.read(id, 128, 72).unwrap()[..], good[128..]);
+    assert!(s.read(id, 100, 1).is_err());
+    // A partial overwrite cannot bless the rotten bytes.
+    assert!(matches!(
+        s.write(id, 80, b"zz"),
+        Err(StoreError::Corrupt { block: 1, .. })
+    ));
+
+    s.repair_block(id, 1, &good[64..128]).unwrap();
+    assert_eq!(s.read(id, 0, 200).unwrap()[..], good[..]);
+    s.sync().unwrap();
+
+    // Rot found only after a reopen (blocks below the durable length are not read at open).
+    disk.corrupt(&data_name(id), 10).unwrap();
+    drop(s);
+    let s = open(&disk);
+    assert!(s.recovery_report().is_empty());
+    assert!(matches!(
+        s.read(id, 0, 10),
+        Err(StoreError::Corrupt { block: 0, .. })
+    ));
+    let crcs = s.block_crcs(id).unwrap();
+    assert_eq!(
+        crcs[0],
+        crc32c(&good[..64]),
+        "the expected CRC, not the rotten one"
+    );
+    s.repair_block(id, 0, &good[..64]).unwrap();
+    assert_eq!(s.read(id, 0, 200).unwrap()[..], good[..]);
+}
+
+#[test]
+fn torn_tail_is_trimmed_and_reported() {
+    let disk = MemDisk::new();
+    let s = open(&disk);
+    let id = NORMAL[0];
+    s.create(id).unwrap();
+    s.write(id, 0, &[1; 100]).unwrap();
+    s.sync().unwrap();
+    s.write(id, 100, &[2; 100]).unwrap();
+    drop(s);
+    // The process died (the unsynced append is in the files) and a bit of block 2 is wrong.
+    disk.corrupt(&data_name(id), 150).unwrap();
+    let s = open(&disk);
+    assert_eq!(
+        s.recovery_report(),
+        &[Trimmed {
+            extent: id,
+            old_len: 200,
+            new_len: 128
+        }]
+    );
+    let mut want = vec![1; 100];
+    want.extend([2; 28]);
+    assert_eq!(s.read(id, 0, 128).unwrap()[..], want[..]);
+
+    // Data past the records (a write whose records never landed) is trimmed too.
+    drop(s);
+    let f = disk.open(&data_name(id)).unwrap();
+    f.write_at(&[9; 30], 128).unwrap();
+    let s = open(&disk);
+    assert_eq!(s.recovery_report()[0].new_len, 128);
+    assert_eq!(s.len(id).unwrap(), 128);
+}
+
+#[test]
+fn punched_blocks_survive_any_crash() {
+    let disk = MemDisk::new();
+    let s = open(&disk);
+    let t = TINY[0];
+    let content: Vec<u8> = (0..=255u8).cycle().take(500).collect();
+    s.write(t, 0, &content).unwrap();
+    s.sync().unwrap();
+    s.punch(t, 10, 100).unwrap();
+    s.punch(t, 30, 200).unwrap();
+    s.write(t, 500, b"after").unwrap();
+    for seed in 0..64 {
+        let image = disk.crash_torn(seed);
+        let r = open(&image);
+        assert!(r.recovery_bad_blocks().is_empty(), "seed {seed}");
+        let got = r.read(t, 0, 500).unwrap();
+        let mut want = content.clone();
+        want[10..230].fill(0);
+        assert_eq!(got[..], want[..], "seed {seed}: punches are durable");
+    }
+}
+
+// -------------------------------------------------------------------------------------------------
+// Injected failures
+
+fn faulty_workload() -> Vec<Op> {
+    vec![
+        Op::Create(0),
+        Op::Append(0, vec![1; 100]),
+        Op::Sync,
+        Op::Append(0, vec![2; 90]),
+        Op::TinyWrite(0, 10, vec![3; 150]),
+        Op::Sync,
+        Op::Overwrite(0, 30, vec![4; 70]),
+        Op::Punch(0, 20, 100),
+        Op::Create(1),
+        Op::Append(1, vec![5; 200]),
+        Op::Truncate(0, 150),
+        Op::Read(0, 10, 100),
+        Op::Sync,
+        Op::Append(1, vec![6; 40]),
+        Op::Repair(0, 1, vec![7; 64]),
+        Op::Delete(1),
+        Op::Append(4, vec![8; 30]),
+        Op::Sync,
+        Op::Append(0, vec![9; 64]),
+        Op::Overwrite(0, 5, vec![10; 20]),
+        Op::Repair(0, 2, vec![11; 20]),
+        Op::Sync,
+    ]
+}
+
+/// Runs `workload` on a disk that fails after `n` operations (tearing the failing write), then
+/// checks every crash image and the files as left. Returns whether the workload never hit the fault.
+fn run_with_fault(workload: &[Op], n: u64, seed: u64) -> bool {
+    let mem = MemDisk::new();
+    let faulty = FaultyDisk::new(Arc::new(mem.clone()), FaultPlan::fail_after(n).tearing());
+    let mut sim = Sim::default();
+    let mut completed = true;
+    if let Ok(store) = ExtentStore::open(Arc::new(faulty), opts()) {
+        let mut failed = false;
+        for op in workload {
+            let r = sim.step(&store, op);
+            if failed {
+                assert!(matches!(r, Err(StoreError::Failed)), "n={n} {op:?}: {r:?}");
+            }
+            match r {
+                Ok(()) => {}
+                // A read's IO error changes nothing.
+                Err(StoreError::Io(_)) if matches!(op, Op::Read(..)) => completed = false,
+                Err(StoreError::Failed) if failed => {}
+                Err(e) => {
+                    assert!(matches!(e, StoreError::Io(_)), "n={n} {op:?}: {e}");
+                    completed = false;
+                    failed = true;
+                }
+            }
+        }
+        if failed {
+            assert!(matches!(store.len(NORMAL[0]), Err(StoreError::Failed)));
+            assert!(matches!(store.sync(), Err(StoreError::Failed)));
+        }
+    } else {
+        completed = false;
+    }
+    for (i, image) in [
+        mem.crash(),
+        mem.crash_torn(seed),
+        mem.crash_torn(!seed),
+        mem,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let found = data_lens(&image);
+        let store = ExtentStore::open(Arc::new(image), opts())
+            .unwrap_or_else(|e| panic!("n={n} image {i}: reopen failed: {e}"));
+        sim.check_recovered(&store, &found);
+    }
+    completed
+}
+
+/// Fails the disk after every possible number of operations: no panic; once a change failed (an
+/// fsync or any write), everything returns `Failed`; every crash image, and the files as left,
+/// recover.
+#[test]
+fn fail_after_every_n_operations() {
+    let workload = faulty_workload();
+    let mut n = 0;
+    while !run_with_fault(&workload, n, n) {
+        n += 1;
+    }
+    assert!(n > 50, "the workload did only {n} operations");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    /// Random workloads failing at a random operation.
+    #[test]
+    fn random_workloads_fail_anywhere(
+        ops in prop::collection::vec(op(), 1..40),
+        n in 0..300u64,
+        seed in any::<u64>(),
+    ) {
+        run_with_fault(&ops, n, seed);
+    }
+}
+
+// -------------------------------------------------------------------------------------------------
+// Real files
+
+#[test]
+fn file_disk_punch_frees_space_and_reopens() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk: Arc<dyn Disk> = Arc::new(FileDisk::new(dir.path()).unwrap());
+    let s = ExtentStore::open(disk.clone(), StoreOptions::default()).unwrap();
+    let t = ExtentId(1);
+    let files: Vec<Vec<u8>> = (1..=3u8).map(|i| vec![i; 64 << 10]).collect();
+    for (i, f) in files.iter().enumerate() {
+        s.write(t, (i as u64) * (64 << 10), f).unwrap();
+    }
+    let n = ExtentId(1024);
+    s.create(n).unwrap();
+    s.write(n, 0, &vec![7; 300 << 10]).unwrap();
+    s.sync().unwrap();
+    let before = s.used();
+    assert!(before >= 3 * (64 << 10), "{before}");
+
+    s.punch(t, 64 << 10, 64 << 10).unwrap();
+    let after = s.used();
+    assert!(after < before, "punching frees space: {before} -> {after}");
+    assert_eq!(s.len(t).unwrap(), 3 * (64 << 10), "size unchanged");
+    assert!(
+        s.read(t, 64 << 10, 64 << 10)
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0)
+    );
+    assert_eq!(s.read(t, 0, 64 << 10).unwrap()[..], files[0][..]);
+    assert_eq!(s.read(t, 128 << 10, 64 << 10).unwrap()[..], files[2][..]);
+
+    s.delete(n).unwrap();
+    s.sync().unwrap();
+    assert!(s.used() < after);
+    drop(s);
+
+    let s = ExtentStore::open(disk, StoreOptions::default()).unwrap();
+    assert!(s.recovery_report().is_empty());
+    assert_eq!(s.extents(), vec![(t, 3 * (64 << 10))]);
+    assert!(
+        s.read(t, 64 << 10, 64 << 10)
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0)
+    );
+    assert_eq!(s.read(t, 128 << 10, 64 << 10).unwrap()[..], files[2][..]);
+    let mut names = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect::<Vec<_>>();
+    names.sort();
+    assert_eq!(names, ["1.crc", "1.data"]);
+}
+
+// -------------------------------------------------------------------------------------------------
+// Group commit
+
+/// A disk whose fsyncs wait while a gate is closed, and which counts the bytes read from data files.
+#[derive(Debug, Default)]
+struct Gate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+    data_read: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    closed: bool,
+    waiting: usize,
+}
+
+impl Gate {
+    fn set(&self, closed: bool) {
+        self.state.lock().unwrap().closed = closed;
+        self.changed.notify_all();
+    }
+
+    fn pass(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.waiting += 1;
+        self.changed.notify_all();
+        while s.closed {
+            s = self.changed.wait(s).unwrap();
+        }
+        s.waiting -= 1;
+    }
+
+    fn wait_for_waiters(&self, n: usize) {
+        let mut s = self.state.lock().unwrap();
+        while s.waiting < n {
+            s = self.changed.wait(s).unwrap();
+        }
+    }
+}
+
+#[derive(Debug)]
+struct GateDisk {
+    inner: MemDisk,
+    gate: Arc<Gate>,
+}
+
+#[derive(Debug)]
+struct GateFile {
+    inner: Arc<dyn DiskFile>,
+    gate: Arc<Gate>,
+    is_data: bool,
+}
+
+impl Disk for GateDisk {
+    fn open(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
+        Ok(Arc::new(GateFile {
+            inner: self.inner.open(name)?,
+            gate: self.gate.clone(),
+            is_data: name.ends_with(".data"),
+        }))
+    }
+    fn list(&self) -> io::Result<Vec<String>> {
+        self.inner.list()
+    }
+    fn remove(&self, name: &str) -> io::Result<()> {
+        self.inner.remove(name)
+    }
+    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        self.inner.rename(from, to)
+    }
+    fn sync_dir(&self) -> io::Result<()> {
+        self.inner.sync_dir()
+    }
+    fn used(&self) -> io::Result<u64> {
+        self.inner.used()
+    }
+}
+
+impl DiskFile for GateFile {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
+        let n = self.inner.read_at(buf, off)?;
+        if self.is_data {
+            self.gate.data_read.fetch_add(n as u64, Ordering::SeqCst);
+        }
+        Ok(n)
+    }
+    fn write_at(&self, data: &[u8], off: u64) -> io::Result<()> {
+        self.inner.write_at(data, off)
+    }
+    fn len(&self) -> io::Result<u64> {
+        self.inner.len()
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.inner.set_len(len)
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        self.gate.pass();
+        self.inner.sync_data()
+    }
+    fn punch_hole(&self, off: u64, len: u64) -> io::Result<()> {
+        self.inner.punch_hole(off, len)
+    }
+}
+
+/// Opening reads only the last block of an extent that is idle (synced, then one more round), not
+/// the extent: blocks below the length two headers agree on were durable.
+#[test]
+fn recovery_reads_only_the_tail_of_idle_extents() {
+    let mem = MemDisk::new();
+    let s = open(&mem);
+    let id = NORMAL[0];
+    s.create(id).unwrap();
+    s.write(id, 0, &vec![5; 100 * BS as usize + 10]).unwrap();
+    s.sync().unwrap();
+    // The extent is idle: the next round writes its length into the other header slot.
+    s.create(NORMAL[1]).unwrap();
+    s.sync().unwrap();
+    drop(s);
+    let gate = Arc::new(Gate::default());
+    let disk = GateDisk {
+        inner: mem.clone(),
+        gate: gate.clone(),
+    };
+    let s = ExtentStore::open(Arc::new(disk), opts()).unwrap();
+    assert_eq!(s.len(id).unwrap(), 100 * u64::from(BS) + 10);
+    assert_eq!(
+        gate.data_read.load(Ordering::SeqCst),
+        10,
+        "only the partial last block"
+    );
+}
+
+/// Callers that arrive while a round is in its fsyncs share the next round.
+#[test]
+fn group_commit_shares_rounds() {
+    let mem = MemDisk::new();
+    let gate = Arc::new(Gate::default());
+    let disk = GateDisk {
+        inner: mem.clone(),
+        gate: gate.clone(),
+    };
+    let store = Arc::new(ExtentStore::open(Arc::new(disk), opts()).unwrap());
+    for id in NORMAL {
+        store.create(id).unwrap();
+    }
+    store.sync().unwrap();
+    assert_eq!(store.sync_stats().rounds, 1);
+
+    gate.set(true);
+    let first = {
+        let s = store.clone();
+        std::thread::spawn(move || {
+            s.write(NORMAL[0], 0, b"first").unwrap();
+            s.sync()
+        })
+    };
+    gate.wait_for_waiters(1);
+    let others: Vec<_> = [
+        (NORMAL[1], &b"second"[..]),
+        (NORMAL[2], b"third"),
+        (TINY[0], b"fourth"),
+    ]
+    .into_iter()
+    .map(|(id, d)| {
+        let s = store.clone();
+        std::thread::spawn(move || {
+            s.write(id, 0, d).unwrap();
+            s.sync()
+        })
+    })
+    .collect();
+    // Wait until all four callers are inside sync (no sleeping: poll the counter).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while store.sync_stats().calls < 5 {
+        assert!(Instant::now() < deadline, "callers never arrived");
+        std::thread::yield_now();
+    }
+    gate.set(false);
+    first.join().unwrap().unwrap();
+    for t in others {
+        t.join().unwrap().unwrap();
+    }
+    let stats = store.sync_stats();
+    assert_eq!(stats.calls, 5);
+    assert_eq!(stats.rounds, 3, "the three late callers shared one round");
+
+    let image = mem.crash();
+    let s = open(&image);
+    assert_eq!(s.read(NORMAL[0], 0, 5).unwrap()[..], b"first"[..]);
+    assert_eq!(s.read(NORMAL[1], 0, 6).unwrap()[..], b"second"[..]);
+    assert_eq!(s.read(NORMAL[2], 0, 5).unwrap()[..], b"third"[..]);
+    assert_eq!(s.read(TINY[0], 0, 6).unwrap()[..], b"fourth"[..]);
+}
+
+/// Many writers syncing at once: every sync makes that caller's write durable, and rounds are
+/// shared (never more rounds than calls).
+#[test]
+fn concurrent_syncs_are_durable() {
+    let mem = MemDisk::new();
+    let store = Arc::new(open(&mem));
+    let ids = [NORMAL[0], NORMAL[1], NORMAL[2], TINY[0]];
+    for id in NORMAL {
+        store.create(id).unwrap();
+    }
+    let threads: Vec<_> = ids
+        .into_iter()
+        .enumerate()
+        .map(|(t, id)| {
+            let s = store.clone();
+            let mem = mem.clone();
+            std::thread::spawn(move || {
+                for i in 0..25u64 {
+                    let d = vec![(t * 25) as u8 + i as u8; 40];
+                    s.write(id, i * 40, &d).unwrap();
+                    s.sync().unwrap();
+                    let image = mem.crash().read_file(&data_name(id)).unwrap();
+                    assert_eq!(image[(i * 40) as usize..][..40], d[..], "{id} write {i}");
+                    // Reads of one extent from several threads meanwhile.
+                    assert_eq!(s.read(id, i * 40, 40).unwrap()[..], d[..]);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let stats = store.sync_stats();
+    assert_eq!(stats.calls, 100);
+    assert!(stats.rounds <= stats.calls, "{stats:?}");
+    let s = open(&mem.crash());
+    assert!(s.recovery_report().is_empty());
+    for id in ids {
+        assert_eq!(s.len(id).unwrap(), 1000);
+    }
+}

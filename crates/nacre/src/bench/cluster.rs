@@ -1,0 +1,106 @@
+//! A cluster started inside the benchmark process: one master and the asked number of meta and
+//! data nodes, each a [`Node`] on its own loopback port with its data in a temporary directory.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use nacre_master::MasterClient;
+
+use crate::node::{MasterSection, MsgrSection, Node, NodeConfig, RoleName};
+
+/// A started local cluster.
+pub struct LocalCluster {
+    nodes: Vec<Node>,
+    pub master: String,
+    _dir: tempfile::TempDir,
+}
+
+impl LocalCluster {
+    /// Starts a master, `meta` meta nodes and `data` data nodes.
+    pub async fn start(meta: usize, data: usize) -> anyhow::Result<Self> {
+        let dir =
+            tempfile::tempdir_in(bench_dir()).context("cannot create a temporary directory")?;
+        let master = Node::start(&NodeConfig {
+            name: "bench-master".into(),
+            role: RoleName::Master,
+            listen: "127.0.0.1:0".into(),
+            http_listen: String::new(),
+            data_dir: dir.path().join("master"),
+            master: MasterSection {
+                // Data partitions are created with the volume (or not at all without data nodes).
+                min_writable_data_partitions: 0,
+                ..MasterSection::default()
+            },
+            ..NodeConfig::default()
+        })
+        .await?;
+        let addr = master.addr.clone();
+        let mut nodes = vec![master];
+        let roles = std::iter::repeat_n(RoleName::Meta, meta)
+            .chain(std::iter::repeat_n(RoleName::Data, data));
+        for (i, role) in roles.enumerate() {
+            let name = format!("bench-{role:?}-{i}").to_lowercase();
+            nodes.push(
+                Node::start(&NodeConfig {
+                    data_dir: dir.path().join(&name),
+                    name,
+                    role,
+                    listen: "127.0.0.1:0".into(),
+                    http_listen: String::new(),
+                    masters: vec![addr.clone()],
+                    heartbeat_ms: 200,
+                    msgr: MsgrSection {
+                        workers: 1,
+                        ..MsgrSection::default()
+                    },
+                    ..NodeConfig::default()
+                })
+                .await?,
+            );
+        }
+        Ok(Self {
+            nodes,
+            master: addr,
+            _dir: dir,
+        })
+    }
+
+    pub async fn stop(self) -> anyhow::Result<()> {
+        for n in self.nodes.into_iter().rev() {
+            n.stop().await?;
+        }
+        Ok(())
+    }
+}
+
+/// Where benchmark clusters keep their data: `NACRE_BENCH_DIR`, else the system's temp directory.
+pub fn bench_dir() -> std::path::PathBuf {
+    std::env::var_os("NACRE_BENCH_DIR").map_or_else(std::env::temp_dir, Into::into)
+}
+
+/// Waits (bounded) until every partition of the volume has all replicas and a leader.
+pub async fn wait_ready(mc: &MasterClient, volume: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let map = mc.map().await?;
+        let ready = map.volumes.get(volume).is_some_and(|v| {
+            v.meta_partitions.iter().all(|p| {
+                map.meta_partitions
+                    .get(p)
+                    .is_some_and(|p| p.leader.is_some() && p.ready.len() == p.replicas.len())
+            }) && v.data_partitions.iter().all(|p| {
+                map.data_partitions
+                    .get(p)
+                    .is_some_and(|p| p.leader.is_some() && p.ready.len() == p.replicas.len())
+            })
+        });
+        if ready {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the benchmark volume's partitions did not become ready in 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -1,0 +1,90 @@
+//! Helpers shared by the multi-process tests: server processes that are killed on drop, with their
+//! log lines readable by the test.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_nacre");
+
+/// A server process; killed on drop. Its stderr (the log) is read by a thread into `log`.
+pub struct Proc {
+    child: Child,
+    log: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    pub fn spawn(envs: &[(&str, String)]) -> Self {
+        let mut cmd = Command::new(BIN);
+        cmd.arg("server")
+            .env("NACRE_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, log) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            log,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits until the log has a line containing `needle` (including lines already seen).
+    pub fn wait_log(&mut self, needle: &str, timeout: Duration) {
+        if self.seen.iter().any(|l| l.contains(needle)) {
+            return;
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.log.recv_timeout(left) {
+                Ok(line) => {
+                    let hit = line.contains(needle);
+                    self.seen.push(line);
+                    if hit {
+                        return;
+                    }
+                }
+                Err(_) => panic!(
+                    "no log line with {needle:?} within {timeout:?}; log:\n{}",
+                    self.seen.join("\n")
+                ),
+            }
+        }
+    }
+
+    pub fn kill(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

@@ -1,0 +1,325 @@
+//! The data path against real `nacre server` processes (1 master, 3 meta and 3 data nodes on
+//! fixed loopback ports, so a restarted node keeps its identity): every acknowledged append and
+//! overwrite reads back identical after `kill -9` of a data partition's leader and, later, of a
+//! follower, in the middle of the writes, once the killed node is back and repaired; reads never
+//! pass the committed length.
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use nacre_client::{DataCallError, NetVolume, SeqWriter};
+use nacre_data::DataError;
+use nacre_master::MasterClient;
+use nacre_master::map::{Command as MapCommand, PartitionStatus};
+use nacre_meta::ExtentKey;
+use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
+use nacre_types::NodeId;
+
+mod common;
+use common::{Proc, free_port};
+
+fn start_master(addr: &str, dir: &Path) -> Proc {
+    Proc::spawn(&[
+        ("NACRE_ROLE", "master".into()),
+        ("NACRE_NAME", "master".into()),
+        ("NACRE_LISTEN", addr.into()),
+        ("NACRE_HTTP_LISTEN", String::new()),
+        ("NACRE_DATA_DIR", dir.join("master").display().to_string()),
+        ("NACRE_MASTER__TICK_MS", "50".into()),
+        ("NACRE_MASTER__DUTY_INTERVAL_MS", "200".into()),
+        // No partitions beyond the volume's: the test knows every one.
+        ("NACRE_MASTER__MIN_WRITABLE_DATA_PARTITIONS", "0".into()),
+        ("NACRE_MSGR__WORKERS", "1".into()),
+    ])
+}
+
+fn start_node(role: &str, i: usize, addr: &str, master: &str, dir: &Path) -> Proc {
+    Proc::spawn(&[
+        ("NACRE_ROLE", role.into()),
+        ("NACRE_NAME", format!("{role}-{i}")),
+        ("NACRE_LISTEN", addr.into()),
+        ("NACRE_HTTP_LISTEN", String::new()),
+        (
+            "NACRE_DATA_DIR",
+            dir.join(format!("{role}-{i}")).display().to_string(),
+        ),
+        ("NACRE_MASTERS", format!("[\"{master}\"]")),
+        ("NACRE_HEARTBEAT_MS", "200".into()),
+        ("NACRE_MSGR__WORKERS", "1".into()),
+    ])
+}
+
+/// Deterministic bytes for file `f`.
+fn content(f: u64, len: usize) -> Vec<u8> {
+    let mut s = f.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s as u8
+        })
+        .collect()
+}
+
+async fn read_keys(vol: &NetVolume, keys: &[ExtentKey]) -> Result<Vec<u8>, DataCallError> {
+    let mut out = Vec::new();
+    for k in keys {
+        let mut off = 0u64;
+        while off < u64::from(k.size) {
+            let n = (u64::from(k.size) - off).min(1 << 20) as u32;
+            let b = vol
+                .read_extent(k.partition, k.extent, k.extent_offset + off, n)
+                .await?;
+            out.extend_from_slice(&b);
+            off += u64::from(n);
+        }
+    }
+    Ok(out)
+}
+
+/// Waits (bounded) until every data partition of `vol` is read-write with a leader.
+async fn wait_writable(mc: &MasterClient, volume: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let v = mc.volume(volume).await.unwrap();
+        if !v.data_partitions.is_empty()
+            && v.data_partitions
+                .iter()
+                .all(|p| p.status == PartitionStatus::Rw && p.leader.is_some())
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "data partitions not writable within {within:?}: {:?}",
+            v.data_partitions
+                .iter()
+                .map(|p| (p.spec.id, p.status, p.leader))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Writes files of 1 MiB (8 packets) until `stop`; returns the acknowledged ones.
+async fn write_files(
+    vol: Arc<NetVolume>,
+    first: u64,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    progress: tokio::sync::watch::Sender<u64>,
+) -> (Vec<(u64, Vec<ExtentKey>)>, u64) {
+    let mut acked = Vec::new();
+    let mut failed = 0;
+    let mut f = first;
+    while !*stop.borrow_and_update() && f < first + 10_000 {
+        let mut w = SeqWriter::new(vol.clone(), 0, 4);
+        let r = async {
+            w.write(Bytes::from(content(f, 1 << 20))).await?;
+            w.finish().await
+        }
+        .await;
+        match r {
+            Ok(keys) => acked.push((f, keys)),
+            Err(_) => {
+                failed += 1;
+                // Everything may be read-only until the killed node is back: do not spin.
+                let _ = tokio::time::timeout(Duration::from_millis(200), stop.changed()).await;
+            }
+        }
+        progress.send_modify(|n| *n += 1);
+        f += 1;
+    }
+    (acked, failed)
+}
+
+#[test]
+fn acknowledged_data_survives_kill_9_of_leader_and_follower() {
+    let dir = tempfile::tempdir().unwrap();
+    let master_addr = format!("127.0.0.1:{}", free_port());
+    let _master = start_master(&master_addr, dir.path());
+    let mut metas: Vec<Proc> = (0..3)
+        .map(|i| {
+            let a = format!("127.0.0.1:{}", free_port());
+            start_node("meta", i, &a, &master_addr, dir.path())
+        })
+        .collect();
+    let data_addrs: Vec<String> = (0..3)
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect();
+    let mut datas: Vec<Option<Proc>> = (0..3)
+        .map(|i| {
+            Some(start_node(
+                "data",
+                i,
+                &data_addrs[i],
+                &master_addr,
+                dir.path(),
+            ))
+        })
+        .collect();
+    for p in metas.iter_mut().chain(datas.iter_mut().flatten()) {
+        p.wait_log("registered with the master", Duration::from_secs(30));
+    }
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let msgr =
+            Messenger::new("test-client", MsgrConfig::default(), Arc::new(TcpTransport)).unwrap();
+        let mc = MasterClient::new(msgr.client(), vec![master_addr.clone()]);
+        // The master creates the default tenant once it leads.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let r = mc
+                .execute(&MapCommand::CreateVolume {
+                    name: "v".into(),
+                    owner: "default".into(),
+                    replicas: 3,
+                    capacity: 0,
+                    meta_partitions: 1,
+                    data_partitions: 2,
+                    inode_step: 1 << 20,
+                })
+                .await;
+            if r.is_ok() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "cannot create the volume: {r:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        wait_writable(&mc, "v", Duration::from_secs(30)).await;
+        let vol = Arc::new(
+            NetVolume::connect(msgr.client(), mc.clone(), "v")
+                .await
+                .unwrap(),
+        );
+
+        // A file to overwrite while nodes die.
+        let mut w = SeqWriter::new(vol.clone(), 0, 4);
+        w.write(Bytes::from(content(0, 1 << 20))).await.unwrap();
+        let base_keys = w.finish().await.unwrap();
+        let mut model = content(0, 1 << 20);
+        assert_eq!(read_keys(&vol, &base_keys).await.unwrap(), model);
+        // Nothing past the committed length is served.
+        let k = &base_keys[base_keys.len() - 1];
+        let past = vol
+            .read_extent(
+                k.partition,
+                k.extent,
+                k.extent_offset + u64::from(k.size),
+                1,
+            )
+            .await;
+        assert!(
+            matches!(past, Err(DataCallError::Data(DataError::OutOfRange { .. }))),
+            "{past:?}"
+        );
+
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let (prog_tx, mut prog_rx) = tokio::sync::watch::channel(0u64);
+        let writer = tokio::spawn(write_files(vol.clone(), 1, stop_rx, prog_tx));
+
+        let mut overwrites = 0u32;
+        for round in 0..2 {
+            // Round 0 kills the leader of the base file's partition, round 1 a follower of it.
+            let v = mc.volume("v").await.unwrap();
+            let part = v
+                .data_partitions
+                .iter()
+                .find(|p| p.spec.id == base_keys[0].partition)
+                .unwrap();
+            let leader: NodeId = part.leader.unwrap();
+            let victim_node = if round == 0 {
+                leader
+            } else {
+                part.spec
+                    .replicas
+                    .iter()
+                    .find(|r| r.node != leader)
+                    .unwrap()
+                    .node
+            };
+            let victim_addr = &part
+                .spec
+                .replicas
+                .iter()
+                .find(|r| r.node == victim_node)
+                .unwrap()
+                .addr;
+            let victim = data_addrs.iter().position(|a| a == victim_addr).unwrap();
+
+            let seen = *prog_rx.borrow_and_update();
+            prog_rx.wait_for(|n| *n >= seen + 3).await.unwrap();
+            datas[victim].as_mut().unwrap().kill();
+            // Overwrites keep going through Raft (two of three replicas are up); each is retried
+            // until acknowledged, so the model knows every byte.
+            for i in 0..20u64 {
+                let off = ((i * 7919 + u64::from(overwrites) * 104_729) % 255) * 4096;
+                let data = content(1_000_000 + u64::from(overwrites), 4096);
+                let key = base_keys
+                    .iter()
+                    .find(|k| k.file_offset <= off && off + 4096 <= k.end())
+                    .unwrap();
+                let at = key.extent_offset + (off - key.file_offset);
+                let mut tries = 0;
+                loop {
+                    match vol
+                        .overwrite(key.partition, key.extent, at, Bytes::from(data.clone()))
+                        .await
+                    {
+                        Ok(()) => break,
+                        Err(e) => {
+                            tries += 1;
+                            assert!(tries < 10, "overwrite keeps failing: {e}");
+                        }
+                    }
+                }
+                model[off as usize..off as usize + 4096].copy_from_slice(&data);
+                overwrites += 1;
+            }
+            let seen = *prog_rx.borrow_and_update();
+            prog_rx.wait_for(|n| *n >= seen + 2).await.unwrap();
+            datas[victim] = None;
+            datas[victim] = Some(start_node(
+                "data",
+                victim,
+                &data_addrs[victim],
+                &master_addr,
+                dir.path(),
+            ));
+            wait_writable(&mc, "v", Duration::from_secs(60)).await;
+        }
+        let _ = stop_tx.send(true);
+        let (acked, failed) = writer.await.unwrap();
+        assert!(
+            acked.len() >= 4,
+            "too few files acknowledged: {} ({failed} failed)",
+            acked.len()
+        );
+
+        // Every acknowledged byte reads back identical.
+        assert_eq!(read_keys(&vol, &base_keys).await.unwrap(), model);
+        for (f, keys) in &acked {
+            let got = read_keys(&vol, keys).await.unwrap();
+            assert!(
+                got == content(*f, 1 << 20),
+                "file {f} differs after the crashes"
+            );
+        }
+        eprintln!(
+            "{} files acknowledged, {failed} failed during fail-over, {overwrites} overwrites",
+            acked.len()
+        );
+        let m = msgr.clone();
+        tokio::task::spawn_blocking(move || m.shutdown())
+            .await
+            .unwrap();
+    });
+}
