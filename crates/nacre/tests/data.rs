@@ -10,11 +10,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use nacre_client::{DataCallError, NetVolume, SeqWriter};
+use nacre_client::{DataCallError, MetaFs, NetVolume, NewInode, SeqWriter};
 use nacre_data::DataError;
 use nacre_master::MasterClient;
 use nacre_master::map::{Command as MapCommand, PartitionStatus};
-use nacre_meta::ExtentKey;
+use nacre_meta::{ExtentKey, ROOT_INO};
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use nacre_types::NodeId;
 
@@ -136,65 +136,91 @@ async fn write_files(
     (acked, failed)
 }
 
-#[test]
-fn acknowledged_data_survives_kill_9_of_leader_and_follower() {
-    let dir = tempfile::tempdir().unwrap();
+/// Processes of a test cluster; killed on drop.
+struct Cluster {
+    _master: Proc,
+    _metas: Vec<Proc>,
+    datas: Vec<Option<Proc>>,
+    data_addrs: Vec<String>,
+    master_addr: String,
+}
+
+fn start_cluster(dir: &Path) -> Cluster {
     let master_addr = format!("127.0.0.1:{}", free_port());
-    let _master = start_master(&master_addr, dir.path());
+    let master = start_master(&master_addr, dir);
     let mut metas: Vec<Proc> = (0..3)
         .map(|i| {
             let a = format!("127.0.0.1:{}", free_port());
-            start_node("meta", i, &a, &master_addr, dir.path())
+            start_node("meta", i, &a, &master_addr, dir)
         })
         .collect();
     let data_addrs: Vec<String> = (0..3)
         .map(|_| format!("127.0.0.1:{}", free_port()))
         .collect();
     let mut datas: Vec<Option<Proc>> = (0..3)
-        .map(|i| {
-            Some(start_node(
-                "data",
-                i,
-                &data_addrs[i],
-                &master_addr,
-                dir.path(),
-            ))
-        })
+        .map(|i| Some(start_node("data", i, &data_addrs[i], &master_addr, dir)))
         .collect();
     for p in metas.iter_mut().chain(datas.iter_mut().flatten()) {
         p.wait_log("registered with the master", Duration::from_secs(30));
     }
+    Cluster {
+        _master: master,
+        _metas: metas,
+        datas,
+        data_addrs,
+        master_addr,
+    }
+}
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .unwrap();
-    rt.block_on(async {
+        .unwrap()
+}
+
+/// Creates volume `v` (1 meta partition, 2 data partitions, 3 replicas) and waits until it is
+/// writable.
+async fn create_volume(mc: &MasterClient) {
+    // The master creates the default tenant once it leads.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = mc
+            .execute(&MapCommand::CreateVolume {
+                name: "v".into(),
+                owner: "default".into(),
+                replicas: 3,
+                capacity: 0,
+                meta_partitions: 1,
+                data_partitions: 2,
+                inode_step: 1 << 20,
+            })
+            .await;
+        if r.is_ok() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "cannot create the volume: {r:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    wait_writable(mc, "v", Duration::from_secs(30)).await;
+}
+
+#[test]
+fn acknowledged_data_survives_kill_9_of_leader_and_follower() {
+    let dir = tempfile::tempdir().unwrap();
+    let Cluster {
+        _master,
+        _metas,
+        mut datas,
+        data_addrs,
+        master_addr,
+    } = start_cluster(dir.path());
+    runtime().block_on(async {
         let msgr =
             Messenger::new("test-client", MsgrConfig::default(), Arc::new(TcpTransport)).unwrap();
         let mc = MasterClient::new(msgr.client(), vec![master_addr.clone()]);
-        // The master creates the default tenant once it leads.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let r = mc
-                .execute(&MapCommand::CreateVolume {
-                    name: "v".into(),
-                    owner: "default".into(),
-                    replicas: 3,
-                    capacity: 0,
-                    meta_partitions: 1,
-                    data_partitions: 2,
-                    inode_step: 1 << 20,
-                })
-                .await;
-            if r.is_ok() {
-                break;
-            }
-            assert!(Instant::now() < deadline, "cannot create the volume: {r:?}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        wait_writable(&mc, "v", Duration::from_secs(30)).await;
+        create_volume(&mc).await;
         let vol = Arc::new(
             NetVolume::connect(msgr.client(), mc.clone(), "v")
                 .await
@@ -317,6 +343,56 @@ fn acknowledged_data_survives_kill_9_of_leader_and_follower() {
             "{} files acknowledged, {failed} failed during fail-over, {overwrites} overwrites",
             acked.len()
         );
+        let m = msgr.clone();
+        tokio::task::spawn_blocking(move || m.shutdown())
+            .await
+            .unwrap();
+    });
+}
+
+#[test]
+fn a_deleted_file_has_its_extents_released_on_the_data_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = start_cluster(dir.path());
+    runtime().block_on(async {
+        let msgr =
+            Messenger::new("test-client", MsgrConfig::default(), Arc::new(TcpTransport)).unwrap();
+        let mc = MasterClient::new(msgr.client(), vec![c.master_addr.clone()]);
+        create_volume(&mc).await;
+        let vol = Arc::new(
+            NetVolume::connect(msgr.client(), mc.clone(), "v")
+                .await
+                .unwrap(),
+        );
+        let fs = MetaFs::new(
+            NetVolume::connect(msgr.client(), mc.clone(), "v")
+                .await
+                .unwrap(),
+        );
+        let f = fs
+            .create(ROOT_INO, b"f", &NewInode::file(0o644, 0, 0))
+            .await
+            .unwrap();
+        let mut w = SeqWriter::new(vol.clone(), 0, 4);
+        w.write(Bytes::from(content(7, 300 << 10))).await.unwrap();
+        let keys = w.finish().await.unwrap();
+        fs.append_extents(f.ino, keys.clone()).await.unwrap();
+        assert_eq!(read_keys(&vol, &keys).await.unwrap(), content(7, 300 << 10));
+        fs.unlink(ROOT_INO, b"f").await.unwrap();
+        // The meta partition's leader releases the evicted inode's extents within a few report
+        // rounds (every 100 ms here).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match read_keys(&vol, &keys).await {
+                Err(DataCallError::Data(DataError::NotFound(_))) => break,
+                other => assert!(
+                    Instant::now() < deadline,
+                    "the extent was not released: {:?}",
+                    other.map(|b| b.len())
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         let m = msgr.clone();
         tokio::task::spawn_blocking(move || m.shutdown())
             .await
