@@ -18,7 +18,7 @@
 use std::path::Path;
 
 use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
-use raft_engine::{Command, Config, Engine, LogBatch, MessageExt};
+use raft_engine::{Command, Config, Engine, LogBatch, MessageExt, ReadableSize};
 
 use crate::log::{GroupId, GroupState, LogError, LogStore, LogWrite, validate};
 use crate::mem_log::check_range;
@@ -74,6 +74,12 @@ impl EngineLogStore {
     pub fn open(dir: &Path) -> Result<Self, LogError> {
         let cfg = Config {
             dir: dir.to_string_lossy().into_owned(),
+            // Entries are small metadata commands or data that does not compress (overwrites):
+            // compressing batches costs CPU for nothing.
+            batch_compression_threshold: ReadableSize(0),
+            // Reclaim compacted files early (the default waits for 10 GB of log).
+            target_file_size: ReadableSize::mb(32),
+            purge_threshold: ReadableSize::mb(256),
             ..Config::default()
         };
         Ok(Self {
@@ -143,6 +149,10 @@ impl EngineLogStore {
 }
 
 impl LogStore for EngineLogStore {
+    fn purge(&self) -> Result<Vec<GroupId>, LogError> {
+        self.engine.purge_expired_files().map_err(io)
+    }
+
     fn write(&self, write: &LogWrite, sync: bool) -> Result<(), LogError> {
         let mut batch = LogBatch::default();
         // A group may appear more than once in a batch: earlier writes move its bounds and may set a

@@ -117,6 +117,13 @@ pub enum LogError {
 /// The durable log of all groups of one node.
 pub trait LogStore: Send + Sync + 'static {
     /// Applies `write` atomically; with `sync` it is on stable storage when this returns.
+    /// Reclaims storage whose entries are all compacted; returns groups whose old entries keep
+    /// storage from being reclaimed (they should be compacted). Stores without such storage do
+    /// nothing.
+    fn purge(&self) -> Result<Vec<GroupId>, LogError> {
+        Ok(Vec::new())
+    }
+
     fn write(&self, write: &LogWrite, sync: bool) -> Result<(), LogError>;
 
     /// The persistent state of `group`, or `None` if the group has never been written.

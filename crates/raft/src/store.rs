@@ -38,6 +38,8 @@ pub struct StoreConfig {
     /// Ticks after which a proposal or read still unanswered fails with [`RaftError::Timeout`] (its
     /// outcome is then unknown: it may still be applied).
     pub request_timeout_ticks: u64,
+    /// How often log files whose entries are all compacted are reclaimed.
+    pub purge_interval: Duration,
 }
 
 impl Default for StoreConfig {
@@ -48,6 +50,7 @@ impl Default for StoreConfig {
             keepalive_ticks: 5,
             peer_timeout_ticks: 20,
             request_timeout_ticks: 100,
+            purge_interval: Duration::from_secs(10),
         }
     }
 }
@@ -336,8 +339,8 @@ pub fn start<S: StateMachine>(
                     return;
                 }
             };
-            let node = RaftNode::new(id, config.node.clone(), log);
-            rt.block_on(run(node, config, rx, peers, client, applied_tx));
+            let node = RaftNode::new(id, config.node.clone(), log.clone());
+            rt.block_on(run(node, config, rx, peers, client, applied_tx, log));
         })?;
     Ok(RaftHandle { id, tx, applied })
 }
@@ -363,6 +366,7 @@ async fn run<S: StateMachine>(
     peers: BTreeMap<u64, String>,
     client: Client,
     applied: watch::Sender<u64>,
+    log: Arc<dyn LogStore>,
 ) {
     let id = node.id();
     let mut lp = Loop {
@@ -379,9 +383,27 @@ async fn run<S: StateMachine>(
     lp.add_peers(peers);
     let mut tick = tokio::time::interval(config.tick_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut purge = tokio::time::interval(config.purge_interval);
+    purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut purging: Option<tokio::task::JoinHandle<()>> = None;
     let mut stop_reply = None;
     loop {
         tokio::select! {
+            _ = purge.tick() => {
+                // Reclaims log files whose entries are all compacted, off the raft loop; one at a
+                // time.
+                if purging.as_ref().is_none_or(|p| p.is_finished()) {
+                    let log = log.clone();
+                    purging = Some(tokio::task::spawn_blocking(move || match log.purge() {
+                        Ok(lagging) if !lagging.is_empty() => tracing::debug!(
+                            node = id, groups = ?lagging, "raft log files held by lagging groups"
+                        ),
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(node = id, error = %e, "raft log purge failed"),
+                    }));
+                }
+                continue;
+            }
             cmd = rx.recv() => match cmd {
                 Some(Cmd::Stop { reply }) => {
                     stop_reply = Some(reply);
@@ -414,6 +436,9 @@ async fn run<S: StateMachine>(
     }
     for (_, (_, reader)) in lp.reads.drain() {
         reader(Err(stopped()));
+    }
+    if let Some(p) = purging {
+        let _ = p.await;
     }
     // The log (and raft-engine's files and lock) close with the node, before the stop is confirmed.
     drop(lp);
