@@ -125,6 +125,14 @@ struct Part {
 
 impl Part {
     fn track(&self, extent: ExtentId) -> Result<Arc<Track>, DataError> {
+        self.track_with(extent, true)
+    }
+
+    /// The extent's track, made from the local length if there is none: `len_committed` says
+    /// whether that length counts as committed. A follower's does not: it may end in an
+    /// unacknowledged tail of an earlier leader, which the next packet at the committed offset must
+    /// be able to drop; the leader's packets tell it what is committed.
+    fn track_with(&self, extent: ExtentId, len_committed: bool) -> Result<Arc<Track>, DataError> {
         let mut tracks = self
             .tracks
             .lock()
@@ -133,7 +141,7 @@ impl Part {
             return Ok(t.clone());
         }
         let len = self.store.len(extent).map_err(store_error)?;
-        let t = Track::new(len, len);
+        let t = Track::new(len, if len_committed { len } else { 0 });
         tracks.insert(extent, t.clone());
         Ok(t)
     }
@@ -177,6 +185,7 @@ struct Inner {
     parts: Mutex<BTreeMap<PartitionId, Arc<Part>>>,
     reports: Mutex<Vec<PartitionReport>>,
     last_report: Mutex<Option<(Instant, BTreeMap<PartitionId, u64>)>>,
+    opening: tokio::sync::Mutex<()>,
     /// Repair budget: bytes that may still be copied before the next refill.
     repair_tokens: tokio::sync::Mutex<(f64, Instant)>,
 }
@@ -218,6 +227,7 @@ impl DataNode {
                 parts: Mutex::default(),
                 reports: Mutex::default(),
                 last_report: Mutex::default(),
+                opening: tokio::sync::Mutex::new(()),
                 repair_tokens: tokio::sync::Mutex::new((0.0, Instant::now())),
             }),
         };
@@ -296,6 +306,9 @@ impl DataNode {
             .map(|r| (r.node.0, r.addr.clone()))
             .collect();
         raft.add_peers(peers.clone()).map_err(err_str)?;
+        // The master's create request and a heartbeat may both ask for a new partition: one store
+        // per directory, so opening is one at a time.
+        let _one = self.inner.opening.lock().await;
         if let Some(p) = self.part(spec.id) {
             if let Ok(mut r) = p.replicas.lock() {
                 *r = spec.replicas.clone();
@@ -372,6 +385,14 @@ impl DataNode {
             match self.adopt(known).await {
                 Ok(()) => adopted = true,
                 Err(e) => tracing::error!(error = %e, "cannot reopen the data partitions"),
+            }
+        }
+        // An id published before this call is not a change: adopt it now.
+        let published = *id.borrow_and_update();
+        if !adopted && let Some(node) = published {
+            match self.adopt(node).await {
+                Ok(()) => adopted = true,
+                Err(e) => tracing::error!(error = %e, "cannot start the data node"),
             }
         }
         loop {
@@ -524,15 +545,31 @@ impl DataNode {
         }
         let mut tracks = HashMap::new();
         let mut short = Vec::new();
+        // Held until the new tracks are in place: no write can take an extent's track meanwhile.
+        let held = part.tracks.lock().ok();
         for (e, (min, max_c)) in lens {
             let committed = max_c.max(min);
-            let have = local.iter().find(|(id, _)| *id == e).map_or(0, |(_, l)| *l);
+            let mut have = local.iter().find(|(id, _)| *id == e).map_or(0, |(_, l)| *l);
             if have < committed {
                 short.push(e);
             }
+            // Bytes past the committed length here are an unacknowledged tail (an earlier leader's
+            // packets that did not reach every replica): drop them, so that appends continue at the
+            // committed offset — unless a write to the extent is still in flight here (its track is
+            // held), which may yet be acknowledged.
+            let busy = held
+                .as_ref()
+                .is_none_or(|t| t.get(&e).is_some_and(|t| Arc::strong_count(t) > 1));
+            if have > committed
+                && !busy
+                && !ExtentStore::is_tiny(e)
+                && part.store.truncate(e, committed).is_ok()
+            {
+                have = committed;
+            }
             tracks.insert(e, Track::new(have.max(committed), committed));
         }
-        if let Ok(mut t) = part.tracks.lock() {
+        if let Some(mut t) = held {
             *t = tracks;
         }
         if !unreachable.is_empty() {
@@ -672,6 +709,19 @@ impl DataNode {
                     let count = (last - b).min(8) as u32;
                     self.copy_blocks(part, &addr, extent, b, count).await?;
                     b += u64::from(count);
+                }
+                // A packet may be waiting for these bytes (`take_replica`): its track must see them.
+                let track = part
+                    .tracks
+                    .lock()
+                    .ok()
+                    .and_then(|t| t.get(&extent).cloned());
+                if let (Some(t), Ok(len)) = (track, part.store.len(extent)) {
+                    t.next.send_if_modified(|n| {
+                        let grew = len > *n;
+                        *n = (*n).max(len);
+                        grew
+                    });
                 }
                 tracing::info!(partition = %part.id, %extent, from = have, to = committed, "extent repaired");
             }
@@ -874,6 +924,22 @@ impl DataNode {
             .map_err(store_error)
     }
 
+    /// The append state of an extent on the leader. An extent this replica does not know may have
+    /// been created through Raft under a previous leader and not be applied here yet: wait until
+    /// everything committed is applied, then look again.
+    async fn leader_track(&self, part: &Part, extent: ExtentId) -> Result<Arc<Track>, DataError> {
+        match part.track(extent) {
+            Err(DataError::NotFound(_)) if !ExtentStore::is_tiny(extent) => {
+                let raft = self.raft().map_err(DataError::Io)?;
+                raft.read(part.id.0, |_| ())
+                    .await
+                    .map_err(|e| DataError::Io(e.to_string()))?;
+                part.track(extent)
+            }
+            other => other,
+        }
+    }
+
     /// Sends a packet to every follower and syncs it locally; all must succeed.
     async fn replicate(
         &self,
@@ -939,7 +1005,7 @@ impl DataNode {
         if let Some(why) = part.degraded() {
             return Err(DataError::ReadOnly(why));
         }
-        let track = part.track(req.extent)?;
+        let track = self.leader_track(part, req.extent).await?;
         let len = data.bytes.len() as u64;
         // Packets of one extent may arrive out of order: wait for the previous one's local write.
         let mut next = track.next.subscribe();
@@ -1076,7 +1142,7 @@ impl DataNode {
     ) -> Result<(), DataError> {
         check_packet(&data)?;
         let tiny = ExtentStore::is_tiny(req.extent);
-        let track = match part.track(req.extent) {
+        let track = match part.track_with(req.extent, false) {
             Ok(t) => t,
             // Created through Raft but not applied here yet (or a tiny extent's first write).
             Err(DataError::NotFound(_)) => {
@@ -1147,7 +1213,7 @@ impl DataNode {
             return Ok(Err(e));
         }
         let len = data.bytes.len() as u64;
-        let committed = match part.track(req.extent) {
+        let committed = match self.leader_track(part, req.extent).await {
             Ok(t) => t.committed(),
             Err(e) => return Ok(Err(e)),
         };
@@ -1180,7 +1246,7 @@ impl DataNode {
         if let Err(e) = check_packet(&data) {
             return Ok(Err(e));
         }
-        let track = match part.track(req.extent) {
+        let track = match self.leader_track(part, req.extent).await {
             Ok(t) => t,
             Err(e) => return Ok(Err(e)),
         };
@@ -1226,7 +1292,7 @@ impl DataNode {
     /// Reads committed bytes on the leader, verifying block CRCs; a bad block is fetched from a
     /// follower, rewritten here and the read retried.
     async fn read(&self, part: &Part, req: &ReadRequest) -> Result<Bytes, DataError> {
-        let committed = part.track(req.extent)?.committed();
+        let committed = self.leader_track(part, req.extent).await?.committed();
         let end = req.offset.saturating_add(u64::from(req.len));
         if end > committed {
             return Err(DataError::OutOfRange {

@@ -240,6 +240,14 @@ impl MetaNode {
                 Err(e) => tracing::error!(error = %e, "cannot reopen the meta partitions"),
             }
         }
+        // An id published before this call is not a change: adopt it now.
+        let published = *id.borrow_and_update();
+        if !adopted && let Some(node) = published {
+            match self.adopt(node).await {
+                Ok(()) => adopted = true,
+                Err(e) => tracing::error!(error = %e, "cannot start the meta node"),
+            }
+        }
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,

@@ -139,9 +139,49 @@ struct Group<S> {
     lease: Option<(Instant, u64)>,
     /// Send times of this leader's ReadIndex rounds not yet confirmed (for the lease).
     read_sent: BTreeMap<ProposalId, Instant>,
+    /// Reads asked of a new leader before it committed an entry of its term: raft-rs drops such a
+    /// ReadIndex request silently, so they wait here and are issued once it has.
+    deferred: Vec<(ProposalId, Option<Instant>)>,
 }
 
 impl<S> Group<S> {
+    /// Sends a ReadIndex round for `id`, or defers it until this leader has committed in its term.
+    fn read_round(&mut self, id: ProposalId, sent: Option<Instant>, lease: std::time::Duration) {
+        let r = &self.node.raft;
+        if r.raft_log.term(r.raft_log.committed).ok() != Some(r.term) {
+            self.deferred.push((id, sent));
+            return;
+        }
+        self.node.read_index(id.to_le_bytes().to_vec());
+        if let Some(now) = sent {
+            // Rounds that never complete (lost leadership) are forgotten after a while.
+            self.read_sent
+                .retain(|_, t| now.saturating_duration_since(*t) < lease * 20);
+            self.read_sent.insert(id, now);
+        }
+    }
+
+    /// Issues deferred reads once the leader has committed in its term; drops them if it lost
+    /// leadership (their callers time out, as for any read a deposed leader cannot answer).
+    /// Returns whether rounds were issued.
+    fn flush_deferred(&mut self, lease: std::time::Duration) -> bool {
+        if self.deferred.is_empty() {
+            return false;
+        }
+        if self.node.raft.state != StateRole::Leader {
+            self.deferred.clear();
+            return false;
+        }
+        let r = &self.node.raft;
+        if r.raft_log.term(r.raft_log.committed).ok() != Some(r.term) {
+            return false;
+        }
+        for (id, sent) in std::mem::take(&mut self.deferred) {
+            self.read_round(id, sent, lease);
+        }
+        true
+    }
+
     /// Whether the group has nothing in flight: an idle leader with every voter caught up, or a
     /// follower whose leader is alive and whose log is applied up to the end.
     fn quiescent(&self, peer_alive: impl Fn(u64) -> bool) -> bool {
@@ -281,6 +321,7 @@ impl<S: StateMachine> RaftNode<S> {
                 reads: Vec::new(),
                 lease: None,
                 read_sent: BTreeMap::new(),
+                deferred: Vec::new(),
                 idle_ticks: 0,
                 hibernating: false,
             },
@@ -442,8 +483,8 @@ impl<S: StateMachine> RaftNode<S> {
     /// [`ReadyOutput::reads`], the state machine reflects every write committed before this call.
     pub fn read_index(&mut self, group: GroupId) -> Result<ProposalId, RaftError> {
         let id = self.next_proposal;
-        let g = self.leading(group)?;
-        g.node.read_index(id.to_le_bytes().to_vec());
+        let lease = self.config.read_lease;
+        self.leading(group)?.read_round(id, None, lease);
         self.next_proposal += 1;
         Ok(id)
     }
@@ -468,11 +509,7 @@ impl<S: StateMachine> RaftNode<S> {
         if valid {
             g.reads.push((committed, id));
         } else {
-            g.node.read_index(id.to_le_bytes().to_vec());
-            // Rounds that never complete (lost leadership) are forgotten after a while.
-            g.read_sent
-                .retain(|_, t| now.saturating_duration_since(*t) < lease * 20);
-            g.read_sent.insert(id, now);
+            g.read_round(id, Some(now), lease);
         }
         self.next_proposal += 1;
         Ok(id)
@@ -532,6 +569,9 @@ impl<S: StateMachine> RaftNode<S> {
             let Some(g) = self.groups.get_mut(&gid) else {
                 continue;
             };
+            if g.flush_deferred(self.config.read_lease) {
+                self.dirty.insert(gid);
+            }
             if !g.node.has_ready() {
                 // Lease reads wait only for the state machine to catch up.
                 let applied = g.node.raft.raft_log.applied;
@@ -623,6 +663,13 @@ impl<S: StateMachine> RaftNode<S> {
             self.maybe_compact(gid, &mut gw);
             if !gw.is_empty() {
                 after.groups.push(gw);
+            }
+            if self
+                .groups
+                .get_mut(&gid)
+                .is_some_and(|g| g.flush_deferred(self.config.read_lease))
+            {
+                self.dirty.insert(gid);
             }
             // More to do (e.g. committed entries beyond one fetch): look again next round.
             if self.groups.get(&gid).is_some_and(|g| g.node.has_ready()) {

@@ -442,6 +442,7 @@ async fn run<S: StateMachine>(
     }
     // The log (and raft-engine's files and lock) close with the node, before the stop is confirmed.
     drop(lp);
+    drop(log);
     if let Some(reply) = stop_reply {
         let _ = reply.send(());
     }

@@ -380,3 +380,61 @@ fn read_lease_answers_locally_until_it_expires_and_never_outlives_leadership() {
         Err(e) => panic!("unexpected {e}"),
     }
 }
+
+/// raft-rs drops a ReadIndex request on a leader that has not committed an entry of its own term
+/// yet (Raft §6.4: it does not know the commit index yet). The store defers such reads and issues
+/// them once that entry commits, instead of leaving the caller to time out.
+#[test]
+fn raft_6_4_a_read_on_a_new_leader_is_answered_once_its_first_entry_commits() {
+    use raft::eraftpb::MessageType;
+    let mut c = Cluster::new(3, &[1], NodeConfig::default());
+    let old = c.leader(1);
+    let p = c.propose(old, 1, "k=1").unwrap();
+    c.pump();
+    assert!(c.results.contains_key(&(old, p)));
+
+    // Depose the leader; elect another but hold back the append responses that would let it
+    // commit its first entry.
+    c.isolate(old);
+    let others: Vec<u64> = c.live().into_iter().filter(|&n| n != old).collect();
+    let mut held = Vec::new();
+    let mut new = None;
+    'elect: for _ in 0..500 {
+        for &id in &others {
+            c.node(id).tick();
+        }
+        for _ in 0..100 {
+            let mut moved = false;
+            for &id in &others {
+                let out = c.node(id).process_ready().unwrap();
+                for (g, m) in out.messages {
+                    if m.to == old {
+                        continue;
+                    }
+                    moved = true;
+                    if m.get_msg_type() == MessageType::MsgAppendResponse {
+                        held.push((g, m));
+                    } else {
+                        let to = m.to;
+                        let _ = c.node(to).step(g, m);
+                    }
+                }
+            }
+            if let Some(&l) = others.iter().find(|&&id| c.node(id).is_leader(1)) {
+                new = Some(l);
+                break 'elect;
+            }
+            if !moved {
+                break;
+            }
+        }
+    }
+    let new = new.expect("no new leader");
+    let r = c.node(new).read_index(1).unwrap();
+    for (g, m) in held {
+        let to = m.to;
+        let _ = c.node(to).step(g, m);
+    }
+    c.pump();
+    assert_eq!(c.read_values[&(new, r)]["k"], "1");
+}

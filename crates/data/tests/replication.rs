@@ -1,0 +1,611 @@
+//! Scenario tests of the data node's replication (DESIGN.md §7, `nacre_data::service`): three
+//! `DataNode`s in one process over the in-memory network host one data partition (no master: ids
+//! and the spec come from the test, see `common`); the test talks to them with plain messenger
+//! calls, following `NotLeader` hints, and stops, restarts, cuts off and damages replicas.
+//!
+//! - round trip: appends (also pipelined out of order), tiny writes, overwrites, Raft appends and
+//!   reads; nothing past the committed length is served; every replica ends with the same bytes.
+//! - a stopped follower: appends turn the partition read-only, overwrites (Raft majority) go on;
+//!   back and repaired, the partition takes appends again and the follower holds every byte.
+//! - a follower that lost its tail: recovery trims it, repair pulls the rest (also while a packet
+//!   waits for those bytes).
+//! - a flipped bit on the leader: the read repairs the block from a follower.
+//! - a leader crash in the middle of pipelined appends, and a new leader whose own copy has an
+//!   unacknowledged tail: nothing acknowledged is lost, appends go on at the committed offset.
+//! - releases: deleted extents are gone on every replica, punched tiny ranges read as zeros.
+//!
+//! Scenarios run one at a time ([`common::SERIAL`]); every wait has a deadline.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::*;
+use nacre_data::DataError;
+use nacre_types::ExtentId;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn appends_tiny_writes_overwrites_and_reads_round_trip() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::start(1).await;
+    let api = &c.api;
+    let e = api.create().await.unwrap().unwrap();
+    let mut model: Vec<u8> = Vec::new();
+
+    // Sequential appends: partial blocks, exact blocks, a full packet, a few bytes.
+    for (i, len) in [1000usize, 4096, 5000, 128 << 10, 3]
+        .into_iter()
+        .enumerate()
+    {
+        let data = pattern(i as u64, len);
+        let w = api
+            .append(e, model.len() as u64, &data)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(w.extent, e);
+        assert_eq!(w.offset, model.len() as u64);
+        model.extend_from_slice(&data);
+        assert_eq!(w.committed, model.len() as u64);
+    }
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+    let b = api.read(e, 900, 9000).await.unwrap().unwrap();
+    assert_eq!(&b[..], &model[900..9900]);
+
+    // Pipelined appends out of order: packet k+1 is sent before packet k; the leader applies them
+    // in offset order.
+    for round in 0..4u64 {
+        let at = model.len() as u64;
+        let (dk, dk1) = (pattern(100 + round, 7000), pattern(200 + round, 9000));
+        let (r1, r0) = tokio::join!(api.append(e, at + 7000, &dk1), api.append(e, at, &dk));
+        let (w0, w1) = (r0.unwrap().unwrap(), r1.unwrap().unwrap());
+        assert_eq!((w0.offset, w1.offset), (at, at + 7000));
+        assert_eq!(w1.committed, at + 16_000, "k+1 commits after k");
+        model.extend_from_slice(&dk);
+        model.extend_from_slice(&dk1);
+    }
+    // Eight packets in flight at once, sent in reverse order.
+    let at = model.len() as u64;
+    let packets: Vec<Vec<u8>> = (0..8)
+        .map(|k| pattern(300 + k, 3000 + k as usize))
+        .collect();
+    let mut offsets = Vec::new();
+    let mut off = at;
+    for p in &packets {
+        offsets.push(off);
+        off += p.len() as u64;
+    }
+    let mut tasks = Vec::new();
+    for k in (0..8).rev() {
+        let (api, data, offset) = (api.clone(), packets[k].clone(), offsets[k]);
+        tasks.push(tokio::spawn(
+            async move { api.append(e, offset, &data).await },
+        ));
+    }
+    for t in tasks {
+        let w = t.await.unwrap().unwrap().unwrap();
+        assert!(w.committed >= w.offset);
+    }
+    for p in &packets {
+        model.extend_from_slice(p);
+    }
+    assert_eq!(api.committed(e).await, model.len() as u64);
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+
+    // A read past the committed length is refused, even by one byte.
+    let len = model.len() as u64;
+    match api.read(e, len - 10, 11).await.unwrap() {
+        Err(DataError::OutOfRange {
+            extent, committed, ..
+        }) => assert_eq!((extent, committed), (e, len)),
+        other => panic!("expected OutOfRange, got {other:?}"),
+    }
+    // An append that is not at the end is refused.
+    match api.append(e, len - 1, b"x").await.unwrap() {
+        Err(DataError::OutOfRange { .. }) => {}
+        other => panic!("expected OutOfRange, got {other:?}"),
+    }
+
+    // Overwrites (through Raft) inside the committed bytes, across block boundaries.
+    let ow = pattern(400, 10_000);
+    api.overwrite(e, 3000, &ow).await.unwrap().unwrap();
+    model[3000..13_000].copy_from_slice(&ow);
+    api.overwrite(e, len - 5, b"tail!").await.unwrap().unwrap();
+    model[len as usize - 5..].copy_from_slice(b"tail!");
+    match api.overwrite(e, len - 2, b"past").await.unwrap() {
+        Err(DataError::OutOfRange { .. }) => {}
+        other => panic!("an overwrite past the end must fail: {other:?}"),
+    }
+    assert_eq!(api.read_all(e, 0, len).await, model);
+
+    // The Raft path for appends works too.
+    let dr = pattern(500, 6000);
+    let w = api.append_raft(e, len, &dr).await.unwrap().unwrap();
+    assert_eq!((w.offset, w.committed), (len, len + 6000));
+    model.extend_from_slice(&dr);
+
+    // Tiny writes land on 4 KiB boundaries of tiny extents and read back.
+    let t1 = pattern(600, 3000);
+    let t2 = pattern(601, 5000);
+    let w1 = api.write_tiny(&t1).await.unwrap().unwrap();
+    let w2 = api.write_tiny(&t2).await.unwrap().unwrap();
+    for (w, t) in [(w1, &t1), (w2, &t2)] {
+        assert!((1..=16).contains(&w.extent.0), "{w:?}");
+        assert_eq!(w.offset % 4096, 0);
+        assert!(w.committed >= w.offset + t.len() as u64);
+        let b = api
+            .read(w.extent, w.offset, t.len() as u32)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&b[..], &t[..]);
+    }
+
+    // Every replica ends up with the same bytes (followers apply overwrites from the Raft log).
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+    for i in 0..3 {
+        c.wait_replica(i, e, &model, true).await;
+    }
+    let crcs = api.block_crcs(0, e).await.unwrap().unwrap();
+    for i in 1..3 {
+        assert_eq!(api.block_crcs(i, e).await.unwrap().unwrap(), crcs);
+    }
+    c.shutdown().await;
+}
+
+/// Appends `n` packets of `len` bytes to `e` from its current end (`model`), all acknowledged.
+async fn fill(api: &Api, e: ExtentId, model: &mut Vec<u8>, seed: u64, n: usize, len: usize) {
+    for k in 0..n {
+        let data = pattern(seed + k as u64, len);
+        let w = api
+            .append(e, model.len() as u64, &data)
+            .await
+            .unwrap()
+            .unwrap();
+        model.extend_from_slice(&data);
+        assert_eq!(w.committed, model.len() as u64);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_follower_makes_the_partition_read_only_until_it_is_repaired() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::start(2).await;
+    let api = c.api.clone();
+    let l = api.leader().await;
+    let f = (l + 1) % 3;
+    let e = api.create().await.unwrap().unwrap();
+    let mut model = Vec::new();
+    fill(&api, e, &mut model, 10, 3, 10_000).await;
+
+    c.crash(f).await;
+    // The next append cannot reach every replica: refused, and the partition turns read-only.
+    let lost = pattern(20, 8000);
+    match api.append(e, model.len() as u64, &lost).await.unwrap() {
+        Err(DataError::ReadOnly(_)) => {}
+        other => panic!("expected ReadOnly, got {other:?}"),
+    }
+    assert_eq!(api.leader().await, l);
+    match api.create().await.unwrap() {
+        Err(DataError::ReadOnly(_)) => {}
+        other => panic!("a read-only partition creates no extent: {other:?}"),
+    }
+    match api.write_tiny(b"small").await.unwrap() {
+        Err(DataError::ReadOnly(_)) => {}
+        other => panic!("a read-only partition takes no tiny write: {other:?}"),
+    }
+    // Overwrites go through Raft: a majority suffices.
+    let ow = pattern(21, 6000);
+    api.overwrite(e, 2000, &ow).await.unwrap().unwrap();
+    model[2000..8000].copy_from_slice(&ow);
+    // Nothing past the committed length is served.
+    assert_eq!(api.committed(e).await, model.len() as u64);
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+
+    // The follower comes back; it catches up (the overwrite from the Raft log) and the leader,
+    // re-checking, takes appends again.
+    c.restart(f).await;
+    c.wait_writable(l).await;
+    // The client moves the rest of its stream to a new extent.
+    let e2 = api.create().await.unwrap().unwrap();
+    let mut model2 = Vec::new();
+    fill(&api, e2, &mut model2, 30, 3, 9000).await;
+    let w = api.write_tiny(b"small").await.unwrap().unwrap();
+
+    // The restarted follower holds every committed byte (and the unacknowledged packet never
+    // reached it).
+    c.wait_replica(f, e, &model, true).await;
+    c.wait_replica(f, e2, &model2, true).await;
+    assert_eq!(api.local_len(f, w.extent).await, w.committed);
+    for i in 0..3 {
+        c.wait_replica(i, e2, &model2, true).await;
+    }
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_that_lost_its_tail_is_trimmed_and_repaired() {
+    let _serial = SERIAL.lock().await;
+    // A follower waits up to half of this for the bytes before a packet: long enough for a repair
+    // on a loaded machine.
+    let mut c = Cluster::start_with(3, |cfg| {
+        cfg.replicate_timeout = std::time::Duration::from_secs(4);
+    })
+    .await;
+    let api = c.api.clone();
+    let l = api.leader().await;
+    let f = (l + 2) % 3;
+    let e = api.create().await.unwrap().unwrap();
+    let mut model = Vec::new();
+    fill(&api, e, &mut model, 40, 5, 9000).await; // 45 000 bytes: 10 full blocks and a partial one
+    c.wait_replica(f, e, &model, true).await;
+
+    // The follower crashes and its last writes did not reach the disk: its data file is short.
+    c.crash(f).await;
+    let file = c.data_file(f, e);
+    truncate(&file, 10_000);
+    // It restarts cut off from the leader (so it cannot repair yet): recovery trimmed the extent
+    // to its last whole verified block.
+    let (fh, lh) = (Cluster::host(f), Cluster::host(l));
+    c.net.heal_host(&fh);
+    c.net.partition(&fh, &lh);
+    c.revive(f).await;
+    assert_eq!(api.local_len(f, e).await, 2 * u64::from(BS));
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 2 * u64::from(BS));
+    // The leader cannot replicate to it: read-only.
+    match api
+        .append(e, model.len() as u64, &pattern(50, 4000))
+        .await
+        .unwrap()
+    {
+        Err(DataError::ReadOnly(_)) => {}
+        other => panic!("expected ReadOnly, got {other:?}"),
+    }
+    // Reconnected, the follower pulls the missing blocks from the leader and the partition
+    // returns to read-write.
+    c.net.heal(&fh, &lh);
+    c.wait_writable(l).await;
+    c.wait_replica(f, e, &model, false).await;
+    // Whole blocks below the committed length are identical (the leader's copy may go on with
+    // the packet that failed).
+    let whole = model.len() / BS as usize;
+    assert_eq!(
+        api.block_crcs(f, e).await.unwrap().unwrap()[..whole],
+        api.block_crcs(l, e).await.unwrap().unwrap()[..whole]
+    );
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+    // The client moves on to a new extent.
+    let e2 = api.create().await.unwrap().unwrap();
+    let mut model2 = Vec::new();
+    fill(&api, e2, &mut model2, 60, 4, 5000).await;
+    for i in 0..3 {
+        c.wait_replica(i, e2, &model2, true).await;
+    }
+
+    // The same loss again, but this time the follower comes back while the partition takes
+    // appends: the next packet reaches it before its repair has brought the missing bytes, waits
+    // for them, and is stored; nothing turns read-only.
+    c.crash(f).await;
+    truncate(&c.data_file(f, e2), 6000);
+    c.restart(f).await;
+    let more = pattern(61, 3000);
+    let w = api
+        .append(e2, model2.len() as u64, &more)
+        .await
+        .unwrap()
+        .unwrap();
+    model2.extend_from_slice(&more);
+    assert_eq!(w.committed, model2.len() as u64);
+    fill(&api, e2, &mut model2, 62, 2, 5000).await;
+    for i in 0..3 {
+        c.wait_replica(i, e2, &model2, true).await;
+    }
+    c.shutdown().await;
+}
+
+/// Cuts a file as a crash that lost its unsynced end would.
+fn truncate(file: &std::path::Path, len: u64) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(file)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_bit_on_the_leader_is_repaired_from_a_follower_at_read_time() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::start(4).await;
+    let api = c.api.clone();
+    let e = api.create().await.unwrap().unwrap();
+    let mut model = Vec::new();
+    fill(&api, e, &mut model, 70, 4, 10_000).await;
+    let ow = pattern(80, 3000);
+    api.overwrite(e, 12_000, &ow).await.unwrap().unwrap();
+    model[12_000..15_000].copy_from_slice(&ow);
+    let l = api.leader().await;
+    // A block is repaired only from a replica that has applied every Raft entry the leader has
+    // (else it could lack an overwrite): let the followers catch up first.
+    let applied = api.list(l).await.unwrap().applied;
+    for i in 0..3 {
+        c.wait_replica(i, e, &model, true).await;
+        eventually("the followers to apply the overwrite", || async {
+            (api.list(i).await.ok()?.applied >= applied).then_some(())
+        })
+        .await;
+    }
+
+    // Bit rot in block 3 of the leader's copy.
+    let file = c.data_file(l, e);
+    let at = 3 * u64::from(BS) + 123;
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[at as usize] ^= 0x10;
+    std::fs::write(&file, &bytes).unwrap();
+    assert_ne!(&bytes[..model.len()], &model[..]);
+
+    // The read checks the block's CRC, fetches the block from a follower, rewrites it, and serves
+    // the right bytes.
+    let b = api.read(e, at - 100, 1000).await.unwrap().unwrap();
+    assert_eq!(&b[..], &model[at as usize - 100..at as usize + 900]);
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+    // The leader's file is fixed on disk.
+    assert_eq!(std::fs::read(&file).unwrap(), model);
+    let crcs = api.block_crcs(l, e).await.unwrap().unwrap();
+    for i in 0..3 {
+        assert_eq!(api.block_crcs(i, e).await.unwrap().unwrap(), crcs);
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_appends_survive_a_leader_crash_in_the_middle_of_a_pipeline() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::start(5).await;
+    let api = c.api.clone();
+    let e = api.create().await.unwrap().unwrap();
+    let old = api.leader().await;
+
+    // One stream of packets, 6 in flight, sent to the leader only (no leader following: after a
+    // failure the rest of the stream is not acknowledged).
+    const PACKET: usize = 6000;
+    const PACKETS: usize = 400;
+    let stream = pattern(90, PACKET * PACKETS);
+    let (acks_tx, mut acks) = tokio::sync::watch::channel(0usize);
+    let writer = {
+        let (api, stream) = (api.clone(), stream.clone());
+        tokio::spawn(async move {
+            let mut inflight = std::collections::VecDeque::new();
+            let mut next = 0;
+            let mut acked_end = 0u64;
+            loop {
+                while inflight.len() < 6 && next < PACKETS {
+                    let (api, off) = (api.clone(), (next * PACKET) as u64);
+                    let data = stream[next * PACKET..(next + 1) * PACKET].to_vec();
+                    inflight
+                        .push_back(tokio::spawn(async move { api.append(e, off, &data).await }));
+                    next += 1;
+                }
+                let Some(t) = inflight.pop_front() else {
+                    break;
+                };
+                match t.await.unwrap() {
+                    Ok(Ok(w)) => {
+                        assert!(w.committed >= w.offset + PACKET as u64);
+                        acked_end = acked_end.max(w.offset + PACKET as u64);
+                        acks_tx.send_modify(|n| *n += 1);
+                    }
+                    Ok(Err(DataError::ReadOnly(_) | DataError::OutOfRange { .. })) | Err(_) => {
+                        for t in inflight.drain(..) {
+                            let _ = t.await;
+                        }
+                        break;
+                    }
+                    Ok(Err(other)) => panic!("append: {other:?}"),
+                }
+            }
+            acked_end
+        })
+    };
+    acks.wait_for(|n| *n >= 40).await.unwrap();
+    c.crash(old).await;
+    let acked = writer.await.unwrap();
+    assert!(acked >= 40 * PACKET as u64);
+    assert!(acked < stream.len() as u64, "the crash cut the stream");
+
+    // A new leader is elected and aligns: nothing acknowledged is lost, and the bytes below the
+    // committed length are the stream's.
+    let l = api.leader().await;
+    assert_ne!(l, old);
+    let committed = api.committed(e).await;
+    for i in 0..3 {
+        if i != old {
+            eprintln!(
+                "DIAG node {i} len {} (leader {l}) committed {committed} acked {acked}",
+                api.local_len(i, e).await
+            );
+        }
+    }
+    assert!(
+        committed >= acked,
+        "committed {committed} is below the acknowledged {acked}"
+    );
+    assert_eq!(
+        api.read_all(e, 0, committed).await,
+        &stream[..committed as usize]
+    );
+    // The crashed replica is unreachable: the partition takes no appends.
+    match api.append(e, committed, b"more").await.unwrap() {
+        Err(DataError::ReadOnly(_)) => {}
+        other => panic!("expected ReadOnly, got {other:?}"),
+    }
+
+    // The old leader restarts (with whatever tail it had written); once every replica holds the
+    // committed bytes, appends continue at the committed offset.
+    c.restart(old).await;
+    let l = api.leader().await;
+    c.wait_writable(l).await;
+    let more = pattern(91, 7000);
+    let w = api.append(e, committed, &more).await.unwrap().unwrap();
+    assert_eq!((w.offset, w.committed), (committed, committed + 7000));
+    let mut model = stream[..committed as usize].to_vec();
+    model.extend_from_slice(&more);
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+    for i in 0..3 {
+        c.wait_replica(i, e, &model, true).await;
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_with_an_unacknowledged_tail_continues_at_the_committed_offset() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::start(6).await;
+    let api = c.api.clone();
+    let e = api.create().await.unwrap().unwrap();
+    let mut model = Vec::new();
+    fill(&api, e, &mut model, 100, 3, 5000).await;
+    let old = api.leader().await;
+    let (next, s) = ((old + 1) % 3, (old + 2) % 3);
+
+    // Replica `s` loses the old leader: it misses an overwrite (so its Raft log is behind and it
+    // cannot win the next election) and the next packet, which only the old leader and `next`
+    // store. That packet is not acknowledged.
+    c.net.partition(&Cluster::host(s), &Cluster::host(old));
+    let ow = pattern(101, 3000);
+    api.overwrite(e, 1000, &ow).await.unwrap().unwrap();
+    model[1000..4000].copy_from_slice(&ow);
+    let tail = pattern(102, 8000);
+    match api.append(e, model.len() as u64, &tail).await.unwrap() {
+        Err(DataError::ReadOnly(_)) => {}
+        other => panic!("expected ReadOnly, got {other:?}"),
+    }
+    let len = model.len() as u64;
+    assert_eq!(api.local_len(next, e).await, len + 8000);
+    assert_eq!(api.local_len(s, e).await, len);
+
+    // The old leader crashes: `next` (with the unacknowledged tail) is the only possible leader.
+    c.crash(old).await;
+    assert_eq!(api.leader().await, next);
+    assert_eq!(api.committed(e).await, len);
+    assert_eq!(api.read_all(e, 0, len).await, model);
+
+    // With every replica back, appends continue at the committed offset; the tail is dropped
+    // everywhere.
+    c.restart(old).await;
+    c.wait_writable(next).await;
+    let more = pattern(103, 5000);
+    let w = api.append(e, len, &more).await.unwrap().unwrap();
+    assert_eq!((w.offset, w.committed), (len, len + 5000));
+    model.extend_from_slice(&more);
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+    for i in 0..3 {
+        c.wait_replica(i, e, &model, true).await;
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_delete_extents_and_punch_tiny_ranges_on_every_replica() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::start(7).await;
+    let api = c.api.clone();
+    let e = api.create().await.unwrap().unwrap();
+    let keep = api.create().await.unwrap().unwrap();
+    let (mut model, mut kept) = (Vec::new(), Vec::new());
+    fill(&api, e, &mut model, 110, 2, 9000).await;
+    fill(&api, keep, &mut kept, 120, 1, 3000).await;
+    // Three small files; they go to tiny extents, on 4 KiB boundaries.
+    let files: Vec<Vec<u8>> = (0..3).map(|k| pattern(130 + k, 5000)).collect();
+    let mut written = Vec::new();
+    for f in &files {
+        written.push(api.write_tiny(f).await.unwrap().unwrap());
+    }
+    for i in 0..3 {
+        c.wait_replica(i, e, &model, true).await;
+        assert!(c.data_file(i, e).exists());
+    }
+
+    // The meta node releases extent `e` and the second small file.
+    let gone = written[1];
+    api.release(vec![
+        (e, 0, 0),
+        (gone.extent, gone.offset, files[1].len() as u64),
+    ])
+    .await
+    .unwrap()
+    .unwrap();
+    // Releases are idempotent.
+    api.release(vec![(e, 0, 0)]).await.unwrap().unwrap();
+
+    // The deleted extent is gone on every replica (followers apply the release from the log).
+    match api.read(e, 0, 100).await.unwrap() {
+        Err(DataError::NotFound(x)) => assert_eq!(x, e),
+        other => panic!("expected NotFound, got {other:?}"),
+    }
+    for i in 0..3 {
+        eventually("the release to be applied on every replica", || async {
+            match api.fetch_all(i, e).await.ok()? {
+                Err(DataError::NotFound(x)) if x == e => Some(()),
+                _ => None,
+            }
+        })
+        .await;
+        assert!(matches!(
+            api.block_crcs(i, e).await.unwrap(),
+            Err(DataError::NotFound(_))
+        ));
+        assert!(!c.data_file(i, e).exists(), "node {i} still has the file");
+        assert!(
+            api.list(i)
+                .await
+                .unwrap()
+                .extents
+                .iter()
+                .all(|(x, _, _)| *x != e)
+        );
+    }
+    // Appending to it is refused too.
+    match api.append(e, model.len() as u64, b"late").await.unwrap() {
+        Err(DataError::NotFound(_)) => {}
+        other => panic!("expected NotFound, got {other:?}"),
+    }
+
+    // The punched range reads as zeros everywhere; the other files and extents are intact.
+    let zeros = vec![0u8; files[1].len()];
+    let b = api
+        .read(gone.extent, gone.offset, files[1].len() as u32)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&b[..], &zeros[..]);
+    for (w, f) in written.iter().zip(&files) {
+        if *w == gone {
+            continue;
+        }
+        let b = api
+            .read(w.extent, w.offset, f.len() as u32)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&b[..], &f[..]);
+    }
+    for i in 0..3 {
+        let (o, n) = (gone.offset as usize, files[1].len());
+        eventually("the punch to be applied on every replica", || async {
+            let all = api.fetch_all(i, gone.extent).await.ok()?.ok()?;
+            (all.get(o..o + n)? == &zeros[..]).then_some(())
+        })
+        .await;
+        let all = api.fetch_all(i, gone.extent).await.unwrap().unwrap();
+        for (w, f) in written.iter().zip(&files) {
+            if w.extent == gone.extent && *w != gone {
+                let o = w.offset as usize;
+                assert_eq!(&all[o..o + f.len()], &f[..]);
+            }
+        }
+        c.wait_replica(i, keep, &kept, true).await;
+    }
+    assert_eq!(api.read_all(keep, 0, kept.len() as u64).await, kept);
+    c.shutdown().await;
+}
