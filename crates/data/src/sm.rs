@@ -29,14 +29,14 @@ pub enum DataCommand {
     Overwrite {
         extent: ExtentId,
         offset: u64,
-        data: Vec<u8>,
+        data: bytes::Bytes,
     },
     /// Appends `data` at `offset`, the extent's end (the Raft alternative to primary-backup
     /// appends, for comparison). Replayed entries find the bytes already there.
     Append {
         extent: ExtentId,
         offset: u64,
-        data: Vec<u8>,
+        data: bytes::Bytes,
     },
     /// Deletes normal extents and punches `(offset, len)` out of tiny ones.
     Release { ranges: Vec<(ExtentId, u64, u64)> },
