@@ -627,6 +627,14 @@ impl<S: StateMachine> RaftNode<S> {
             return Ok(out);
         }
         self.log.write(&write, sync)?;
+        for gw in &write.groups {
+            if let Some(g) = self.groups.get_mut(&gw.group) {
+                if gw.snapshot.is_some() {
+                    g.node.mut_store().cache_clear();
+                }
+                g.node.mut_store().cache_append(&gw.entries);
+            }
+        }
 
         let mut after = LogWrite::default();
         let mut after_sync = false;

@@ -1,6 +1,7 @@
 //! raft-rs's [`Storage`] for one group, over the node's shared [`LogStore`].
 
 use std::cell::Cell;
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use raft::eraftpb::{Entry, Snapshot};
@@ -19,7 +20,16 @@ pub struct GroupStorage {
     log: Arc<dyn LogStore>,
     snapshot: Option<Snapshot>,
     snapshot_wanted: Cell<bool>,
+    /// The most recently written entries (contiguous), so that replicating and applying them does
+    /// not read them back from the log: raft-engine reads and checksums a whole write batch to
+    /// return one entry of it, which is quadratic when a batch holds many large entries.
+    cache: VecDeque<Entry>,
+    cache_bytes: usize,
 }
+
+/// Bounds of one group's entry cache.
+const CACHE_MAX_BYTES: usize = 8 << 20;
+const CACHE_MAX_ENTRIES: usize = 4096;
 
 impl std::fmt::Debug for GroupStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -40,7 +50,51 @@ impl GroupStorage {
             log,
             snapshot: None,
             snapshot_wanted: Cell::new(false),
+            cache: VecDeque::new(),
+            cache_bytes: 0,
         }
+    }
+
+    /// Records entries just written to the log: an entry at an index already cached replaces it
+    /// and everything after it, as in the log.
+    pub fn cache_append(&mut self, entries: &[Entry]) {
+        let Some(first) = entries.first() else {
+            return;
+        };
+        let next = self.cache.back().map(|e| e.index + 1);
+        match (self.cache.front().map(|e| e.index), next) {
+            (Some(front), Some(next)) if first.index >= front && first.index <= next => {
+                while self.cache.back().is_some_and(|e| e.index >= first.index) {
+                    if let Some(e) = self.cache.pop_back() {
+                        self.cache_bytes -= e.data.len();
+                    }
+                }
+            }
+            _ => self.cache_clear(),
+        }
+        for e in entries {
+            self.cache_bytes += e.data.len();
+            self.cache.push_back(e.clone());
+        }
+        while self.cache_bytes > CACHE_MAX_BYTES || self.cache.len() > CACHE_MAX_ENTRIES {
+            match self.cache.pop_front() {
+                Some(e) => self.cache_bytes -= e.data.len(),
+                None => break,
+            }
+        }
+    }
+
+    /// Forgets the cached entries (a snapshot replaced the log).
+    pub fn cache_clear(&mut self) {
+        self.cache.clear();
+        self.cache_bytes = 0;
+    }
+
+    /// The cached entry at `idx`.
+    fn cached(&self, idx: u64) -> Option<&Entry> {
+        let front = self.cache.front()?.index;
+        let i = usize::try_from(idx.checked_sub(front)?).ok()?;
+        self.cache.get(i)
     }
 
     /// Keeps `snapshot` to send to followers that need one.
@@ -82,12 +136,30 @@ impl Storage for GroupStorage {
         max_size: impl Into<Option<u64>>,
         _context: GetEntriesContext,
     ) -> raft::Result<Vec<Entry>> {
+        let max_size = max_size.into();
+        if low < high && self.cached(low).is_some() && self.cached(high - 1).is_some() {
+            // raft-rs's rule: at least one entry, then as many as fit in `max_size`.
+            let mut out = Vec::new();
+            let mut size = 0u64;
+            for idx in low..high {
+                let Some(e) = self.cached(idx) else { break };
+                size += u64::from(protobuf::Message::compute_size(e));
+                if !out.is_empty() && max_size.is_some_and(|m| size > m) {
+                    break;
+                }
+                out.push(e.clone());
+            }
+            return Ok(out);
+        }
         self.log
-            .entries(self.group, low, high, max_size.into())
+            .entries(self.group, low, high, max_size)
             .map_err(to_raft)
     }
 
     fn term(&self, idx: u64) -> raft::Result<u64> {
+        if let Some(e) = self.cached(idx) {
+            return Ok(e.term);
+        }
         match self.log.term(self.group, idx) {
             // A group that has never been written has the empty log: term 0 at index 0.
             Err(LogError::UnknownGroup(_)) if idx == 0 => Ok(0),
@@ -119,5 +191,53 @@ impl Storage for GroupStorage {
                 ))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::MemLogStore;
+
+    fn entry(index: u64, term: u64, len: usize) -> Entry {
+        Entry {
+            index,
+            term,
+            data: vec![index as u8; len].into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_cache_serves_recent_entries_and_follows_log_overwrites() {
+        let mut s = GroupStorage::new(1, Arc::new(MemLogStore::new()));
+        s.cache_append(&(1..=5).map(|i| entry(i, 1, 10)).collect::<Vec<_>>());
+        assert_eq!(s.term(3).unwrap(), 1);
+        let got = s
+            .entries(2, 5, None, GetEntriesContext::empty(false))
+            .unwrap();
+        assert_eq!(got.iter().map(|e| e.index).collect::<Vec<_>>(), [2, 3, 4]);
+        // A new leader replaces the tail from index 4.
+        s.cache_append(&[entry(4, 2, 10), entry(5, 2, 10), entry(6, 2, 10)]);
+        assert_eq!(s.term(3).unwrap(), 1);
+        assert_eq!(s.term(5).unwrap(), 2);
+        assert_eq!(s.cached(6).map(|e| e.term), Some(2));
+        // max_size: at least one entry, then only what fits.
+        let one = u64::from(protobuf::Message::compute_size(&entry(1, 1, 10)));
+        let got = s
+            .entries(1, 7, one + 1, GetEntriesContext::empty(false))
+            .unwrap();
+        assert_eq!(got.len(), 1);
+        // A gap (entries after a snapshot) starts the cache over.
+        s.cache_append(&[entry(100, 3, 10)]);
+        assert!(s.cached(5).is_none());
+        assert_eq!(s.cached(100).map(|e| e.term), Some(3));
+        // Bounded.
+        let big: Vec<Entry> = (101..=200).map(|i| entry(i, 3, 1 << 20)).collect();
+        s.cache_append(&big);
+        assert!(s.cache_bytes <= CACHE_MAX_BYTES);
+        assert_eq!(s.cache.back().map(|e| e.index), Some(200));
     }
 }
