@@ -19,16 +19,16 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use nacre_master::agent::{BoxFuture, PartitionHost, SpecRegistry, read_node_id, write_node_id};
+use nacre_master::agent::{BoxFuture, NodeDuties, NodeRaft, PartitionHost, SpecRegistry, run_node};
 use nacre_master::map::{PartitionKind, PartitionReport, PartitionSpec, Replica, Role};
 use nacre_msgr::{CallOptions, Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
-use nacre_raft::{EngineLogStore, LogStore, RaftError, RaftHandle, StoreConfig};
+use nacre_raft::{RaftError, RaftHandle, StoreConfig};
 use nacre_types::{ErrorCode, ExtentId, NodeId, PartitionId};
 use tokio::sync::watch;
 
@@ -186,7 +186,7 @@ struct Inner {
     config: DataNodeConfig,
     registry: SpecRegistry,
     client: Client,
-    raft: OnceLock<RaftHandle<DataSm>>,
+    raft: NodeRaft<DataSm>,
     parts: Mutex<BTreeMap<PartitionId, Arc<Part>>>,
     reports: Mutex<Vec<PartitionReport>>,
     last_report: Mutex<Option<(Instant, BTreeMap<PartitionId, u64>)>>,
@@ -222,13 +222,14 @@ impl DataNode {
     /// store and partitions start now; otherwise once [`DataNode::run`] learns the id.
     pub fn open(config: &DataNodeConfig, client: Client) -> std::io::Result<Self> {
         let registry = SpecRegistry::open(&config.dir.join("partitions"), Role::Data)?;
+        let raft = NodeRaft::open(&config.dir, "data", config.raft.clone(), client.clone())?;
         let node = Self {
             inner: Arc::new(Inner {
                 dir: config.dir.clone(),
                 config: config.clone(),
                 registry,
                 client,
-                raft: OnceLock::new(),
+                raft,
                 parts: Mutex::default(),
                 reports: Mutex::default(),
                 last_report: Mutex::default(),
@@ -236,57 +237,20 @@ impl DataNode {
                 repair_tokens: tokio::sync::Mutex::new((0.0, Instant::now())),
             }),
         };
-        if let Some(id) = read_node_id(&config.dir)? {
-            node.start_raft(id)?;
-        }
         Ok(node)
     }
 
     /// The id this node runs under, once known.
     pub fn id(&self) -> Option<NodeId> {
-        self.inner.raft.get().map(|r| NodeId(r.id()))
-    }
-
-    fn start_raft(&self, id: NodeId) -> std::io::Result<()> {
-        if self.inner.raft.get().is_some() {
-            return Ok(());
-        }
-        let dir = self.inner.dir.join("raft");
-        std::fs::create_dir_all(&dir)?;
-        let log: Arc<dyn LogStore> =
-            Arc::new(EngineLogStore::open(&dir).map_err(std::io::Error::other)?);
-        let handle = nacre_raft::store::start::<DataSm>(
-            id.0,
-            self.inner.config.raft.clone(),
-            log,
-            BTreeMap::new(),
-            self.inner.client.clone(),
-        )?;
-        let _ = self.inner.raft.set(handle);
-        tracing::info!(node = %id, "data node raft store started");
-        Ok(())
+        self.inner.raft.id()
     }
 
     fn raft(&self) -> Result<&RaftHandle<DataSm>, String> {
-        self.inner
-            .raft
-            .get()
-            .ok_or_else(|| "this data node is not registered yet".to_string())
+        self.inner.raft.handle()
     }
 
     async fn adopt(&self, id: NodeId) -> Result<(), String> {
-        if let Some(r) = self.inner.raft.get() {
-            if r.id() != id.0 {
-                return Err(format!(
-                    "the master now calls this node {id}, but its data belongs to node-{}; \
-                     refusing to serve (was the node's address changed?)",
-                    r.id()
-                ));
-            }
-        } else {
-            write_node_id(&self.inner.dir, id).map_err(err_str)?;
-            self.start_raft(id).map_err(err_str)?;
-        }
+        self.inner.raft.adopt(id)?;
         for spec in self.inner.registry.specs() {
             if let Err(e) = self.open_partition(&spec).await {
                 tracing::error!(partition = %spec.id, error = %e, "cannot open data partition");
@@ -378,57 +342,10 @@ impl DataNode {
     /// refreshes reports, re-checks read-only partitions and repairs what this node lacks.
     pub async fn run(
         &self,
-        mut id: watch::Receiver<Option<NodeId>>,
+        id: watch::Receiver<Option<NodeId>>,
         shutdown: impl std::future::Future<Output = ()>,
     ) {
-        let mut shutdown = std::pin::pin!(shutdown);
-        let mut tick = tokio::time::interval(self.inner.config.report_interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        let mut adopted = false;
-        let mut agent_gone = false;
-        if let Some(known) = self.id() {
-            match self.adopt(known).await {
-                Ok(()) => adopted = true,
-                Err(e) => tracing::error!(error = %e, "cannot reopen the data partitions"),
-            }
-        }
-        // An id published before this call is not a change: adopt it now.
-        let published = *id.borrow_and_update();
-        if !adopted && let Some(node) = published {
-            match self.adopt(node).await {
-                Ok(()) => adopted = true,
-                Err(e) => tracing::error!(error = %e, "cannot start the data node"),
-            }
-        }
-        loop {
-            tokio::select! {
-                _ = &mut shutdown => break,
-                changed = id.changed(), if !agent_gone => {
-                    if changed.is_err() {
-                        agent_gone = true;
-                        continue;
-                    }
-                    let current = *id.borrow_and_update();
-                    match current {
-                        Some(node) if !adopted => match self.adopt(node).await {
-                            Ok(()) => adopted = true,
-                            Err(e) => tracing::error!(error = %e, "cannot start the data node"),
-                        },
-                        Some(node) if self.id() != Some(node) => tracing::error!(
-                            %node,
-                            own = ?self.id(),
-                            "the master registered this node under another id; its partitions \
-                             keep running under the id on disk"
-                        ),
-                        _ => {}
-                    }
-                }
-                _ = tick.tick() => self.maintain().await,
-            }
-        }
-        if let Some(r) = self.inner.raft.get() {
-            let _ = r.stop().await;
-        }
+        run_node(self, id, self.inner.config.report_interval, shutdown).await;
     }
 
     /// One round of background duties: leaders align and re-check read-only partitions, followers
@@ -1574,6 +1491,32 @@ fn check_packet(data: &Payload) -> Result<(), DataError> {
         )));
     }
     Ok(())
+}
+
+impl NodeDuties for DataNode {
+    fn role(&self) -> &'static str {
+        "data"
+    }
+
+    fn id(&self) -> Option<NodeId> {
+        DataNode::id(self)
+    }
+
+    fn adopt(&self, id: NodeId) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(DataNode::adopt(self, id))
+    }
+
+    fn tick(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.maintain())
+    }
+
+    fn stop(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if let Some(r) = self.inner.raft.get() {
+                let _ = r.stop().await;
+            }
+        })
+    }
 }
 
 impl PartitionHost for DataNode {

@@ -9,15 +9,15 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nacre_master::agent::{BoxFuture, PartitionHost, SpecRegistry, read_node_id, write_node_id};
+use nacre_master::agent::{BoxFuture, NodeDuties, NodeRaft, PartitionHost, SpecRegistry, run_node};
 use nacre_master::map::{PartitionKind, PartitionReport, PartitionSpec, Role};
 use nacre_msgr::{Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
-use nacre_raft::{EngineLogStore, LogStore, RaftError, RaftHandle, StateMachine, StoreConfig};
+use nacre_raft::{RaftError, RaftHandle, StateMachine, StoreConfig};
 use nacre_types::{ErrorCode, NodeId, PartitionId};
 use tokio::sync::watch;
 
@@ -70,9 +70,8 @@ pub struct MetaNodeConfig {
 struct Inner {
     dir: PathBuf,
     registry: SpecRegistry,
-    raft_config: StoreConfig,
     client: Client,
-    raft: OnceLock<RaftHandle<MetaSm>>,
+    raft: NodeRaft<MetaSm>,
     /// Partition → node id → address, for leader hints.
     replicas: Mutex<BTreeMap<PartitionId, BTreeMap<u64, String>>>,
     reports: Mutex<Vec<PartitionReport>>,
@@ -109,14 +108,14 @@ impl MetaNode {
     /// Opens the node's state in `config.dir`. If the node has an id from an earlier run, its raft
     /// store and partitions start now; otherwise once [`MetaNode::run`] learns the id.
     pub fn open(config: &MetaNodeConfig, client: Client) -> std::io::Result<Self> {
+        let raft = NodeRaft::open(&config.dir, "meta", config.raft.clone(), client.clone())?;
         let registry = SpecRegistry::open(&config.dir.join("partitions"), Role::Meta)?;
         let node = Self {
             inner: Arc::new(Inner {
                 dir: config.dir.clone(),
                 registry,
-                raft_config: config.raft.clone(),
                 client,
-                raft: OnceLock::new(),
+                raft,
                 replicas: Mutex::default(),
                 reports: Mutex::default(),
                 orphan_grace: config.orphan_grace,
@@ -127,15 +126,12 @@ impl MetaNode {
                 data_replicas: Mutex::default(),
             }),
         };
-        if let Some(id) = read_node_id(&config.dir)? {
-            node.start_raft(id)?;
-        }
         Ok(node)
     }
 
     /// The id this node runs under, once known.
     pub fn id(&self) -> Option<NodeId> {
-        self.inner.raft.get().map(|r| NodeId(r.id()))
+        self.inner.raft.id()
     }
 
     /// Log entries applied by this node's partitions, once its raft store runs (see
@@ -144,47 +140,13 @@ impl MetaNode {
         self.inner.raft.get().map(RaftHandle::applied)
     }
 
-    fn start_raft(&self, id: NodeId) -> std::io::Result<()> {
-        if self.inner.raft.get().is_some() {
-            return Ok(());
-        }
-        let dir = self.inner.dir.join("raft");
-        std::fs::create_dir_all(&dir)?;
-        let log: Arc<dyn LogStore> =
-            Arc::new(EngineLogStore::open(&dir).map_err(std::io::Error::other)?);
-        let handle = nacre_raft::store::start::<MetaSm>(
-            id.0,
-            self.inner.raft_config.clone(),
-            log,
-            BTreeMap::new(),
-            self.inner.client.clone(),
-        )?;
-        let _ = self.inner.raft.set(handle);
-        tracing::info!(node = %id, "meta node raft store started");
-        Ok(())
-    }
-
     fn raft(&self) -> Result<&RaftHandle<MetaSm>, String> {
-        self.inner
-            .raft
-            .get()
-            .ok_or_else(|| "this meta node is not registered yet".to_string())
+        self.inner.raft.handle()
     }
 
     /// Starts the raft store under `id` (persisting it) and opens the registered partitions.
     async fn adopt(&self, id: NodeId) -> Result<(), String> {
-        if let Some(r) = self.inner.raft.get() {
-            if r.id() != id.0 {
-                return Err(format!(
-                    "the master now calls this node {id}, but its data belongs to node-{}; \
-                     refusing to serve (was the node's address changed?)",
-                    r.id()
-                ));
-            }
-        } else {
-            write_node_id(&self.inner.dir, id).map_err(|e| e.to_string())?;
-            self.start_raft(id).map_err(|e| e.to_string())?;
-        }
+        self.inner.raft.adopt(id)?;
         for spec in self.inner.registry.specs() {
             if let Err(e) = self.open_partition(&spec).await {
                 tracing::error!(partition = %spec.id, error = %e, "cannot open meta partition");
@@ -219,69 +181,16 @@ impl MetaNode {
         Ok(())
     }
 
-    /// Runs until `shutdown`: adopts the id the agent publishes on `id`, and refreshes the
-    /// per-partition reports every `report_interval`.
+    /// Runs until `shutdown`: adopts the id the agent publishes on `id`, and every
+    /// `report_interval` refreshes the per-partition reports, evicts stale orphans and releases
+    /// freed extents.
     pub async fn run(
         &self,
-        mut id: watch::Receiver<Option<NodeId>>,
+        id: watch::Receiver<Option<NodeId>>,
         report_interval: Duration,
         shutdown: impl std::future::Future<Output = ()>,
     ) {
-        let mut shutdown = std::pin::pin!(shutdown);
-        let mut tick = tokio::time::interval(report_interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        let mut adopted = false;
-        let mut agent_gone = false;
-        // Restarted with an id on disk: serve the partitions at once, even before the master
-        // answers.
-        if let Some(known) = self.id() {
-            match self.adopt(known).await {
-                Ok(()) => adopted = true,
-                Err(e) => tracing::error!(error = %e, "cannot reopen the meta partitions"),
-            }
-        }
-        // An id published before this call is not a change: adopt it now.
-        let published = *id.borrow_and_update();
-        if !adopted && let Some(node) = published {
-            match self.adopt(node).await {
-                Ok(()) => adopted = true,
-                Err(e) => tracing::error!(error = %e, "cannot start the meta node"),
-            }
-        }
-        loop {
-            tokio::select! {
-                _ = &mut shutdown => break,
-                changed = id.changed(), if !agent_gone => {
-                    if changed.is_err() {
-                        // The agent is gone (shutting down); keep serving what we have.
-                        agent_gone = true;
-                        continue;
-                    }
-                    let current = *id.borrow_and_update();
-                    match current {
-                        Some(node) if !adopted => match self.adopt(node).await {
-                            Ok(()) => adopted = true,
-                            Err(e) => tracing::error!(error = %e, "cannot start the meta node"),
-                        },
-                        Some(node) if self.id() != Some(node) => tracing::error!(
-                            %node,
-                            own = ?self.id(),
-                            "the master registered this node under another id; its partitions \
-                             keep running under the id on disk"
-                        ),
-                        _ => {}
-                    }
-                }
-                _ = tick.tick() => {
-                    self.refresh_reports().await;
-                    self.sweep_orphans().await;
-                    self.release_freed().await;
-                }
-            }
-        }
-        if let Some(r) = self.inner.raft.get() {
-            let _ = r.stop().await;
-        }
+        run_node(self, id, report_interval, shutdown).await;
     }
 
     /// The highest inode allocated across this node's replicas, as applied locally (for tests and
@@ -608,6 +517,36 @@ impl MetaNode {
                     Ok((result, Payload::none()))
                 }
             })
+    }
+}
+
+impl NodeDuties for MetaNode {
+    fn role(&self) -> &'static str {
+        "meta"
+    }
+
+    fn id(&self) -> Option<NodeId> {
+        MetaNode::id(self)
+    }
+
+    fn adopt(&self, id: NodeId) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(MetaNode::adopt(self, id))
+    }
+
+    fn tick(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.refresh_reports().await;
+            self.sweep_orphans().await;
+            self.release_freed().await;
+        })
+    }
+
+    fn stop(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if let Some(r) = self.inner.raft.get() {
+                let _ = r.stop().await;
+            }
+        })
     }
 }
 

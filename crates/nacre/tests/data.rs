@@ -145,6 +145,9 @@ struct Cluster {
     master_addr: String,
 }
 
+/// One cluster at a time: each is 7 processes on a 2-core machine.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn start_cluster(dir: &Path) -> Cluster {
     let master_addr = format!("127.0.0.1:{}", free_port());
     let master = start_master(&master_addr, dir);
@@ -208,6 +211,7 @@ async fn create_volume(mc: &MasterClient) {
 
 #[test]
 fn acknowledged_data_survives_kill_9_of_leader_and_follower() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let Cluster {
         _master,
@@ -352,6 +356,7 @@ fn acknowledged_data_survives_kill_9_of_leader_and_follower() {
 
 #[test]
 fn a_deleted_file_has_its_extents_released_on_the_data_nodes() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let c = start_cluster(dir.path());
     runtime().block_on(async {
