@@ -229,8 +229,11 @@ pub enum Command {
         name: Vec<u8>,
     },
     /// Forgets the first `count` entries of the to-free list (after they were freed on data nodes).
+    /// With `first`, only if the list still starts with that entry: a retried acknowledgement whose
+    /// first attempt was applied changes nothing.
     AckFreed {
         count: u64,
+        first: Option<ExtentKey>,
     },
     /// Records `parent` as the parent directory of `ino` (a directory moved to a parent in another
     /// partition). `NotFound` for an unknown or deleted inode.

@@ -223,7 +223,7 @@ impl MetaPartition {
                 mode,
             } => self.set_xattr(now, *ino, name, value, *mode),
             Command::RemoveXattr { ino, name } => self.remove_xattr(now, *ino, name),
-            Command::AckFreed { count } => self.ack_freed(*count),
+            Command::AckFreed { count, first } => self.ack_freed(*count, first.as_ref()),
             Command::SetParent { ino, parent } => {
                 let (_, node) = self.live_mut(*ino)?;
                 node.parent = parent.0;
@@ -892,7 +892,10 @@ impl MetaPartition {
         Ok(Reply::Done)
     }
 
-    fn ack_freed(&mut self, count: u64) -> Result<Reply, MetaError> {
+    fn ack_freed(&mut self, count: u64, first: Option<&ExtentKey>) -> Result<Reply, MetaError> {
+        if first.is_some() && self.to_free.front() != first {
+            return Ok(Reply::Done);
+        }
         let n = usize::try_from(count)
             .ok()
             .filter(|&n| n <= self.to_free.len())

@@ -307,6 +307,7 @@ impl MetaNode {
             }
             let cmd = Command::AckFreed {
                 count: keys.len() as u64,
+                first: keys.first().copied(),
             };
             let Ok(bytes) = postcard::to_allocvec(&(now_ns(), cmd)) else {
                 continue;

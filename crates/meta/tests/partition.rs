@@ -437,7 +437,14 @@ fn unlink_to_zero_deletes_and_evict_removes_for_good() {
     );
     // Its extents wait on the to-free list until the data nodes freed them.
     assert_eq!(to_free(&p), vec![key(0, 1, 0, 100)]);
-    ok(&mut p, 4, Command::AckFreed { count: 1 });
+    ok(
+        &mut p,
+        4,
+        Command::AckFreed {
+            count: 1,
+            first: None,
+        },
+    );
     assert!(orphans(&p).is_empty());
     assert_eq!(p.stats().inodes, 1);
     assert_eq!(
@@ -1035,13 +1042,48 @@ fn ack_freed_forgets_the_oldest() {
     ok(&mut p, 1, truncate(f, 0));
     assert_eq!(to_free(&p), keys);
     assert!(matches!(
-        err(&mut p, Command::AckFreed { count: 6 }),
+        err(
+            &mut p,
+            Command::AckFreed {
+                count: 6,
+                first: None
+            }
+        ),
         MetaError::Invalid(_)
     ));
-    ok(&mut p, 2, Command::AckFreed { count: 2 });
+    ok(
+        &mut p,
+        2,
+        Command::AckFreed {
+            count: 2,
+            first: None,
+        },
+    );
     assert_eq!(to_free(&p), keys[2..]);
-    ok(&mut p, 2, Command::AckFreed { count: 0 });
-    ok(&mut p, 2, Command::AckFreed { count: 3 });
+    ok(
+        &mut p,
+        2,
+        Command::AckFreed {
+            count: 0,
+            first: None,
+        },
+    );
+    // An acknowledgement naming the entry it starts at is applied once, however often it is sent.
+    let ack = Command::AckFreed {
+        count: 1,
+        first: Some(keys[2]),
+    };
+    ok(&mut p, 2, ack.clone());
+    ok(&mut p, 2, ack);
+    assert_eq!(to_free(&p), keys[3..]);
+    ok(
+        &mut p,
+        2,
+        Command::AckFreed {
+            count: 2,
+            first: None,
+        },
+    );
     assert!(to_free(&p).is_empty());
 }
 
@@ -2058,7 +2100,10 @@ impl Model {
                 n.ctime = now;
                 Ok(Reply::Done)
             }
-            Command::AckFreed { count } => {
+            Command::AckFreed { count, first } => {
+                if first.is_some() && self.to_free.front() != first.as_ref() {
+                    return Ok(Reply::Done);
+                }
                 if count > self.to_free.len() as u64 {
                     return Err(invalid());
                 }
@@ -2736,6 +2781,7 @@ impl Pair {
             }),
             Op::AckFreed { count } => Some(Command::AckFreed {
                 count: u64::from(count % 8),
+                first: None,
             }),
             Op::SetParent { ino, dir: d } => Some(Command::SetParent {
                 ino: self.ino(ino),
@@ -3008,7 +3054,7 @@ fn any_command() -> impl Strategy<Value = Command> {
             mode: XattrMode::Upsert
         }),
         (any_ino(), any_name()).prop_map(|(ino, name)| Command::RemoveXattr { ino, name }),
-        any::<u64>().prop_map(|count| Command::AckFreed { count }),
+        any::<u64>().prop_map(|count| Command::AckFreed { count, first: None }),
         (any_ino(), any_ino()).prop_map(|(ino, parent)| Command::SetParent { ino, parent }),
         prop_oneof![0..20u64, any::<u64>()].prop_map(|end| Command::SetEnd { end }),
     ]
