@@ -245,6 +245,12 @@ impl DataNode {
         self.inner.raft.id()
     }
 
+    /// Log entries applied by this node's partitions, once its raft store runs (see
+    /// `RaftHandle::applied`): tests wait on it instead of polling.
+    pub fn applied(&self) -> Option<watch::Receiver<u64>> {
+        self.inner.raft.get().map(RaftHandle::applied)
+    }
+
     fn raft(&self) -> Result<&RaftHandle<DataSm>, String> {
         self.inner.raft.handle()
     }

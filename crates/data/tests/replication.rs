@@ -330,9 +330,11 @@ async fn a_flipped_bit_on_the_leader_is_repaired_from_a_follower_at_read_time() 
     let applied = api.list(l).await.unwrap().applied;
     for i in 0..3 {
         c.wait_replica(i, e, &model, true).await;
-        eventually("the followers to apply the overwrite", || async {
-            (api.list(i).await.ok()?.applied >= applied).then_some(())
-        })
+        until_applied(
+            c.node(i),
+            "the followers to apply the overwrite",
+            || async { (api.list(i).await.ok()?.applied >= applied).then_some(()) },
+        )
         .await;
     }
 
@@ -544,12 +546,16 @@ async fn releases_delete_extents_and_punch_tiny_ranges_on_every_replica() {
         other => panic!("expected NotFound, got {other:?}"),
     }
     for i in 0..3 {
-        eventually("the release to be applied on every replica", || async {
-            match api.fetch_all(i, e).await.ok()? {
-                Err(DataError::NotFound(x)) if x == e => Some(()),
-                _ => None,
-            }
-        })
+        until_applied(
+            c.node(i),
+            "the release to be applied on every replica",
+            || async {
+                match api.fetch_all(i, e).await.ok()? {
+                    Err(DataError::NotFound(x)) if x == e => Some(()),
+                    _ => None,
+                }
+            },
+        )
         .await;
         assert!(matches!(
             api.block_crcs(i, e).await.unwrap(),
@@ -592,10 +598,14 @@ async fn releases_delete_extents_and_punch_tiny_ranges_on_every_replica() {
     }
     for i in 0..3 {
         let (o, n) = (gone.offset as usize, files[1].len());
-        eventually("the punch to be applied on every replica", || async {
-            let all = api.fetch_all(i, gone.extent).await.ok()?.ok()?;
-            (all.get(o..o + n)? == &zeros[..]).then_some(())
-        })
+        until_applied(
+            c.node(i),
+            "the punch to be applied on every replica",
+            || async {
+                let all = api.fetch_all(i, gone.extent).await.ok()?.ok()?;
+                (all.get(o..o + n)? == &zeros[..]).then_some(())
+            },
+        )
         .await;
         let all = api.fetch_all(i, gone.extent).await.unwrap().unwrap();
         for (w, f) in written.iter().zip(&files) {

@@ -32,6 +32,7 @@ fn start_master(addr: &str, dir: &Path) -> Proc {
         ("NACRE_MASTER__DUTY_INTERVAL_MS", "200".into()),
         // No partitions beyond the volume's: the test knows every one.
         ("NACRE_MASTER__MIN_WRITABLE_DATA_PARTITIONS", "0".into()),
+        ("NACRE_MASTER__DEFAULT_TENANT", "false".into()),
         ("NACRE_MSGR__WORKERS", "1".into()),
     ])
 }
@@ -186,26 +187,25 @@ fn runtime() -> tokio::runtime::Runtime {
 /// Creates volume `v` (1 meta partition, 2 data partitions, 3 replicas) and waits until it is
 /// writable.
 async fn create_volume(mc: &MasterClient) {
-    // The master creates the default tenant once it leads.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let r = mc
-            .execute(&MapCommand::CreateVolume {
-                name: "v".into(),
-                owner: "default".into(),
-                replicas: 3,
-                capacity: 0,
-                meta_partitions: 1,
-                data_partitions: 2,
-                inode_step: 1 << 20,
-            })
-            .await;
-        if r.is_ok() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "cannot create the volume: {r:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // Every node registered, so the master leads: these are answered at once.
+    mc.execute(&MapCommand::CreateTenant {
+        name: "t".into(),
+        access_key: "AK".into(),
+        secret_key: "0123456789abcdef".into(),
+    })
+    .await
+    .unwrap();
+    mc.execute(&MapCommand::CreateVolume {
+        name: "v".into(),
+        owner: "t".into(),
+        replicas: 3,
+        capacity: 0,
+        meta_partitions: 1,
+        data_partitions: 2,
+        inode_step: 1 << 20,
+    })
+    .await
+    .unwrap();
     wait_writable(mc, "v", Duration::from_secs(30)).await;
 }
 

@@ -99,24 +99,16 @@ impl Proc {
         let dir = root.join(&host);
         let mut cfg = config(&dir);
         tweak(&mut cfg);
-        // The raft store of a stopped instance releases its log's lock just after it confirms the
-        // stop (nacre_raft::store::run drops its own handle to the log last): retry while locked.
-        let node = eventually("the raft log's lock to be released", || async {
-            match DataNode::open(&cfg, msgr.client()) {
-                Ok(n) => Some(n),
-                Err(e) if e.to_string().contains("Failed to lock file") => None,
-                Err(e) => panic!("cannot open {}: {e}", dir.display()),
-            }
-        })
-        .await;
+        // A stopped instance's raft store has released its log's lock once its stop returned.
+        let node = DataNode::open(&cfg, msgr.client())
+            .unwrap_or_else(|e| panic!("cannot open {}: {e}", dir.display()));
         let (stop, _) = watch::channel(false);
         let mut rx = stop.subscribe();
         let server = tokio::spawn(msgr.serve(l, Arc::new(node.router()), async move {
             let _ = rx.wait_for(|s| *s).await;
         }));
-        // The id is published before the run loop starts: mark it unseen so that it is adopted.
-        let (id_tx, mut id_rx) = watch::channel(Some(NodeId(i as u64 + 1)));
-        id_rx.mark_changed();
+        // Published before the run loop starts: it adopts it at once.
+        let (id_tx, id_rx) = watch::channel(Some(NodeId(i as u64 + 1)));
         let (run, mut rx) = (node.clone(), stop.subscribe());
         let runner = tokio::spawn(async move {
             run.run(id_rx, async move {
@@ -417,6 +409,27 @@ where
         }
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Re-checks `check` each time node `node` applies Raft entries, until it returns `Some` (at most
+/// [`DEADLINE`]).
+pub async fn until_applied<T, F, Fut>(node: &DataNode, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let mut applied = node.applied().expect("the node's raft store runs");
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        applied.mark_unchanged();
+        if let Some(t) = check().await {
+            return t;
+        }
+        tokio::time::timeout_at(deadline, applied.changed())
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+            .expect("the raft store stopped");
     }
 }
 
