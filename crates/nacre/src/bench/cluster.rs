@@ -5,12 +5,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use nacre_master::MasterClient;
+use nacre_master::map::Command as MapCommand;
 
 use crate::node::{MasterSection, MsgrSection, Node, NodeConfig, RoleName};
 
 /// A started local cluster.
 pub struct LocalCluster {
     nodes: Vec<Node>,
+    /// Meta and data nodes (they register with the master).
+    registering: usize,
     pub master: String,
     _dir: tempfile::TempDir,
 }
@@ -60,9 +63,43 @@ impl LocalCluster {
         }
         Ok(Self {
             nodes,
+            registering: meta + data,
             master: addr,
             _dir: dir,
         })
+    }
+
+    /// Waits until every node registered, then creates a tenant and volume `name` (3 replicas) and
+    /// waits until all its partitions are ready.
+    pub async fn create_volume(
+        &self,
+        mc: &MasterClient,
+        name: &str,
+        meta_partitions: u32,
+        data_partitions: u32,
+    ) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while mc.map().await?.nodes.len() < self.registering {
+            anyhow::ensure!(Instant::now() < deadline, "nodes did not register in 60 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        mc.execute(&MapCommand::CreateTenant {
+            name: "bench".into(),
+            access_key: "BENCH".into(),
+            secret_key: "bench-secret-0123456789".into(),
+        })
+        .await?;
+        mc.execute(&MapCommand::CreateVolume {
+            name: name.into(),
+            owner: "bench".into(),
+            replicas: 3,
+            capacity: 0,
+            meta_partitions,
+            data_partitions,
+            inode_step: 1 << 24,
+        })
+        .await?;
+        wait_ready(mc, name).await
     }
 
     pub async fn stop(self) -> anyhow::Result<()> {
@@ -79,7 +116,7 @@ pub fn bench_dir() -> std::path::PathBuf {
 }
 
 /// Waits (bounded) until every partition of the volume has all replicas and a leader.
-pub async fn wait_ready(mc: &MasterClient, volume: &str) -> anyhow::Result<()> {
+async fn wait_ready(mc: &MasterClient, volume: &str) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let map = mc.map().await?;

@@ -22,12 +22,11 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use nacre_client::{NetVolume, SeqWriter};
 use nacre_master::MasterClient;
-use nacre_master::map::Command as MapCommand;
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use nacre_types::{ExtentId, PartitionId};
 use serde::Serialize;
 
-use crate::bench::cluster::{LocalCluster, bench_dir, wait_ready};
+use crate::bench::cluster::{LocalCluster, bench_dir};
 use crate::bench::report::percentiles_us;
 
 pub const WORKLOADS: [&str; 7] = [
@@ -114,28 +113,9 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&DataRow)) -> anyhow::Result
     )?;
     let out = async {
         let mc = MasterClient::new(msgr.client(), vec![cluster.master.clone()]);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while mc.map().await?.nodes.len() < 6 {
-            anyhow::ensure!(Instant::now() < deadline, "nodes did not register in 60 s");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        mc.execute(&MapCommand::CreateTenant {
-            name: "bench".into(),
-            access_key: "BENCH".into(),
-            secret_key: "bench-secret-0123456789".into(),
-        })
-        .await?;
-        mc.execute(&MapCommand::CreateVolume {
-            name: "data".into(),
-            owner: "bench".into(),
-            replicas: 3,
-            capacity: 0,
-            meta_partitions: 1,
-            data_partitions: p.data_partitions,
-            inode_step: 1 << 24,
-        })
-        .await?;
-        wait_ready(&mc, "data").await?;
+        cluster
+            .create_volume(&mc, "data", 1, p.data_partitions)
+            .await?;
         let vol = Arc::new(
             NetVolume::connect(msgr.client(), mc.clone(), "data")
                 .await

@@ -13,19 +13,18 @@
 //! read from glibc's `mallinfo2` before and after.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context as _;
 use nacre_client::{MetaFs, NetVolume, NewInode};
 use nacre_master::MasterClient;
-use nacre_master::map::Command as MapCommand;
 use nacre_meta::{Command, ExtentKey, FileType, MetaPartition, ROOT_INO};
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use nacre_types::{ExtentId, Ino, PartitionId};
 use serde::Serialize;
 use tokio::sync::Barrier;
 
-use crate::bench::cluster::{LocalCluster, wait_ready};
+use crate::bench::cluster::LocalCluster;
 
 pub const PHASES: [&str; 8] = [
     "TreeCreation",
@@ -94,31 +93,9 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&MetaRow)) -> anyhow::Result
         Arc::new(TcpTransport),
     )?;
     let mc = MasterClient::new(msgr.client(), vec![cluster.master.clone()]);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while mc.map().await?.nodes.len() < 3 {
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "meta nodes did not register in 60 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    mc.execute(&MapCommand::CreateTenant {
-        name: "bench".into(),
-        access_key: "BENCH".into(),
-        secret_key: "bench-secret-0123456789".into(),
-    })
-    .await?;
-    mc.execute(&MapCommand::CreateVolume {
-        name: "mdtest".into(),
-        owner: "bench".into(),
-        replicas: 3,
-        capacity: 0,
-        meta_partitions: p.meta_partitions,
-        data_partitions: 0,
-        inode_step: 1 << 24,
-    })
-    .await?;
-    wait_ready(&mc, "mdtest").await?;
+    cluster
+        .create_volume(&mc, "mdtest", p.meta_partitions, 0)
+        .await?;
 
     let mut clients = Vec::new();
     for _ in 0..p.clients {
