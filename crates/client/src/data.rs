@@ -14,6 +14,7 @@ use nacre_data::rpc::{
 };
 use nacre_meta::ExtentKey;
 use nacre_msgr::Payload;
+use nacre_proto::msg::Rpc;
 use nacre_types::{ExtentId, PartitionId};
 use thiserror::Error;
 use tokio::task::JoinHandle;
@@ -61,12 +62,27 @@ impl NetVolume {
             .map(|p| p.id)
     }
 
+    /// Calls a data op on `partition`'s leader and unwraps the data node's answer.
+    async fn data_call<R, T>(
+        &self,
+        partition: PartitionId,
+        req: &R::Request,
+        data: Payload,
+        idempotent: bool,
+    ) -> Result<(T, Payload), DataCallError>
+    where
+        R: Rpc<Response = Result<T, DataError>>,
+    {
+        let (r, payload) = self.call::<R>(partition, req, data, idempotent).await?;
+        Ok((r?, payload))
+    }
+
     pub async fn create_extent(&self, partition: PartitionId) -> Result<ExtentId, DataCallError> {
         let req = CreateExtentRequest { partition };
-        let (r, _) = self
-            .call::<CreateExtent>(partition, &req, Payload::none(), false)
-            .await?;
-        Ok(r?)
+        Ok(self
+            .data_call::<CreateExtent, _>(partition, &req, Payload::none(), false)
+            .await?
+            .0)
     }
 
     /// Appends `data` (at most 128 KiB) at `offset`, the extent's end.
@@ -82,10 +98,10 @@ impl NetVolume {
             extent,
             offset,
         };
-        let (r, _) = self
-            .call::<Append>(partition, &req, Payload::new(data), false)
-            .await?;
-        Ok(r?)
+        Ok(self
+            .data_call::<Append, _>(partition, &req, Payload::new(data), false)
+            .await?
+            .0)
     }
 
     /// Appends through the partition's Raft group instead of primary-backup (for benchmarks).
@@ -101,10 +117,10 @@ impl NetVolume {
             extent,
             offset,
         };
-        let (r, _) = self
-            .call::<AppendRaft>(partition, &req, Payload::new(data), false)
-            .await?;
-        Ok(r?)
+        Ok(self
+            .data_call::<AppendRaft, _>(partition, &req, Payload::new(data), false)
+            .await?
+            .0)
     }
 
     /// Stores a small file (at most 128 KiB) in a tiny extent of `partition`.
@@ -114,10 +130,10 @@ impl NetVolume {
         data: Bytes,
     ) -> Result<Written, DataCallError> {
         let req = WriteTinyRequest { partition };
-        let (r, _) = self
-            .call::<WriteTiny>(partition, &req, Payload::new(data), false)
-            .await?;
-        Ok(r?)
+        Ok(self
+            .data_call::<WriteTiny, _>(partition, &req, Payload::new(data), false)
+            .await?
+            .0)
     }
 
     /// Overwrites committed bytes in place (through the partition's Raft group). Rewriting the same
@@ -134,10 +150,9 @@ impl NetVolume {
             extent,
             offset,
         };
-        let (r, _) = self
-            .call::<Overwrite>(partition, &req, Payload::new(data), true)
+        self.data_call::<Overwrite, _>(partition, &req, Payload::new(data), true)
             .await?;
-        Ok(r?)
+        Ok(())
     }
 
     /// Reads committed bytes of an extent.
@@ -154,10 +169,9 @@ impl NetVolume {
             offset,
             len,
         };
-        let (r, data) = self
-            .call::<Read>(partition, &req, Payload::none(), true)
+        let ((), data) = self
+            .data_call::<Read, _>(partition, &req, Payload::none(), true)
             .await?;
-        r?;
         if data.bytes.len() != len as usize {
             return Err(DataCallError::ShortRead {
                 want: len,
@@ -174,10 +188,9 @@ impl NetVolume {
         ranges: Vec<(ExtentId, u64, u64)>,
     ) -> Result<(), DataCallError> {
         let req = ReleaseRequest { partition, ranges };
-        let (r, _) = self
-            .call::<Release>(partition, &req, Payload::none(), true)
+        self.data_call::<Release, _>(partition, &req, Payload::none(), true)
             .await?;
-        Ok(r?)
+        Ok(())
     }
 }
 
