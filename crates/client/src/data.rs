@@ -26,7 +26,7 @@ use crate::net::NetVolume;
 pub const MAX_EXTENT: u64 = 128 << 20;
 
 /// Why a data operation failed.
-#[derive(Clone, Debug, Error)]
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum DataCallError {
     /// The data node answered with an error.
     #[error(transparent)]
@@ -181,7 +181,8 @@ impl NetVolume {
         Ok(data.bytes)
     }
 
-    /// Releases extents (normal: deleted; tiny: `(offset, len)` punched out). Idempotent.
+    /// Releases extent ranges (a normal extent from 0 to its end: deleted; other ranges punched
+    /// out). Idempotent.
     pub async fn release(
         &self,
         partition: PartitionId,
@@ -375,6 +376,11 @@ impl SeqWriter {
             self.settle_one().await?;
         }
         Ok(())
+    }
+
+    /// The keys of the packets acknowledged so far (since the last call); the stream goes on.
+    pub fn take_keys(&mut self) -> Vec<ExtentKey> {
+        std::mem::take(&mut self.keys)
     }
 
     /// Waits for every packet and returns the extent keys of everything written.

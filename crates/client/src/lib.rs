@@ -1,11 +1,15 @@
-//! The nacre client SDK (DESIGN.md §8): the volume view and partition routing, and the CFS
-//! metadata workflows over meta partitions. The data path and the `FileSystem` trait join it with
-//! the data node and client issues.
+//! The nacre client SDK (DESIGN.md §8): the volume view and partition routing, the CFS metadata
+//! workflows over meta partitions, the data path, and the [`FileSystem`] trait with the network
+//! file system ([`NetFs`]) at the bottom of every stack of layers.
 
 pub mod data;
+pub mod fs;
 pub mod meta;
 pub mod net;
+pub mod netfs;
 
 pub use data::{DataCallError, SeqWriter};
+pub use fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
 pub use meta::{CallError, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};
 pub use net::{DataPartitionInfo, NetVolume};
+pub use netfs::{NetFs, NetFsConfig};

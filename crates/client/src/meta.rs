@@ -66,6 +66,28 @@ pub trait MetaTransport: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Result<Reply, MetaError>, CallError>> + Send;
 }
 
+impl<T: MetaTransport> MetaTransport for Arc<T> {
+    fn partitions(&self) -> Arc<[MetaRange]> {
+        (**self).partitions()
+    }
+
+    fn write(
+        &self,
+        partition: PartitionId,
+        cmd: Command,
+    ) -> impl Future<Output = Result<Result<Reply, MetaError>, CallError>> + Send {
+        (**self).write(partition, cmd)
+    }
+
+    fn read(
+        &self,
+        partition: PartitionId,
+        query: Query,
+    ) -> impl Future<Output = Result<Result<Reply, MetaError>, CallError>> + Send {
+        (**self).read(partition, query)
+    }
+}
+
 /// Why a file system operation failed.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum FsError {
@@ -73,6 +95,19 @@ pub enum FsError {
     Meta(#[from] MetaError),
     #[error("metadata unavailable: {0}")]
     Unavailable(#[from] CallError),
+    /// Reading or writing file data failed.
+    #[error("data: {0}")]
+    Data(#[from] crate::data::DataCallError),
+    /// The file handle is unknown (never opened, or already released).
+    #[error("bad file handle {0}")]
+    BadHandle(u64),
+    /// The handle was not opened for this (a write on a read-only handle, …).
+    #[error("file not open for {0}")]
+    NotOpenFor(&'static str),
+    /// Earlier buffered writes of this file failed; the error was reported then, and the data
+    /// written since the last successful flush is lost.
+    #[error("an earlier write of this file failed: {0}")]
+    WriteFailed(String),
 }
 
 pub type FsResult<T> = Result<T, FsError>;

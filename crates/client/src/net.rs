@@ -243,6 +243,20 @@ impl NetVolume {
     }
 }
 
+impl NetVolume {
+    /// Capacity and used bytes of the cluster's data nodes, divided by the replica count (3):
+    /// what `statfs` reports.
+    pub async fn space(&self) -> Result<(u64, u64), String> {
+        let map = self.master.map().await.map_err(|e| e.to_string())?;
+        let (cap, used) = map
+            .nodes
+            .values()
+            .filter(|n| n.role == nacre_master::map::Role::Data)
+            .fold((0u64, 0u64), |(c, u), n| (c + n.capacity, u + n.used));
+        Ok((cap / 3, used / 3))
+    }
+}
+
 impl MetaTransport for NetVolume {
     fn partitions(&self) -> Arc<[MetaRange]> {
         self.view

@@ -150,15 +150,16 @@ impl Rpc for AppendRaft {
     type Response = Result<Written, DataError>;
 }
 
-/// Releases extents the meta node no longer references: normal extents are deleted, ranges of tiny
-/// extents are hole-punched (op `0x0306`, through Raft). Idempotent.
+/// Releases extent ranges the meta node no longer references: a normal extent released from 0 to
+/// (at least) its end is deleted; any other range is hole-punched (op `0x0306`, through Raft).
+/// Idempotent.
 #[derive(Debug)]
 pub struct Release;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ReleaseRequest {
     pub partition: PartitionId,
-    /// `(extent, offset, len)`; offset and len matter only for tiny extents.
+    /// `(extent, offset, len)`; `(extent, 0, u64::MAX)` deletes a normal extent.
     pub ranges: Vec<(ExtentId, u64, u64)>,
 }
 

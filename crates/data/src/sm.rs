@@ -155,17 +155,18 @@ impl DataSm {
             }
             DataCommand::Release { ranges } => {
                 for (extent, offset, len) in ranges {
-                    let r = if ExtentStore::is_tiny(extent) {
-                        match self.store.len(extent) {
-                            // Never punch past the end: the range may not have reached this replica.
-                            Ok(have) if offset < have => {
-                                self.store.punch(extent, offset, len.min(have - offset))
-                            }
-                            Ok(_) | Err(StoreError::NotFound(_)) => Ok(()),
-                            Err(e) => Err(e),
+                    // A normal extent released from its start to (at least) its end is deleted;
+                    // any other range is punched out. Never past the end: the range may not have
+                    // reached this replica.
+                    let r = match self.store.len(extent) {
+                        Ok(have) if offset == 0 && len >= have && !ExtentStore::is_tiny(extent) => {
+                            self.store.delete(extent)
                         }
-                    } else {
-                        self.store.delete(extent)
+                        Ok(have) if offset < have => {
+                            self.store.punch(extent, offset, len.min(have - offset))
+                        }
+                        Ok(_) | Err(StoreError::NotFound(_)) => Ok(()),
+                        Err(e) => Err(e),
                     };
                     r.map_err(store_error)?;
                 }

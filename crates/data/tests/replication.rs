@@ -531,14 +531,14 @@ async fn releases_delete_extents_and_punch_tiny_ranges_on_every_replica() {
     // The meta node releases extent `e` and the second small file.
     let gone = written[1];
     api.release(vec![
-        (e, 0, 0),
+        (e, 0, u64::MAX),
         (gone.extent, gone.offset, files[1].len() as u64),
     ])
     .await
     .unwrap()
     .unwrap();
     // Releases are idempotent.
-    api.release(vec![(e, 0, 0)]).await.unwrap().unwrap();
+    api.release(vec![(e, 0, u64::MAX)]).await.unwrap().unwrap();
 
     // The deleted extent is gone on every replica (followers apply the release from the log).
     match api.read(e, 0, 100).await.unwrap() {

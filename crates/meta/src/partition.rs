@@ -40,7 +40,7 @@ use std::fmt;
 use std::mem::size_of;
 use std::ops::Bound;
 
-use nacre_types::Ino;
+use nacre_types::{ExtentId, Ino, PartitionId};
 use serde::de::{SeqAccess, Visitor};
 use serde::ser::SerializeSeq;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -593,7 +593,7 @@ impl MetaPartition {
             }
         }
         self.heap -= node.extents.len() as u64 * EXTENT_BYTES;
-        let freed = node.extents.into_vec();
+        let freed = unreferenced(node.extents.into_vec(), &[]);
         self.to_free.extend(freed.iter().copied());
         Ok(Reply::Freed(freed))
     }
@@ -1543,7 +1543,9 @@ fn truncate(keys: &[ExtentKey], size: u64) -> (Vec<ExtentKey>, Vec<ExtentKey>) {
 
 /// The parts of `dropped` keys whose bytes no key in `live` refers to any more: only those may be
 /// freed. A client that extends a piece records a longer key over the same extent bytes, which
-/// drops the shorter key; freeing it would destroy live data. O((dropped + live) · log).
+/// drops the shorter key; freeing it would destroy live data. A normal extent no live key uses
+/// at all is freed whole, as one key with offset 0 and size `u32::MAX` (the data node deletes
+/// it); the unused ranges of others are punched out. O((dropped + live) · log).
 fn unreferenced(dropped: Vec<ExtentKey>, live: &[ExtentKey]) -> Vec<ExtentKey> {
     if dropped.is_empty() {
         return dropped;
@@ -1573,11 +1575,27 @@ fn unreferenced(dropped: Vec<ExtentKey>, live: &[ExtentKey]) -> Vec<ExtentKey> {
         last = Some((extent, r));
     }
     let mut out = Vec::with_capacity(dropped.len());
+    let mut whole: Vec<(PartitionId, ExtentId)> = Vec::new();
     for d in &dropped {
         let (mut pos, end) = (d.extent_offset, d.extent_offset + u64::from(d.size));
         let extent = (d.partition, d.extent);
         let group = used.partition_point(|u| u.0 < extent);
         let group_end = used.partition_point(|u| u.0 <= extent);
+        if group == group_end && !d.extent.is_tiny() {
+            // No live key uses this normal extent any more: release all of it (the data node
+            // deletes it), once.
+            if !whole.contains(&extent) {
+                whole.push(extent);
+                out.push(ExtentKey {
+                    file_offset: 0,
+                    extent_offset: 0,
+                    size: u32::MAX,
+                    crc: 0,
+                    ..*d
+                });
+            }
+            continue;
+        }
         // The ranges before `first` all end at or before `pos`.
         let first = group + reach[group..group_end].partition_point(|&r| r <= pos);
         for &(_, from, to) in &used[first..group_end] {

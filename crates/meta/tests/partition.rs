@@ -992,6 +992,34 @@ fn extending_a_key_frees_nothing_that_is_still_used() {
 }
 
 #[test]
+fn a_normal_extent_is_freed_whole_only_when_no_key_uses_it() {
+    let mut p = part();
+    let f = new_inode(&mut p, 1, FileType::File).ino;
+    let whole = |extent| ExtentKey {
+        file_offset: 0,
+        extent_offset: 0,
+        size: u32::MAX,
+        crc: 0,
+        ..key(0, extent, 0, 1)
+    };
+    // Two pieces of normal extent 2000 (a stream flushed twice) and one of 3000.
+    let keys = vec![
+        key(0, 2000, 0, 100),
+        key(100, 2000, 100, 100),
+        key(200, 3000, 0, 100),
+    ];
+    ok(&mut p, 1, append(f, keys));
+    // Truncating into the second piece trims it (trimmed bytes are not freed) and drops the piece
+    // of 3000, which no key uses any more: 3000 is freed whole.
+    ok(&mut p, 2, truncate(f, 150));
+    assert_eq!(to_free(&p), [whole(3000)]);
+    // Evicting the file frees 2000 whole, once, though two keys pointed into it.
+    ok(&mut p, 3, Command::UnlinkInode { ino: f });
+    ok(&mut p, 4, Command::EvictInode { ino: f });
+    assert_eq!(to_free(&p), [whole(3000), whole(2000)]);
+}
+
+#[test]
 fn append_extents_errors() {
     let mut p = part();
     let f = new_inode(&mut p, 1, FileType::File).ino;

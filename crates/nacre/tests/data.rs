@@ -19,39 +19,9 @@ use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use nacre_types::NodeId;
 
 mod common;
-use common::{Proc, free_port};
-
-fn start_master(addr: &str, dir: &Path) -> Proc {
-    Proc::spawn(&[
-        ("NACRE_ROLE", "master".into()),
-        ("NACRE_NAME", "master".into()),
-        ("NACRE_LISTEN", addr.into()),
-        ("NACRE_HTTP_LISTEN", String::new()),
-        ("NACRE_DATA_DIR", dir.join("master").display().to_string()),
-        ("NACRE_MASTER__TICK_MS", "50".into()),
-        ("NACRE_MASTER__DUTY_INTERVAL_MS", "200".into()),
-        // No partitions beyond the volume's: the test knows every one.
-        ("NACRE_MASTER__MIN_WRITABLE_DATA_PARTITIONS", "0".into()),
-        ("NACRE_MASTER__DEFAULT_TENANT", "false".into()),
-        ("NACRE_MSGR__WORKERS", "1".into()),
-    ])
-}
-
-fn start_node(role: &str, i: usize, addr: &str, master: &str, dir: &Path) -> Proc {
-    Proc::spawn(&[
-        ("NACRE_ROLE", role.into()),
-        ("NACRE_NAME", format!("{role}-{i}")),
-        ("NACRE_LISTEN", addr.into()),
-        ("NACRE_HTTP_LISTEN", String::new()),
-        (
-            "NACRE_DATA_DIR",
-            dir.join(format!("{role}-{i}")).display().to_string(),
-        ),
-        ("NACRE_MASTERS", format!("[\"{master}\"]")),
-        ("NACRE_HEARTBEAT_MS", "200".into()),
-        ("NACRE_MSGR__WORKERS", "1".into()),
-    ])
-}
+use common::cluster::{
+    Cluster, ONE_AT_A_TIME, create_volume, runtime, start_cluster, start_node, wait_writable,
+};
 
 /// Deterministic bytes for file `f`.
 fn content(f: u64, len: usize) -> Vec<u8> {
@@ -80,30 +50,6 @@ async fn read_keys(vol: &NetVolume, keys: &[ExtentKey]) -> Result<Vec<u8>, DataC
         }
     }
     Ok(out)
-}
-
-/// Waits (bounded) until every data partition of `vol` is read-write with a leader.
-async fn wait_writable(mc: &MasterClient, volume: &str, within: Duration) {
-    let deadline = Instant::now() + within;
-    loop {
-        let v = mc.volume(volume).await.unwrap();
-        if !v.data_partitions.is_empty()
-            && v.data_partitions
-                .iter()
-                .all(|p| p.status == PartitionStatus::Rw && p.leader.is_some())
-        {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "data partitions not writable within {within:?}: {:?}",
-            v.data_partitions
-                .iter()
-                .map(|p| (p.spec.id, p.status, p.leader))
-                .collect::<Vec<_>>()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Writes files of 1 MiB (8 packets) until `stop`; returns the acknowledged ones.
@@ -137,85 +83,13 @@ async fn write_files(
     (acked, failed)
 }
 
-/// Processes of a test cluster; killed on drop.
-struct Cluster {
-    _master: Proc,
-    _metas: Vec<Proc>,
-    datas: Vec<Option<Proc>>,
-    data_addrs: Vec<String>,
-    master_addr: String,
-}
-
-/// One cluster at a time: each is 7 processes on a 2-core machine.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn start_cluster(dir: &Path) -> Cluster {
-    let master_addr = format!("127.0.0.1:{}", free_port());
-    let master = start_master(&master_addr, dir);
-    let mut metas: Vec<Proc> = (0..3)
-        .map(|i| {
-            let a = format!("127.0.0.1:{}", free_port());
-            start_node("meta", i, &a, &master_addr, dir)
-        })
-        .collect();
-    let data_addrs: Vec<String> = (0..3)
-        .map(|_| format!("127.0.0.1:{}", free_port()))
-        .collect();
-    let mut datas: Vec<Option<Proc>> = (0..3)
-        .map(|i| Some(start_node("data", i, &data_addrs[i], &master_addr, dir)))
-        .collect();
-    for p in metas.iter_mut().chain(datas.iter_mut().flatten()) {
-        p.wait_log("registered with the master", Duration::from_secs(30));
-    }
-    Cluster {
-        _master: master,
-        _metas: metas,
-        datas,
-        data_addrs,
-        master_addr,
-    }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-/// Creates volume `v` (1 meta partition, 2 data partitions, 3 replicas) and waits until it is
-/// writable.
-async fn create_volume(mc: &MasterClient) {
-    // Every node registered, so the master leads: these are answered at once.
-    mc.execute(&MapCommand::CreateTenant {
-        name: "t".into(),
-        access_key: "AK".into(),
-        secret_key: "0123456789abcdef".into(),
-    })
-    .await
-    .unwrap();
-    mc.execute(&MapCommand::CreateVolume {
-        name: "v".into(),
-        owner: "t".into(),
-        replicas: 3,
-        capacity: 0,
-        meta_partitions: 1,
-        data_partitions: 2,
-        inode_step: 1 << 20,
-    })
-    .await
-    .unwrap();
-    wait_writable(mc, "v", Duration::from_secs(30)).await;
-}
-
 #[test]
 fn acknowledged_data_survives_kill_9_of_leader_and_follower() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let Cluster {
-        _master,
-        _metas,
+        master: _master,
+        metas: _metas,
         mut datas,
         data_addrs,
         master_addr,

@@ -54,6 +54,17 @@ id_type!(
     "ext-"
 );
 
+/// Extent ids `1..=TINY_EXTENTS` name a data partition's tiny extents: files shared by small files,
+/// whose freed ranges are punched out. Larger ids are normal extents (one file each), deleted whole
+/// once no file uses any of their bytes.
+pub const TINY_EXTENTS: u64 = 16;
+
+impl ExtentId {
+    pub fn is_tiny(self) -> bool {
+        (1..=TINY_EXTENTS).contains(&self.0)
+    }
+}
+
 /// Error codes that cross the wire in error frames. Each layer maps its own typed errors onto one of these;
 /// the code is stable, the message is for humans.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -28,7 +28,7 @@ use crate::io::{Disk, DiskFile};
 use format::{Header, RECORD, Record, SLOT, crc_name, data_name, record_at};
 
 /// Ids `1..=TINY_EXTENTS` are tiny extents.
-pub const TINY_EXTENTS: u64 = 16;
+pub const TINY_EXTENTS: u64 = nacre_types::TINY_EXTENTS;
 /// The first id of a normal extent (ids between the tiny ones and this are reserved).
 pub const FIRST_NORMAL_EXTENT: u64 = 1024;
 /// Default size of a checksummed block.
@@ -350,7 +350,7 @@ impl ExtentStore {
     }
 
     pub fn is_tiny(id: ExtentId) -> bool {
-        (1..=TINY_EXTENTS).contains(&id.0)
+        id.is_tiny()
     }
 
     pub fn block_size(&self) -> u32 {
@@ -606,11 +606,7 @@ impl ExtentStore {
     pub fn punch(&self, id: ExtentId, offset: u64, len: u64) -> Result<(), StoreError> {
         self.check()?;
         self.changing(|| {
-            if kind(id)? != Kind::Tiny {
-                return Err(StoreError::Invalid(format!(
-                    "{id} is not a tiny extent: only tiny extents are punched"
-                )));
-            }
+            kind(id)?;
             let out_of_range = |extent_len| StoreError::OutOfRange {
                 extent: id,
                 offset,

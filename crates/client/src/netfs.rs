@@ -1,0 +1,754 @@
+//! [`NetFs`]: the [`FileSystem`] of one volume over the network — the CFS metadata workflows
+//! ([`MetaFs`]) and the data path ([`NetVolume`]'s data calls, [`SeqWriter`]).
+//!
+//! **Open files.** All handles of one inode in this client share one [`OpenFile`]: its size as
+//! this client sees it, its extent keys (fetched on open, refetched after a change), a *run* of
+//! sequential writes not yet committed to the meta node, and a read-ahead window.
+//!
+//! **Writes.** A write at the end of the run (or, with no run, at or past the end of the file)
+//! extends the run. The run's bytes stay in memory until it reaches one packet (128 KiB); then a
+//! [`SeqWriter`] streams them as pipelined primary-backup appends. On flush (`close`, `fsync`), a
+//! run that never reached a packet goes to a tiny extent in one request (small files share tiny
+//! extents); otherwise the stream is drained. Either way the new extent keys are committed to the
+//! meta node (`AppendExtents`), which makes the bytes visible and sets the size. A write inside
+//! the committed file goes **in place through Raft** (`Overwrite`) where a normal extent holds
+//! the range; holes and tiny-extent ranges are rewritten copy-on-write (new data, a new key that
+//! replaces the old range). A write into bytes of the run that are still in memory patches them.
+//!
+//! **Reads** flush an overlapping run first (so a reader sees its own writes), then read every
+//! extent piece of the range in parallel; holes read as zeros. Sequential reads fetch ahead.
+//!
+//! **Consistency** is CFS's: per-file sequential consistency for this client, the extent keys and
+//! size refreshed on open; no leases, no guarantee for concurrent writers of one range.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::{Bytes, BytesMut};
+use nacre_data::rpc::MAX_PACKET;
+use nacre_data::store::ExtentStore;
+use nacre_meta::{Attr, ExtentKey, FileType, MetaError, SetAttr, XattrMode};
+use nacre_types::{Ino, PartitionId};
+use tokio::task::JoinSet;
+
+use crate::data::{DataCallError, SeqWriter};
+use crate::fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
+use crate::meta::{CallError, FsError, FsResult, MetaFs, NewInode};
+use crate::net::NetVolume;
+
+/// Tuning of the network file system.
+#[derive(Clone, Debug)]
+pub struct NetFsConfig {
+    /// A run flushed below this size goes to a tiny extent (at most one packet).
+    pub tiny_max: usize,
+    /// Appends in flight per open file.
+    pub inflight: usize,
+    /// Bytes fetched ahead on sequential reads.
+    pub read_ahead: u32,
+    /// Largest piece read from a data node in one request.
+    pub read_piece: u32,
+}
+
+impl Default for NetFsConfig {
+    fn default() -> Self {
+        Self {
+            tiny_max: MAX_PACKET,
+            inflight: 8,
+            read_ahead: 4 << 20,
+            read_piece: 1 << 20,
+        }
+    }
+}
+
+/// The network client of one volume.
+#[derive(Debug)]
+pub struct NetFs {
+    vol: Arc<NetVolume>,
+    meta: MetaFs<Arc<NetVolume>>,
+    cfg: NetFsConfig,
+    next_fh: AtomicU64,
+    handles: Mutex<HashMap<Fh, Handle>>,
+    files: Mutex<HashMap<Ino, Arc<OpenFile>>>,
+}
+
+#[derive(Debug, Clone)]
+struct Handle {
+    file: Arc<OpenFile>,
+    flags: OpenFlags,
+}
+
+#[derive(Debug)]
+struct OpenFile {
+    ino: Ino,
+    /// Handles open on it (the entry leaves `files` when the last one is released).
+    opens: AtomicU64,
+    state: tokio::sync::Mutex<FileState>,
+}
+
+/// Sequential writes not yet committed to the meta node: `[start, start + sent + buf.len())`.
+#[derive(Debug)]
+struct Run {
+    start: u64,
+    /// Bytes handed to `stream` (`start..start + sent`).
+    sent: u64,
+    /// The unsent tail.
+    buf: BytesMut,
+    stream: Option<SeqWriter>,
+}
+
+impl Run {
+    fn end(&self) -> u64 {
+        self.start + self.sent + self.buf.len() as u64
+    }
+}
+
+#[derive(Debug)]
+struct FileState {
+    /// The size as this client sees it (committed size, grown by the run).
+    size: u64,
+    /// The committed extent keys (`None`: fetch before use).
+    extents: Option<Vec<ExtentKey>>,
+    run: Option<Run>,
+    /// A stream whose keys were committed, kept to continue appending to the same extent.
+    idle_stream: Option<(u64, SeqWriter)>,
+    /// Read-ahead window: bytes at an offset.
+    ahead: Option<(u64, Bytes)>,
+    /// Where the last read ended (to recognize sequential reads).
+    last_read_end: u64,
+}
+
+fn fs_err(e: DataCallError) -> FsError {
+    FsError::Data(e)
+}
+
+impl NetFs {
+    pub fn new(vol: Arc<NetVolume>) -> Self {
+        Self::with_config(vol, NetFsConfig::default())
+    }
+
+    pub fn with_config(vol: Arc<NetVolume>, cfg: NetFsConfig) -> Self {
+        Self {
+            meta: MetaFs::new(vol.clone()),
+            vol,
+            cfg,
+            next_fh: AtomicU64::new(1),
+            handles: Mutex::default(),
+            files: Mutex::default(),
+        }
+    }
+
+    /// The metadata workflows underneath.
+    pub fn meta(&self) -> &MetaFs<Arc<NetVolume>> {
+        &self.meta
+    }
+
+    pub fn volume(&self) -> &Arc<NetVolume> {
+        &self.vol
+    }
+
+    fn handle(&self, fh: Fh) -> FsResult<Handle> {
+        self.handles
+            .lock()
+            .map_err(|_| FsError::BadHandle(fh.0))?
+            .get(&fh)
+            .cloned()
+            .ok_or(FsError::BadHandle(fh.0))
+    }
+
+    fn open_file(&self, ino: Ino) -> Option<Arc<OpenFile>> {
+        self.files.lock().ok()?.get(&ino).cloned()
+    }
+
+    /// Opens a handle on `attr`'s inode.
+    async fn open_attr(&self, attr: &Attr, flags: OpenFlags) -> FsResult<Fh> {
+        let file = {
+            let mut files = self.files.lock().map_err(|_| FsError::BadHandle(0))?;
+            let f = files.entry(attr.ino).or_insert_with(|| {
+                Arc::new(OpenFile {
+                    ino: attr.ino,
+                    opens: AtomicU64::new(0),
+                    state: tokio::sync::Mutex::new(FileState {
+                        size: attr.size,
+                        extents: None,
+                        run: None,
+                        idle_stream: None,
+                        ahead: None,
+                        last_read_end: 0,
+                    }),
+                })
+            });
+            f.opens.fetch_add(1, Ordering::Relaxed);
+            f.clone()
+        };
+        {
+            // Refreshed on open: another client may have changed the file.
+            let mut st = file.state.lock().await;
+            if st.run.is_none() {
+                st.size = attr.size;
+                st.extents = None;
+                st.ahead = None;
+            }
+        }
+        let fh = Fh(self.next_fh.fetch_add(1, Ordering::Relaxed));
+        if let Ok(mut h) = self.handles.lock() {
+            h.insert(fh, Handle { file, flags });
+        }
+        Ok(fh)
+    }
+
+    /// Commits the run of `f` (if any): its keys go to the meta node.
+    async fn flush_file(&self, f: &OpenFile, st: &mut FileState) -> FsResult<()> {
+        let Some(mut run) = st.run.take() else {
+            return Ok(());
+        };
+        let len = run.end() - run.start;
+        if len == 0 {
+            st.idle_stream = run.stream.map(|s| (run.start + run.sent, s));
+            return Ok(());
+        }
+        let end = run.end();
+        let (keys, stream) = if run.stream.is_none() && run.buf.len() <= self.cfg.tiny_max {
+            (
+                vec![self.write_tiny(run.start, run.buf.freeze()).await?],
+                None,
+            )
+        } else {
+            let mut s = match run.stream.take() {
+                Some(s) => s,
+                None => SeqWriter::new(self.vol.clone(), run.start, self.cfg.inflight),
+            };
+            s.write(run.buf.split().freeze()).await.map_err(fs_err)?;
+            s.flush().await.map_err(fs_err)?;
+            (s.take_keys(), Some(s))
+        };
+        let attr = self.meta.append_extents(f.ino, keys).await?;
+        st.size = attr.size.max(end);
+        st.extents = None;
+        st.idle_stream = stream.map(|s| (end, s));
+        Ok(())
+    }
+
+    /// One small piece of a file in a tiny extent (moving on from partitions that refuse it).
+    async fn write_tiny(&self, file_offset: u64, data: Bytes) -> FsResult<ExtentKey> {
+        let mut failed: Vec<PartitionId> = Vec::new();
+        let mut last = DataCallError::NoWritablePartition;
+        for attempt in 0..8usize {
+            let Some(p) = self
+                .vol
+                .pick_writable(attempt + file_offset as usize, &failed)
+            else {
+                if attempt > 0 {
+                    let _ = self.vol.refresh().await;
+                    failed.clear();
+                    continue;
+                }
+                break;
+            };
+            match self.vol.write_tiny(p, data.clone()).await {
+                Ok(w) => {
+                    return Ok(ExtentKey {
+                        file_offset,
+                        partition: p,
+                        extent: w.extent,
+                        extent_offset: w.offset,
+                        size: data.len() as u32,
+                        crc: nacre_types::crc32c(&data),
+                    });
+                }
+                Err(e) if e.try_elsewhere() => {
+                    failed.push(p);
+                    last = e;
+                }
+                Err(e) => return Err(fs_err(e)),
+            }
+        }
+        Err(fs_err(last))
+    }
+
+    /// The committed extent keys of `f`.
+    async fn extents<'a>(&self, f: &OpenFile, st: &'a mut FileState) -> FsResult<&'a [ExtentKey]> {
+        if st.extents.is_none() {
+            let (attr, keys) = self.meta.extents(f.ino).await?;
+            let run_end = st.run.as_ref().map_or(0, Run::end);
+            st.size = attr.size.max(run_end);
+            st.extents = Some(keys);
+        }
+        Ok(st.extents.as_deref().unwrap_or(&[]))
+    }
+
+    /// Writes `data` at `off` into the committed part of the file: in place where a normal extent
+    /// holds the bytes, copy-on-write elsewhere (holes, tiny extents).
+    async fn write_committed(
+        &self,
+        f: &OpenFile,
+        st: &mut FileState,
+        off: u64,
+        data: Bytes,
+    ) -> FsResult<()> {
+        let end = off + data.len() as u64;
+        let keys: Vec<ExtentKey> = self
+            .extents(f, st)
+            .await?
+            .iter()
+            .filter(|k| k.file_offset < end && k.end() > off)
+            .cloned()
+            .collect();
+        let mut in_place = JoinSet::new();
+        let mut cow: Vec<(u64, u64)> = Vec::new(); // file ranges to rewrite
+        let mut pos = off;
+        for k in &keys {
+            let from = k.file_offset.max(off);
+            let to = k.end().min(end);
+            if from > pos {
+                cow.push((pos, from));
+            }
+            if ExtentStore::is_tiny(k.extent) {
+                cow.push((from, to));
+            } else {
+                let mut at = from;
+                while at < to {
+                    let n = (to - at).min(MAX_PACKET as u64);
+                    let piece = data.slice((at - off) as usize..(at - off + n) as usize);
+                    let vol = self.vol.clone();
+                    let (p, e, eo) = (
+                        k.partition,
+                        k.extent,
+                        k.extent_offset + (at - k.file_offset),
+                    );
+                    in_place.spawn(async move { vol.overwrite(p, e, eo, piece).await });
+                    at += n;
+                }
+            }
+            pos = to;
+        }
+        if pos < end {
+            cow.push((pos, end));
+        }
+        let mut new_keys = Vec::new();
+        for (from, to) in cow {
+            let piece = data.slice((from - off) as usize..(to - off) as usize);
+            if piece.len() <= self.cfg.tiny_max {
+                new_keys.push(self.write_tiny(from, piece).await?);
+            } else {
+                let mut s = SeqWriter::new(self.vol.clone(), from, self.cfg.inflight);
+                s.write(piece).await.map_err(fs_err)?;
+                new_keys.extend(s.finish().await.map_err(fs_err)?);
+            }
+        }
+        let mut first_err = None;
+        while let Some(r) = in_place.join_next().await {
+            let r = r
+                .map_err(|e| FsError::WriteFailed(e.to_string()))
+                .and_then(|r| r.map_err(fs_err));
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        if !new_keys.is_empty() {
+            let attr = self.meta.append_extents(f.ino, new_keys).await?;
+            st.size = st.size.max(attr.size);
+            st.extents = None;
+        }
+        Ok(())
+    }
+
+    /// Bytes `[off, off + len)` of the committed file (holes as zeros; `len` already clipped).
+    async fn read_committed(
+        &self,
+        f: &OpenFile,
+        st: &mut FileState,
+        off: u64,
+        len: u64,
+    ) -> FsResult<Bytes> {
+        let end = off + len;
+        let piece_max = u64::from(self.cfg.read_piece);
+        let mut reads = JoinSet::new();
+        for k in self.extents(f, st).await? {
+            let from = k.file_offset.max(off);
+            let to = k.end().min(end);
+            let mut at = from;
+            while at < to {
+                let n = (to - at).min(piece_max);
+                let vol = self.vol.clone();
+                let (p, e, eo) = (
+                    k.partition,
+                    k.extent,
+                    k.extent_offset + (at - k.file_offset),
+                );
+                let dst = at - off;
+                reads.spawn(async move { (dst, vol.read_extent(p, e, eo, n as u32).await) });
+                at += n;
+            }
+        }
+        let mut out = vec![0u8; len as usize];
+        while let Some(r) = reads.join_next().await {
+            let (dst, bytes) =
+                r.map_err(|e| FsError::Unavailable(CallError::Unknown(e.to_string())))?;
+            let bytes = bytes.map_err(fs_err)?;
+            out[dst as usize..dst as usize + bytes.len()].copy_from_slice(&bytes);
+        }
+        Ok(Bytes::from(out))
+    }
+
+    /// Flushes open state of `ino` (before a truncate or an attribute read that must be exact).
+    async fn flush_ino(&self, ino: Ino) -> FsResult<()> {
+        if let Some(f) = self.open_file(ino) {
+            let mut st = f.state.lock().await;
+            self.flush_file(&f, &mut st).await?;
+        }
+        Ok(())
+    }
+
+    /// Attributes with this client's unflushed size.
+    fn overlay(&self, mut attr: Attr) -> Attr {
+        if let Some(f) = self.open_file(attr.ino)
+            && let Ok(st) = f.state.try_lock()
+            && let Some(run) = &st.run
+        {
+            attr.size = attr.size.max(run.end());
+        }
+        attr
+    }
+}
+
+impl FileSystem for NetFs {
+    async fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
+        Ok(self.overlay(self.meta.lookup(parent, name).await?))
+    }
+
+    async fn getattr(&self, ino: Ino) -> FsResult<Attr> {
+        Ok(self.overlay(self.meta.getattr(ino).await?))
+    }
+
+    async fn setattr(&self, ino: Ino, set: SetAttr) -> FsResult<Attr> {
+        let Some(size) = set.size else {
+            return Ok(self.overlay(self.meta.setattr(ino, set).await?));
+        };
+        let Some(f) = self.open_file(ino) else {
+            return self.meta.setattr(ino, set).await;
+        };
+        let mut st = f.state.lock().await;
+        self.flush_file(&f, &mut st).await?;
+        let attr = self.meta.setattr(ino, set).await?;
+        st.size = size;
+        st.extents = None;
+        st.ahead = None;
+        st.idle_stream = None;
+        Ok(attr)
+    }
+
+    async fn create(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        mode: u32,
+        caller: Caller,
+        flags: OpenFlags,
+    ) -> FsResult<(Attr, Fh)> {
+        let attr = self
+            .meta
+            .create(parent, name, &NewInode::file(mode, caller.uid, caller.gid))
+            .await?;
+        let fh = self.open_attr(&attr, flags).await?;
+        Ok((attr, fh))
+    }
+
+    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, caller: Caller) -> FsResult<Attr> {
+        self.meta
+            .create(parent, name, &NewInode::dir(mode, caller.uid, caller.gid))
+            .await
+    }
+
+    async fn symlink(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        target: &[u8],
+        caller: Caller,
+    ) -> FsResult<Attr> {
+        if target.is_empty() {
+            return Err(FsError::Meta(MetaError::InvalidName));
+        }
+        self.meta
+            .create(
+                parent,
+                name,
+                &NewInode::symlink(target, caller.uid, caller.gid),
+            )
+            .await
+    }
+
+    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
+        self.meta.link(ino, new_parent, new_name).await
+    }
+
+    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        self.meta.unlink(parent, name).await
+    }
+
+    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        self.meta.rmdir(parent, name).await
+    }
+
+    async fn rename(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        new_parent: Ino,
+        new_name: &[u8],
+    ) -> FsResult<()> {
+        self.meta.rename(parent, name, new_parent, new_name).await
+    }
+
+    async fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {
+        self.meta.readlink(ino).await
+    }
+
+    async fn readdir(
+        &self,
+        dir: Ino,
+        after: Option<Vec<u8>>,
+        limit: u32,
+    ) -> FsResult<Vec<DirEntryPlus>> {
+        let entries = self.meta.readdir_plus(dir, after.as_deref(), limit).await?;
+        Ok(entries
+            .into_iter()
+            .map(|(entry, attr)| DirEntryPlus {
+                entry,
+                attr: attr.map(|a| self.overlay(a)),
+            })
+            .collect())
+    }
+
+    async fn open(&self, ino: Ino, flags: OpenFlags) -> FsResult<Fh> {
+        let mut attr = self.meta.getattr(ino).await?;
+        match attr.kind {
+            FileType::Dir if flags.write => return Err(FsError::Meta(MetaError::IsDir)),
+            _ => {}
+        }
+        if flags.truncate && flags.write && attr.size > 0 {
+            self.flush_ino(ino).await?;
+            attr = self
+                .meta
+                .setattr(
+                    ino,
+                    SetAttr {
+                        size: Some(0),
+                        ..SetAttr::default()
+                    },
+                )
+                .await?;
+        }
+        self.open_attr(&attr, flags).await
+    }
+
+    async fn read(&self, fh: Fh, offset: u64, len: u32) -> FsResult<Bytes> {
+        let h = self.handle(fh)?;
+        let f = h.file;
+        let mut st = f.state.lock().await;
+        let want_end = offset.saturating_add(u64::from(len));
+        if st
+            .run
+            .as_ref()
+            .is_some_and(|r| r.start < want_end && offset < r.end())
+        {
+            self.flush_file(&f, &mut st).await?;
+        }
+        self.extents(&f, &mut st).await?;
+        let end = want_end.min(st.size);
+        if offset >= end {
+            return Ok(Bytes::new());
+        }
+        if let Some((at, bytes)) = &st.ahead
+            && *at <= offset
+            && end <= at + bytes.len() as u64
+        {
+            let out = bytes.slice((offset - at) as usize..(end - at) as usize);
+            st.last_read_end = end;
+            return Ok(out);
+        }
+        let sequential = offset == st.last_read_end && offset > 0;
+        let mut fetch_end = end;
+        if sequential {
+            fetch_end = (offset + u64::from(self.cfg.read_ahead)).min(st.size);
+            // Never ahead into the run: its bytes are not committed yet.
+            if let Some(run) = st.run.as_ref().filter(|r| r.start >= end) {
+                fetch_end = fetch_end.min(run.start);
+            }
+            fetch_end = fetch_end.max(end);
+        }
+        let bytes = self
+            .read_committed(&f, &mut st, offset, fetch_end - offset)
+            .await?;
+        let out = bytes.slice(0..(end - offset) as usize);
+        if fetch_end > end {
+            st.ahead = Some((offset, bytes));
+        }
+        st.last_read_end = end;
+        Ok(out)
+    }
+
+    async fn write(&self, fh: Fh, offset: u64, data: Bytes) -> FsResult<u32> {
+        let h = self.handle(fh)?;
+        if !h.flags.write {
+            return Err(FsError::NotOpenFor("writing"));
+        }
+        let n = data.len() as u32;
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let f = h.file;
+        let mut st = f.state.lock().await;
+        st.ahead = None;
+        let mut off = offset;
+        if h.flags.append {
+            if st.run.is_none() {
+                self.extents(&f, &mut st).await?;
+            }
+            off = st.size;
+        }
+        let end = off + data.len() as u64;
+        // Into the in-memory tail of the run: patch it.
+        if let Some(run) = &mut st.run {
+            let tail = run.start + run.sent;
+            if off >= tail && end <= run.end() {
+                let at = (off - tail) as usize;
+                run.buf[at..at + data.len()].copy_from_slice(&data);
+                return Ok(n);
+            }
+        }
+        // Anywhere but the end of the run: the run is committed first.
+        if st.run.as_ref().is_some_and(|r| r.end() != off) {
+            self.flush_file(&f, &mut st).await?;
+        }
+        if st.run.is_none() {
+            if st.extents.is_none() {
+                self.extents(&f, &mut st).await?;
+            }
+            if off < st.size {
+                // Inside the committed file: in place up to the end, then a run for the rest.
+                let inside = (st.size - off).min(data.len() as u64) as usize;
+                self.write_committed(&f, &mut st, off, data.slice(..inside))
+                    .await?;
+                if inside == data.len() {
+                    return Ok(n);
+                }
+                return self
+                    .extend_run(&mut st, off + inside as u64, data.slice(inside..))
+                    .await
+                    .map(|()| n);
+            }
+        }
+        self.extend_run(&mut st, off, data).await.map(|()| n)
+    }
+
+    async fn flush(&self, fh: Fh) -> FsResult<()> {
+        let h = self.handle(fh)?;
+        let mut st = h.file.state.lock().await;
+        self.flush_file(&h.file, &mut st).await
+    }
+
+    async fn fsync(&self, fh: Fh) -> FsResult<()> {
+        self.flush(fh).await
+    }
+
+    async fn release(&self, fh: Fh) -> FsResult<()> {
+        let h = self.handle(fh)?;
+        let r = {
+            let mut st = h.file.state.lock().await;
+            let r = self.flush_file(&h.file, &mut st).await;
+            if h.file.opens.load(Ordering::Relaxed) <= 1 {
+                st.idle_stream = None;
+            }
+            r
+        };
+        if let Ok(mut handles) = self.handles.lock() {
+            handles.remove(&fh);
+        }
+        if h.file.opens.fetch_sub(1, Ordering::Relaxed) == 1
+            && let Ok(mut files) = self.files.lock()
+            && files
+                .get(&h.file.ino)
+                .is_some_and(|f| f.opens.load(Ordering::Relaxed) == 0)
+        {
+            files.remove(&h.file.ino);
+        }
+        r
+    }
+
+    async fn statfs(&self) -> FsResult<StatFs> {
+        let (inodes, _) = self.meta.statfs().await?;
+        let (total, used) = self.vol.space().await.unwrap_or((0, 0));
+        Ok(StatFs {
+            total_bytes: total,
+            free_bytes: total.saturating_sub(used),
+            files: inodes,
+            free_files: u64::from(u32::MAX).saturating_sub(inodes),
+            block_size: MAX_PACKET as u32,
+            max_name: nacre_meta::ops::MAX_NAME as u32,
+        })
+    }
+
+    async fn getxattr(&self, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
+        self.meta.get_xattr(ino, name).await
+    }
+
+    async fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], mode: XattrMode) -> FsResult<()> {
+        self.meta.set_xattr(ino, name, value, mode).await
+    }
+
+    async fn listxattr(&self, ino: Ino) -> FsResult<Vec<Vec<u8>>> {
+        self.meta.list_xattr(ino).await
+    }
+
+    async fn removexattr(&self, ino: Ino, name: &[u8]) -> FsResult<()> {
+        self.meta.remove_xattr(ino, name).await
+    }
+}
+
+impl NetFs {
+    /// Appends `data` at `off`, which is the end of the run or (with no run) at or past the end
+    /// of the committed file.
+    async fn extend_run(&self, st: &mut FileState, off: u64, data: Bytes) -> FsResult<()> {
+        if st.run.is_none() {
+            // Continue the stream of an earlier run when the file goes on where it stopped.
+            let stream = match st.idle_stream.take() {
+                Some((at, s)) if at == off => Some(s),
+                _ => None,
+            };
+            st.run = Some(Run {
+                start: off,
+                sent: 0,
+                buf: BytesMut::new(),
+                stream,
+            });
+        }
+        let Some(run) = st.run.as_mut() else {
+            return Ok(());
+        };
+        run.buf.extend_from_slice(&data);
+        let end = run.end();
+        st.size = st.size.max(end);
+        if run.buf.len() >= MAX_PACKET
+            && (run.stream.is_some() || run.end() - run.start > self.cfg.tiny_max as u64)
+        {
+            let whole = run.buf.len() / MAX_PACKET * MAX_PACKET;
+            let out = run.buf.split_to(whole).freeze();
+            let stream = run.stream.get_or_insert_with(|| {
+                SeqWriter::new(self.vol.clone(), run.start + run.sent, self.cfg.inflight)
+            });
+            run.sent += out.len() as u64;
+            if let Err(e) = stream.write(out).await {
+                // The run's bytes are lost: drop it, report the error now.
+                st.run = None;
+                st.extents = None;
+                return Err(fs_err(e));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,270 @@
+//! `NetFs`, the SDK's `FileSystem` over the network, against real `nacre server` processes (1
+//! master, 3 meta and 3 data nodes): a file changed by a long random sequence of writes (appends,
+//! overwrites in place, writes into holes and past the end), truncates, flushes, reopens and
+//! `O_APPEND` writes reads back exactly like a byte-vector model, from this client and from a fresh
+//! one; small files land in tiny extents in one packet and read back.
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use nacre_client::{Caller, FileSystem, NetFs, NetVolume, OpenFlags};
+use nacre_data::store::ExtentStore;
+use nacre_master::MasterClient;
+use nacre_meta::{ROOT_INO, SetAttr};
+use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
+
+mod common;
+use common::cluster::{ONE_AT_A_TIME, create_volume, runtime, start_cluster};
+
+/// A small deterministic generator (xorshift64*), so a failure replays exactly.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    fn bytes(&mut self, n: usize) -> Bytes {
+        let seed = self.next();
+        Bytes::from(
+            (0..n)
+                .map(|i| (seed.rotate_left((i % 61) as u32) as u8) ^ (i as u8))
+                .collect::<Vec<u8>>(),
+        )
+    }
+}
+
+/// Where two byte strings first differ, for failure messages.
+fn first_diff(a: &[u8], b: &[u8]) -> String {
+    match a.iter().zip(b).position(|(x, y)| x != y) {
+        Some(i) => format!(
+            "first difference at {i} (lengths {} / {})",
+            a.len(),
+            b.len()
+        ),
+        None => format!("lengths {} / {}", a.len(), b.len()),
+    }
+}
+
+/// The seed and the last operations, for failure messages.
+fn log_tail(log: &[String]) -> String {
+    let tail = &log[log.len().saturating_sub(12).max(1)..];
+    format!("{}\n{}", log[0], tail.join("\n"))
+}
+
+fn write_model(model: &mut Vec<u8>, off: u64, data: &[u8]) {
+    let end = off as usize + data.len();
+    if model.len() < end {
+        model.resize(end, 0);
+    }
+    model[off as usize..end].copy_from_slice(data);
+}
+
+async fn read_all(fs: &NetFs, fh: nacre_client::Fh, len: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let b = fs.read(fh, out.len() as u64, 1 << 20).await.unwrap();
+        if b.is_empty() {
+            break;
+        }
+        out.extend_from_slice(&b);
+        assert!(out.len() <= len, "read past the end: {} > {len}", out.len());
+    }
+    out
+}
+
+#[test]
+fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = start_cluster(dir.path());
+    runtime().block_on(async {
+        let msgr =
+            Messenger::new("test-client", MsgrConfig::default(), Arc::new(TcpTransport)).unwrap();
+        let mc = MasterClient::new(msgr.client(), vec![cluster.master_addr.clone()]);
+        create_volume(&mc).await;
+        let connect = || async {
+            NetFs::new(Arc::new(
+                NetVolume::connect(msgr.client(), mc.clone(), "v")
+                    .await
+                    .unwrap(),
+            ))
+        };
+        let fs = connect().await;
+        let me = Caller { uid: 0, gid: 0 };
+
+        // A long random sequence on one file against a model.
+        let (attr, mut fh) = fs
+            .create(ROOT_INO, b"f", 0o644, me, OpenFlags::READ_WRITE)
+            .await
+            .unwrap();
+        let ino = attr.ino;
+        let mut model: Vec<u8> = Vec::new();
+        let mut log: Vec<String> = Vec::new();
+        // NACRE_TEST_SEED (hex) and NACRE_TEST_STEPS replay or lengthen the sequence.
+        let seed = std::env::var("NACRE_TEST_SEED")
+            .ok()
+            .and_then(|s| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok())
+            .unwrap_or(0x5eed_1234_abcd_0001);
+        let steps: u32 = std::env::var("NACRE_TEST_STEPS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(500);
+        log.push(format!("seed {seed:#x}"));
+        let mut rng = Rng(seed);
+        for step in 0..steps {
+            let len = model.len() as u64;
+            match rng.below(12) {
+                0..=4 => {
+                    let off = match rng.below(4) {
+                        0 | 1 => len,                    // append
+                        2 => rng.below(len + 1),         // inside (overwrite)
+                        _ => len + rng.below(200 << 10), // past the end: a hole
+                    };
+                    let n = if rng.below(3) == 0 {
+                        1 + rng.below(400 << 10)
+                    } else {
+                        1 + rng.below(8 << 10)
+                    } as usize;
+                    let data = rng.bytes(n);
+                    log.push(format!("{step}: write {off}+{n} (size {len})"));
+                    let took = fs.write(fh, off, data.clone()).await.unwrap();
+                    assert_eq!(took as usize, n, "step {step}");
+                    write_model(&mut model, off, &data);
+                }
+                5 | 6 => {
+                    let off = rng.below(len + 10);
+                    let n = 1 + rng.below(300 << 10) as u32;
+                    let got = fs.read(fh, off, n).await.unwrap();
+                    let from = (off as usize).min(model.len());
+                    let to = (off as usize + n as usize).min(model.len());
+                    assert_eq!(got.len(), to - from, "step {step}: read {off}+{n} of {len}");
+                    assert!(
+                        got[..] == model[from..to],
+                        "step {step}: read {off}+{n}: {}; ops:\n{}",
+                        first_diff(&got, &model[from..to]),
+                        log_tail(&log)
+                    );
+                }
+                7 => {
+                    log.push(format!("{step}: flush"));
+                    fs.flush(fh).await.unwrap();
+                }
+                8 => {
+                    let size = rng.below(len + (100 << 10));
+                    log.push(format!("{step}: truncate {size} (size {len})"));
+                    let a = fs
+                        .setattr(
+                            ino,
+                            SetAttr {
+                                size: Some(size),
+                                ..SetAttr::default()
+                            },
+                        )
+                        .await
+                        .unwrap();
+                    assert_eq!(a.size, size, "step {step}");
+                    model.resize(size as usize, 0);
+                }
+                9 => {
+                    log.push(format!("{step}: reopen"));
+                    fs.release(fh).await.unwrap();
+                    fh = fs.open(ino, OpenFlags::READ_WRITE).await.unwrap();
+                }
+                10 => {
+                    let ah = fs
+                        .open(
+                            ino,
+                            OpenFlags {
+                                append: true,
+                                ..OpenFlags::WRITE
+                            },
+                        )
+                        .await
+                        .unwrap();
+                    let n = 1 + rng.below(20 << 10) as usize;
+                    let data = rng.bytes(n);
+                    log.push(format!("{step}: O_APPEND write {n} (size {len})"));
+                    // The offset named is ignored with O_APPEND.
+                    fs.write(ah, 0, data.clone()).await.unwrap();
+                    let end = model.len() as u64;
+                    write_model(&mut model, end, &data);
+                    fs.release(ah).await.unwrap();
+                }
+                _ => {
+                    let all = read_all(&fs, fh, model.len()).await;
+                    assert!(
+                        all == model,
+                        "step {step}: whole file differs: {}; ops:\n{}",
+                        first_diff(&all, &model),
+                        log_tail(&log)
+                    );
+                }
+            }
+        }
+        fs.release(fh).await.unwrap();
+        assert_eq!(fs.getattr(ino).await.unwrap().size, model.len() as u64);
+
+        // Another client sees exactly the same bytes.
+        let other = connect().await;
+        let fh2 = other.open(ino, OpenFlags::READ).await.unwrap();
+        assert!(read_all(&other, fh2, model.len()).await == model);
+        other.release(fh2).await.unwrap();
+        // A read-only handle takes no writes.
+        let ro = fs.open(ino, OpenFlags::READ).await.unwrap();
+        assert!(fs.write(ro, 0, Bytes::from_static(b"x")).await.is_err());
+        fs.release(ro).await.unwrap();
+
+        // Small files: one packet each into a tiny extent, read back by another client.
+        let mut small = Vec::new();
+        for i in 0..40u64 {
+            let name = format!("small.{i}");
+            let (a, h) = fs
+                .create(ROOT_INO, name.as_bytes(), 0o644, me, OpenFlags::WRITE)
+                .await
+                .unwrap();
+            let n = 1 + rng.below(16 << 10) as usize;
+            let data = rng.bytes(n);
+            // Written in pieces, as `cp` of a small file would.
+            for (k, piece) in data.chunks(4096).enumerate() {
+                fs.write(h, (k * 4096) as u64, Bytes::copy_from_slice(piece))
+                    .await
+                    .unwrap();
+            }
+            fs.release(h).await.unwrap();
+            small.push((a.ino, data));
+        }
+        for (ino, data) in &small {
+            let (a, keys) = other.meta().extents(*ino).await.unwrap();
+            assert_eq!(a.size, data.len() as u64);
+            assert_eq!(keys.len(), 1, "{keys:?}");
+            assert!(ExtentStore::is_tiny(keys[0].extent), "{keys:?}");
+            let h = other.open(*ino, OpenFlags::READ).await.unwrap();
+            assert!(read_all(&other, h, data.len()).await == data[..]);
+            other.release(h).await.unwrap();
+        }
+        // Overwriting part of a small file rewrites that range elsewhere; the rest stays.
+        let (ino0, data0) = &small[0];
+        let h = fs.open(*ino0, OpenFlags::READ_WRITE).await.unwrap();
+        fs.write(h, 0, Bytes::from_static(b"HEAD")).await.unwrap();
+        fs.release(h).await.unwrap();
+        let mut want = data0.to_vec();
+        write_model(&mut want, 0, b"HEAD");
+        let h = other.open(*ino0, OpenFlags::READ).await.unwrap();
+        assert!(read_all(&other, h, want.len()).await == want);
+        other.release(h).await.unwrap();
+
+        let m = msgr.clone();
+        tokio::task::spawn_blocking(move || m.shutdown())
+            .await
+            .unwrap();
+    });
+}
