@@ -5,7 +5,6 @@
 //! pass the committed length.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +12,7 @@ use bytes::Bytes;
 use nacre_client::{DataCallError, MetaFs, NetVolume, NewInode, SeqWriter};
 use nacre_data::DataError;
 use nacre_master::MasterClient;
-use nacre_master::map::{Command as MapCommand, PartitionStatus};
+
 use nacre_meta::{ExtentKey, ROOT_INO};
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use nacre_types::NodeId;
