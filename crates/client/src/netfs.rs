@@ -18,6 +18,13 @@
 //! **Reads** flush an overlapping run first (so a reader sees its own writes), then read every
 //! extent piece of the range in parallel; holes read as zeros. Sequential reads fetch ahead.
 //!
+//! **Unlinking an open file.** POSIX lets a process keep using a file after its last name is gone
+//! (SQLite and many tools rely on it). When this client has the file open, `unlink` renames it to
+//! a hidden name in the same directory (`.nacre-hidden.INO`, not listed by `readdir`) and the last
+//! `release` removes it — what libfuse does with `.fuse_hidden` files. Other clients that have it
+//! open are not protected (no cross-client open state), and a directory holding a hidden file is
+//! not empty until it is closed.
+//!
 //! **Consistency** is CFS's: per-file sequential consistency for this client, the extent keys and
 //! size refreshed on open; no leases, no guarantee for concurrent writers of one range.
 
@@ -83,8 +90,13 @@ struct OpenFile {
     ino: Ino,
     /// Handles open on it (the entry leaves `files` when the last one is released).
     opens: AtomicU64,
+    /// Unlinked while open: the hidden name (parent, name) to remove on the last release.
+    hidden: Mutex<Option<(Ino, Vec<u8>)>>,
     state: tokio::sync::Mutex<FileState>,
 }
+
+/// Names of files unlinked while open start with this (see the module docs).
+pub const HIDDEN_PREFIX: &[u8] = b".nacre-hidden.";
 
 /// Sequential writes not yet committed to the meta node: `[start, start + sent + buf.len())`.
 #[derive(Debug)]
@@ -168,6 +180,7 @@ impl NetFs {
                 Arc::new(OpenFile {
                     ino: attr.ino,
                     opens: AtomicU64::new(0),
+                    hidden: Mutex::new(None),
                     state: tokio::sync::Mutex::new(FileState {
                         size: attr.size,
                         extents: None,
@@ -487,6 +500,20 @@ impl FileSystem for NetFs {
     }
 
     async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        if !self.files.lock().is_ok_and(|f| f.is_empty()) {
+            let d = self.meta.lookup_dentry(parent, name).await?;
+            if let Some(f) = self.open_file(d.ino)
+                && d.kind == FileType::File
+            {
+                let mut hidden = HIDDEN_PREFIX.to_vec();
+                hidden.extend_from_slice(d.ino.0.to_string().as_bytes());
+                self.meta.rename(parent, name, parent, &hidden).await?;
+                if let Ok(mut h) = f.hidden.lock() {
+                    *h = Some((parent, hidden));
+                }
+                return Ok(());
+            }
+        }
         self.meta.unlink(parent, name).await
     }
 
@@ -517,6 +544,7 @@ impl FileSystem for NetFs {
         let entries = self.meta.readdir_plus(dir, after.as_deref(), limit).await?;
         Ok(entries
             .into_iter()
+            .filter(|(e, _)| !e.name.starts_with(HIDDEN_PREFIX))
             .map(|(entry, attr)| DirEntryPlus {
                 entry,
                 attr: attr.map(|a| self.overlay(a)),
@@ -669,13 +697,21 @@ impl FileSystem for NetFs {
         if let Ok(mut handles) = self.handles.lock() {
             handles.remove(&fh);
         }
-        if h.file.opens.fetch_sub(1, Ordering::Relaxed) == 1
-            && let Ok(mut files) = self.files.lock()
-            && files
-                .get(&h.file.ino)
-                .is_some_and(|f| f.opens.load(Ordering::Relaxed) == 0)
-        {
-            files.remove(&h.file.ino);
+        let last = h.file.opens.fetch_sub(1, Ordering::Relaxed) == 1
+            && self.files.lock().is_ok_and(|mut files| {
+                let idle = files
+                    .get(&h.file.ino)
+                    .is_some_and(|f| f.opens.load(Ordering::Relaxed) == 0);
+                if idle {
+                    files.remove(&h.file.ino);
+                }
+                idle
+            });
+        if last {
+            let hidden = h.file.hidden.lock().ok().and_then(|mut x| x.take());
+            if let Some((parent, name)) = hidden {
+                self.meta.unlink(parent, &name).await?;
+            }
         }
         r
     }

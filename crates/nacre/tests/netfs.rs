@@ -2,7 +2,8 @@
 //! master, 3 meta and 3 data nodes): a file changed by a long random sequence of writes (appends,
 //! overwrites in place, writes into holes and past the end), truncates, flushes, reopens and
 //! `O_APPEND` writes reads back exactly like a byte-vector model, from this client and from a fresh
-//! one; small files land in tiny extents in one packet and read back.
+//! one; small files land in tiny extents in one packet and read back; a file unlinked while open
+//! stays readable and writable through its handle until released.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
 use std::sync::Arc;
@@ -261,6 +262,35 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
         let h = other.open(*ino0, OpenFlags::READ).await.unwrap();
         assert!(read_all(&other, h, want.len()).await == want);
         other.release(h).await.unwrap();
+
+        // A file unlinked while open stays usable through its handle until released.
+        let (a, h) = fs
+            .create(ROOT_INO, b"tmp", 0o600, me, OpenFlags::READ_WRITE)
+            .await
+            .unwrap();
+        let body = rng.bytes(300 << 10);
+        fs.write(h, 0, body.clone()).await.unwrap();
+        fs.flush(h).await.unwrap();
+        fs.unlink(ROOT_INO, b"tmp").await.unwrap();
+        assert!(fs.lookup(ROOT_INO, b"tmp").await.is_err());
+        let listed = fs.readdir(ROOT_INO, None, 0).await.unwrap();
+        assert!(
+            listed.iter().all(|e| e.entry.ino != a.ino),
+            "hidden file listed"
+        );
+        fs.write(h, body.len() as u64, Bytes::from_static(b"tail"))
+            .await
+            .unwrap();
+        let mut want = body.to_vec();
+        want.extend_from_slice(b"tail");
+        assert!(read_all(&fs, h, want.len()).await == want);
+        fs.release(h).await.unwrap();
+        // Released: the inode is gone for good.
+        assert!(fs.getattr(a.ino).await.is_err());
+        let after = fs.readdir(ROOT_INO, None, 0).await.unwrap();
+        assert_eq!(after.len(), listed.len());
+        let raw = fs.meta().readdir(ROOT_INO, None, 0).await.unwrap();
+        assert_eq!(raw.len(), listed.len(), "the hidden name is removed too");
 
         let m = msgr.clone();
         tokio::task::spawn_blocking(move || m.shutdown())
