@@ -189,7 +189,8 @@ struct Inner {
     raft: NodeRaft<DataSm>,
     parts: Mutex<BTreeMap<PartitionId, Arc<Part>>>,
     reports: Mutex<Vec<PartitionReport>>,
-    last_report: Mutex<Option<(Instant, BTreeMap<PartitionId, u64>)>>,
+    /// When reports were last refreshed, with each partition's (ops, bytes) counters then.
+    last_report: Mutex<Option<(Instant, BTreeMap<PartitionId, (u64, u64)>)>>,
     opening: tokio::sync::Mutex<()>,
     /// Repair budget: bytes that may still be copied before the next refill.
     repair_tokens: tokio::sync::Mutex<(f64, Instant)>,
@@ -803,9 +804,15 @@ impl DataNode {
 
     async fn refresh_reports(&self, parts: &[Arc<Part>]) {
         let now = Instant::now();
-        let counts: BTreeMap<PartitionId, u64> = parts
+        let counts: BTreeMap<PartitionId, (u64, u64)> = parts
             .iter()
-            .map(|p| (p.id, p.ops.load(Ordering::Relaxed)))
+            .map(|p| {
+                let c = (
+                    p.ops.load(Ordering::Relaxed),
+                    p.bytes.load(Ordering::Relaxed),
+                );
+                (p.id, c)
+            })
             .collect();
         let (secs, before) = match self.inner.last_report.lock() {
             Ok(mut l) => match l.replace((now, counts.clone())) {
@@ -817,11 +824,14 @@ impl DataNode {
         let mut reports = Vec::new();
         for p in parts {
             let leader = matches!(self.leader_term(p).await, Ok(Some(_)));
-            let delta = counts[&p.id].saturating_sub(before.get(&p.id).copied().unwrap_or(0));
-            let ops_per_s = if secs > 0.0 {
-                (delta as f64 / secs).round() as u64
-            } else {
-                0
+            let (ops, bytes) = counts[&p.id];
+            let (ops0, bytes0) = before.get(&p.id).copied().unwrap_or((0, 0));
+            let rate = |now: u64, then: u64| {
+                if secs > 0.0 {
+                    (now.saturating_sub(then) as f64 / secs).round() as u64
+                } else {
+                    0
+                }
             };
             reports.push(PartitionReport {
                 id: p.id,
@@ -830,7 +840,8 @@ impl DataNode {
                 max_inode: 0,
                 used: p.store.used(),
                 full: leader && p.degraded().is_some(),
-                ops_per_s,
+                ops_per_s: rate(ops, ops0),
+                bytes_per_s: rate(bytes, bytes0),
             });
         }
         if let Ok(mut r) = self.inner.reports.lock() {

@@ -80,8 +80,10 @@ pub struct PartitionInfo {
     pub pending: Vec<NodeId>,
     pub inodes: u64,
     pub used: u64,
-    /// Operations per second its leader reports (meta partitions).
+    /// Operations per second its leader reports.
     pub ops_per_s: u64,
+    /// Bytes written per second, as its leader reports (data partitions).
+    pub bytes_per_s: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -360,6 +362,7 @@ fn partitions(map: &ClusterMap, volume: Option<&str>) -> Vec<PartitionInfo> {
             inodes: p.inode_count,
             used: p.memory,
             ops_per_s: p.ops_per_s,
+            bytes_per_s: 0,
         });
     let data = map
         .data_partitions
@@ -377,7 +380,8 @@ fn partitions(map: &ClusterMap, volume: Option<&str>) -> Vec<PartitionInfo> {
             pending: pending(&p.replicas, &p.ready),
             inodes: 0,
             used: p.used,
-            ops_per_s: 0,
+            ops_per_s: p.ops_per_s,
+            bytes_per_s: p.bytes_per_s,
         });
     meta.chain(data).collect()
 }

@@ -85,6 +85,9 @@ pub struct DataPartition {
     pub used: u64,
     /// The leader reported the partition full: it stays read-only even with every replica up.
     pub full: bool,
+    /// Operations and bytes written per second, as its leader reports them.
+    pub ops_per_s: u64,
+    pub bytes_per_s: u64,
     pub ready: Vec<NodeId>,
     pub created_epoch: u64,
 }
@@ -143,6 +146,8 @@ pub struct PartitionReport {
     pub full: bool,
     /// Operations served per second on this replica (the leader's figure is the partition's).
     pub ops_per_s: u64,
+    /// Bytes written per second through this replica as leader (data partitions).
+    pub bytes_per_s: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -405,6 +410,8 @@ impl ClusterMap {
                     p.leader = Some(node);
                     p.used = r.used;
                     p.full = r.full;
+                    p.ops_per_s = r.ops_per_s;
+                    p.bytes_per_s = r.bytes_per_s;
                 }
             }
         }
@@ -724,6 +731,8 @@ impl ClusterMap {
                 status: PartitionStatus::Rw,
                 used: 0,
                 full: false,
+                ops_per_s: 0,
+                bytes_per_s: 0,
                 ready: Vec::new(),
                 created_epoch: self.epoch + 1,
             },

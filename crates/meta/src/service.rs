@@ -440,6 +440,7 @@ impl MetaNode {
                         used: s.memory,
                         full: false,
                         ops_per_s,
+                        bytes_per_s: 0,
                     }
                 })
                 .await;
