@@ -128,6 +128,9 @@ struct FileState {
     ahead: Option<(u64, Bytes)>,
     /// Where the last read ended (to recognize sequential reads).
     last_read_end: u64,
+    /// A failed commit of written bytes, reported by the next `flush`/`fsync`/`release` (the
+    /// call that hit it may have been a read that had to commit first).
+    error: Option<String>,
 }
 
 fn fs_err(e: DataCallError) -> FsError {
@@ -188,6 +191,7 @@ impl NetFs {
                         idle_stream: None,
                         ahead: None,
                         last_read_end: 0,
+                        error: None,
                     }),
                 })
             });
@@ -210,8 +214,28 @@ impl NetFs {
         Ok(fh)
     }
 
-    /// Commits the run of `f` (if any): its keys go to the meta node.
+    /// Commits the run of `f` (if any): its keys go to the meta node. On failure the run's bytes
+    /// are lost; the error is returned and kept for the next flush to report.
     async fn flush_file(&self, f: &OpenFile, st: &mut FileState) -> FsResult<()> {
+        let r = self.commit_run(f, st).await;
+        if let Err(e) = &r {
+            st.error = Some(e.to_string());
+        }
+        r
+    }
+
+    /// [`Self::flush_file`] for `flush`, `fsync` and `release`: also reports an earlier failure
+    /// (once).
+    async fn flush_reporting(&self, f: &OpenFile, st: &mut FileState) -> FsResult<()> {
+        let r = self.flush_file(f, st).await;
+        match (r, st.error.take()) {
+            (Err(e), _) => Err(e),
+            (Ok(()), Some(earlier)) => Err(FsError::WriteFailed(earlier)),
+            (Ok(()), None) => Ok(()),
+        }
+    }
+
+    async fn commit_run(&self, f: &OpenFile, st: &mut FileState) -> FsResult<()> {
         let Some(mut run) = st.run.take() else {
             return Ok(());
         };
@@ -560,6 +584,10 @@ impl FileSystem for NetFs {
         }
         if flags.truncate && flags.write && attr.size > 0 {
             self.flush_ino(ino).await?;
+            if let Some(f) = self.open_file(ino) {
+                // The truncate drops the keys an idle stream would continue after.
+                f.state.lock().await.idle_stream = None;
+            }
             attr = self
                 .meta
                 .setattr(
@@ -677,7 +705,7 @@ impl FileSystem for NetFs {
     async fn flush(&self, fh: Fh) -> FsResult<()> {
         let h = self.handle(fh)?;
         let mut st = h.file.state.lock().await;
-        self.flush_file(&h.file, &mut st).await
+        self.flush_reporting(&h.file, &mut st).await
     }
 
     async fn fsync(&self, fh: Fh) -> FsResult<()> {
@@ -688,7 +716,7 @@ impl FileSystem for NetFs {
         let h = self.handle(fh)?;
         let r = {
             let mut st = h.file.state.lock().await;
-            let r = self.flush_file(&h.file, &mut st).await;
+            let r = self.flush_reporting(&h.file, &mut st).await;
             if h.file.opens.load(Ordering::Relaxed) <= 1 {
                 st.idle_stream = None;
             }
@@ -779,9 +807,10 @@ impl NetFs {
             });
             run.sent += out.len() as u64;
             if let Err(e) = stream.write(out).await {
-                // The run's bytes are lost: drop it, report the error now.
+                // The run's bytes are lost: drop it, report the error now and at the next flush.
                 st.run = None;
                 st.extents = None;
+                st.error = Some(e.to_string());
                 return Err(fs_err(e));
             }
         }

@@ -292,6 +292,23 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
         let raw = fs.meta().readdir(ROOT_INO, None, 0).await.unwrap();
         assert_eq!(raw.len(), listed.len(), "the hidden name is removed too");
 
+        // Buffered bytes that cannot be committed (another client removed the file) fail the
+        // call that commits them, and the next flush reports it again: never a silent success.
+        let (_, h) = fs
+            .create(ROOT_INO, b"gone", 0o644, me, OpenFlags::READ_WRITE)
+            .await
+            .unwrap();
+        fs.write(h, 0, Bytes::from_static(b"0123456789"))
+            .await
+            .unwrap();
+        other.unlink(ROOT_INO, b"gone").await.unwrap();
+        assert!(fs.read(h, 0, 10).await.is_err(), "read commits first");
+        assert!(matches!(
+            fs.flush(h).await,
+            Err(nacre_client::FsError::WriteFailed(_))
+        ));
+        fs.release(h).await.unwrap();
+
         let m = msgr.clone();
         tokio::task::spawn_blocking(move || m.shutdown())
             .await
