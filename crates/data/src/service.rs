@@ -181,6 +181,9 @@ impl Part {
     }
 }
 
+/// Per partition: operations and bytes served as leader (monotonic counters).
+type Counters = BTreeMap<PartitionId, (u64, u64)>;
+
 struct Inner {
     dir: PathBuf,
     config: DataNodeConfig,
@@ -190,7 +193,7 @@ struct Inner {
     parts: Mutex<BTreeMap<PartitionId, Arc<Part>>>,
     reports: Mutex<Vec<PartitionReport>>,
     /// When reports were last refreshed, with each partition's (ops, bytes) counters then.
-    last_report: Mutex<Option<(Instant, BTreeMap<PartitionId, (u64, u64)>)>>,
+    last_report: Mutex<Option<(Instant, Counters)>>,
     opening: tokio::sync::Mutex<()>,
     /// Repair budget: bytes that may still be copied before the next refill.
     repair_tokens: tokio::sync::Mutex<(f64, Instant)>,
@@ -804,7 +807,7 @@ impl DataNode {
 
     async fn refresh_reports(&self, parts: &[Arc<Part>]) {
         let now = Instant::now();
-        let counts: BTreeMap<PartitionId, (u64, u64)> = parts
+        let counts: Counters = parts
             .iter()
             .map(|p| {
                 let c = (
