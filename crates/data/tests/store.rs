@@ -530,8 +530,12 @@ fn normal_and_tiny_semantics() {
     assert_eq!(s.len(t).unwrap(), 4106);
     assert_eq!(s.read(t, 4090, 8).unwrap()[..], b"\0\0\0\0\0\0sm"[..]);
     assert_eq!(s.extents(), vec![(t, 4106), (n, 5)]);
+    // Normal extents are punched too (the unused parts of a file's extent); punching zeros
+    // bytes in place.
+    s.punch(n, 1, 1).unwrap();
+    assert_eq!(s.read(n, 0, 5).unwrap()[..], b"h\0llo"[..]);
+    s.write(n, 1, b"e").unwrap();
     // Wrong-kind and reserved ids.
-    assert!(matches!(s.punch(n, 0, 1), Err(StoreError::Invalid(_))));
     assert!(matches!(s.delete(t), Err(StoreError::Invalid(_))));
     assert!(matches!(
         s.create(ExtentId(100)),

@@ -1543,8 +1543,8 @@ fn truncate(keys: &[ExtentKey], size: u64) -> (Vec<ExtentKey>, Vec<ExtentKey>) {
 
 /// The parts of `dropped` keys whose bytes no key in `live` refers to any more: only those may be
 /// freed. A client that extends a piece records a longer key over the same extent bytes, which
-/// drops the shorter key; freeing it would destroy live data. A normal extent no live key uses
-/// at all is freed whole, as one key with offset 0 and size `u32::MAX` (the data node deletes
+/// drops the shorter key; freeing it would destroy live data. A normal extent (id from
+/// `FIRST_NORMAL_EXTENT`) no live key uses at all is freed whole, as one key with offset 0 and size `u32::MAX` (the data node deletes
 /// it); the unused ranges of others are punched out. O((dropped + live) · log).
 fn unreferenced(dropped: Vec<ExtentKey>, live: &[ExtentKey]) -> Vec<ExtentKey> {
     if dropped.is_empty() {
@@ -1581,7 +1581,7 @@ fn unreferenced(dropped: Vec<ExtentKey>, live: &[ExtentKey]) -> Vec<ExtentKey> {
         let extent = (d.partition, d.extent);
         let group = used.partition_point(|u| u.0 < extent);
         let group_end = used.partition_point(|u| u.0 <= extent);
-        if group == group_end && !d.extent.is_tiny() {
+        if group == group_end && d.extent.is_normal() {
             // No live key uses this normal extent any more: release all of it (the data node
             // deletes it), once.
             if !whole.contains(&extent) {

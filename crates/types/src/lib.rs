@@ -59,9 +59,16 @@ id_type!(
 /// once no file uses any of their bytes.
 pub const TINY_EXTENTS: u64 = 16;
 
+/// The first normal extent id; ids between the tiny ones and this are reserved.
+pub const FIRST_NORMAL_EXTENT: u64 = 1024;
+
 impl ExtentId {
     pub fn is_tiny(self) -> bool {
         (1..=TINY_EXTENTS).contains(&self.0)
+    }
+
+    pub fn is_normal(self) -> bool {
+        self.0 >= FIRST_NORMAL_EXTENT
     }
 }
 

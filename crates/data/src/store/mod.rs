@@ -30,7 +30,7 @@ use format::{Header, RECORD, Record, SLOT, crc_name, data_name, record_at};
 /// Ids `1..=TINY_EXTENTS` are tiny extents.
 pub const TINY_EXTENTS: u64 = nacre_types::TINY_EXTENTS;
 /// The first id of a normal extent (ids between the tiny ones and this are reserved).
-pub const FIRST_NORMAL_EXTENT: u64 = 1024;
+pub const FIRST_NORMAL_EXTENT: u64 = nacre_types::FIRST_NORMAL_EXTENT;
 /// Default size of a checksummed block.
 pub const DEFAULT_BLOCK_SIZE: u32 = 128 * 1024;
 /// Smallest and largest accepted block sizes.
