@@ -4,12 +4,14 @@
 
 pub mod data;
 pub mod fs;
+pub mod layers;
 pub mod meta;
 pub mod net;
 pub mod netfs;
 
 pub use data::{DataCallError, SeqWriter};
 pub use fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
+pub use layers::{MetaCache, MetaCacheConfig, Metrics};
 pub use meta::{CallError, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};
 pub use net::{DataPartitionInfo, NetVolume};
 pub use netfs::{NetFs, NetFsConfig};
