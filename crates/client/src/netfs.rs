@@ -21,7 +21,8 @@
 //! **Unlinking an open file.** POSIX lets a process keep using a file after its last name is gone
 //! (SQLite and many tools rely on it). When this client has the file open, `unlink` renames it to
 //! a hidden name in the same directory (`.nacre-hidden.INO`, not listed by `readdir`) and the last
-//! `release` removes it — what libfuse does with `.fuse_hidden` files. Other clients that have it
+//! `release` removes it — what libfuse does with `.fuse_hidden` files; a file that `rename` replaces
+//! is hidden the same way. A hidden file reports one link less. Other clients that have it
 //! open are not protected (no cross-client open state), and a directory holding a hidden file is
 //! not empty until it is closed.
 //!
@@ -440,30 +441,59 @@ impl NetFs {
         Ok(())
     }
 
-    /// Attributes with this client's unflushed size.
-    fn overlay(&self, mut attr: Attr) -> Attr {
-        if let Some(f) = self.open_file(attr.ino)
-            && let Ok(st) = f.state.try_lock()
-            && let Some(run) = &st.run
-        {
-            attr.size = attr.size.max(run.end());
+    /// Attributes as this client sees them: a file it has open is at least as long as its open
+    /// state says (bytes written but not committed yet, or committed after the meta node was
+    /// asked), and a hidden (unlinked while open) file has one link less.
+    async fn overlay(&self, mut attr: Attr) -> Attr {
+        if let Some(f) = self.open_file(attr.ino) {
+            let st = f.state.lock().await;
+            attr.size = attr.size.max(st.size);
+            if f.hidden.lock().is_ok_and(|h| h.is_some()) {
+                attr.nlink = attr.nlink.saturating_sub(1);
+            }
         }
         attr
+    }
+
+    /// Renames `parent/name`, a file this client has open, to a hidden name (see the module docs);
+    /// not when it is `keep`.
+    async fn hide_if_open(&self, parent: Ino, name: &[u8], keep: Option<Ino>) -> FsResult<()> {
+        if self.files.lock().is_ok_and(|f| f.is_empty()) {
+            return Ok(());
+        }
+        let d = match self.meta.lookup_dentry(parent, name).await {
+            Ok(d) => d,
+            Err(FsError::Meta(MetaError::NotFound)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let Some(f) = self.open_file(d.ino) else {
+            return Ok(());
+        };
+        if d.kind != FileType::File || keep == Some(d.ino) {
+            return Ok(());
+        }
+        let mut hidden = HIDDEN_PREFIX.to_vec();
+        hidden.extend_from_slice(d.ino.0.to_string().as_bytes());
+        self.meta.rename(parent, name, parent, &hidden).await?;
+        if let Ok(mut h) = f.hidden.lock() {
+            *h = Some((parent, hidden));
+        }
+        Ok(())
     }
 }
 
 impl FileSystem for NetFs {
     async fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
-        Ok(self.overlay(self.meta.lookup(parent, name).await?))
+        Ok(self.overlay(self.meta.lookup(parent, name).await?).await)
     }
 
     async fn getattr(&self, ino: Ino) -> FsResult<Attr> {
-        Ok(self.overlay(self.meta.getattr(ino).await?))
+        Ok(self.overlay(self.meta.getattr(ino).await?).await)
     }
 
     async fn setattr(&self, ino: Ino, set: SetAttr) -> FsResult<Attr> {
         let Some(size) = set.size else {
-            return Ok(self.overlay(self.meta.setattr(ino, set).await?));
+            return Ok(self.overlay(self.meta.setattr(ino, set).await?).await);
         };
         let Some(f) = self.open_file(ino) else {
             return self.meta.setattr(ino, set).await;
@@ -526,16 +556,8 @@ impl FileSystem for NetFs {
     async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
         if !self.files.lock().is_ok_and(|f| f.is_empty()) {
             let d = self.meta.lookup_dentry(parent, name).await?;
-            if let Some(f) = self.open_file(d.ino)
-                && d.kind == FileType::File
-            {
-                let mut hidden = HIDDEN_PREFIX.to_vec();
-                hidden.extend_from_slice(d.ino.0.to_string().as_bytes());
-                self.meta.rename(parent, name, parent, &hidden).await?;
-                if let Ok(mut h) = f.hidden.lock() {
-                    *h = Some((parent, hidden));
-                }
-                return Ok(());
+            if d.kind == FileType::File && self.open_file(d.ino).is_some() {
+                return self.hide_if_open(parent, name, None).await;
             }
         }
         self.meta.unlink(parent, name).await
@@ -552,6 +574,16 @@ impl FileSystem for NetFs {
         new_parent: Ino,
         new_name: &[u8],
     ) -> FsResult<()> {
+        // A replaced file this client has open stays usable (hidden, not unlinked). The two steps
+        // are not atomic: another client may briefly find neither name.
+        if (parent, name) != (new_parent, new_name)
+            && !self.files.lock().is_ok_and(|f| f.is_empty())
+        {
+            // Not when both names are links of one file (then rename changes nothing).
+            let src = self.meta.lookup_dentry(parent, name).await?;
+            self.hide_if_open(new_parent, new_name, Some(src.ino))
+                .await?;
+        }
         self.meta.rename(parent, name, new_parent, new_name).await
     }
 
@@ -566,14 +598,18 @@ impl FileSystem for NetFs {
         limit: u32,
     ) -> FsResult<Vec<DirEntryPlus>> {
         let entries = self.meta.readdir_plus(dir, after.as_deref(), limit).await?;
-        Ok(entries
-            .into_iter()
-            .filter(|(e, _)| !e.name.starts_with(HIDDEN_PREFIX))
-            .map(|(entry, attr)| DirEntryPlus {
-                entry,
-                attr: attr.map(|a| self.overlay(a)),
-            })
-            .collect())
+        let mut out = Vec::with_capacity(entries.len());
+        for (entry, attr) in entries {
+            if entry.name.starts_with(HIDDEN_PREFIX) {
+                continue;
+            }
+            let attr = match attr {
+                Some(a) => Some(self.overlay(a).await),
+                None => None,
+            };
+            out.push(DirEntryPlus { entry, attr });
+        }
+        Ok(out)
     }
 
     async fn open(&self, ino: Ino, flags: OpenFlags) -> FsResult<Fh> {
@@ -582,7 +618,8 @@ impl FileSystem for NetFs {
             FileType::Dir if flags.write => return Err(FsError::Meta(MetaError::IsDir)),
             _ => {}
         }
-        if flags.truncate && flags.write && attr.size > 0 {
+        // Also when only this client's unflushed bytes make the file non-empty.
+        if flags.truncate && flags.write && (attr.size > 0 || self.open_file(ino).is_some()) {
             self.flush_ino(ino).await?;
             if let Some(f) = self.open_file(ino) {
                 // The truncate drops the keys an idle stream would continue after.
