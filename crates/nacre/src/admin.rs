@@ -301,16 +301,22 @@ pub fn run(cmd: AdminCmd) -> anyhow::Result<()> {
 }
 
 /// `--master`/`NACRE_MASTERS`, else the masters `nacre up` recorded in ./.nacre/up.json.
-fn resolve_masters(given: &[String]) -> anyhow::Result<Vec<String>> {
+pub(crate) fn resolve_masters(given: &[String]) -> anyhow::Result<Vec<String>> {
+    resolve_masters_in(given, Path::new(".nacre"))
+}
+
+/// `--master`/`NACRE_MASTERS`, else the masters `nacre up` recorded in `up_dir`/up.json.
+pub(crate) fn resolve_masters_in(given: &[String], up_dir: &Path) -> anyhow::Result<Vec<String>> {
     let given: Vec<String> = given.iter().filter(|m| !m.is_empty()).cloned().collect();
     if !given.is_empty() {
         return Ok(given);
     }
-    let path = Path::new(".nacre/up.json");
+    let path = &up_dir.join("up.json");
     let text = std::fs::read_to_string(path).map_err(|_| {
         anyhow::anyhow!(
             "no master address: pass --master HOST:PORT[,…], set NACRE_MASTERS, or run this \
-             where `nacre up` runs (it records its masters in .nacre/up.json)"
+             where `nacre up` runs (it records its masters in {})",
+            path.display()
         )
     })?;
     let v: serde_json::Value =

@@ -3,7 +3,9 @@
 mod admin;
 mod bench;
 mod config;
+mod fs_cmd;
 mod http;
+mod mount;
 mod node;
 
 use std::path::PathBuf;
@@ -50,6 +52,13 @@ enum Cmd {
     /// own directory under DIR. Addresses are printed and written to DIR/up.json, where the admin
     /// commands (`nacre vol create …`) run in the same directory find them.
     Up(UpArgs),
+    /// Stop the `nacre up` running in DIR (SIGTERM, then wait until it has unmounted and stopped).
+    Down(mount::DownArgs),
+    /// Mount a volume with FUSE and serve it until Ctrl-C, SIGTERM or `umount DIR`.
+    ///
+    /// Example: `nacre mount demo /mnt/demo --master 10.0.0.1:7100`. Needs /dev/fuse (and root, or
+    /// the fusermount3 helper).
+    Mount(mount::MountArgs),
     /// Cluster-wide status from the master leader.
     Cluster(admin::ClusterArgs),
     /// Meta and data nodes.
@@ -60,6 +69,12 @@ enum Cmd {
     Partition(admin::PartitionArgs),
     /// Tenants and their access keys.
     Tenant(admin::TenantArgs),
+    /// A volume's files without FUSE: ls, stat, put, get, rm, mkdir, cat.
+    ///
+    /// Paths are volume paths (`/a/b`). Example: `nacre fs put -p ./big.iso /isos/`, then
+    /// `nacre fs ls -l /isos`. The cluster is found as the admin commands find it (--master,
+    /// NACRE_MASTERS, or ./.nacre/up.json); --volume picks the volume (default: `default`).
+    Fs(fs_cmd::FsArgs),
     /// Send ping (or echo) requests to a node and print round-trip times.
     Ping(PingArgs),
     /// Benchmarks. Each prints a table, or one JSON object per line with --json.
@@ -88,6 +103,14 @@ struct UpArgs {
     /// HTTP listen address of the master (metrics and the admin API).
     #[arg(long, default_value = "127.0.0.1:0")]
     http_listen: String,
+    /// Also mount the volume (created if missing) on this directory (created if missing).
+    #[arg(long)]
+    mount: Option<PathBuf>,
+    /// The volume --mount mounts.
+    #[arg(long, default_value = "default")]
+    volume: String,
+    #[command(flatten)]
+    mount_flags: mount::MountFlags,
 }
 
 #[derive(Debug, Args)]
@@ -240,11 +263,14 @@ fn main() -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Server(a) => server(a),
         Cmd::Up(a) => up(a),
+        Cmd::Down(a) => mount::run_down(a),
+        Cmd::Mount(a) => mount::run_mount(a),
         Cmd::Cluster(a) => admin_cli(admin::AdminCmd::Cluster(a)),
         Cmd::Node(a) => admin_cli(admin::AdminCmd::Node(a)),
         Cmd::Vol(a) => admin_cli(admin::AdminCmd::Vol(a)),
         Cmd::Partition(a) => admin_cli(admin::AdminCmd::Partition(a)),
         Cmd::Tenant(a) => admin_cli(admin::AdminCmd::Tenant(a)),
+        Cmd::Fs(a) => fs_cmd::run(a),
         Cmd::Ping(a) => ping(a),
         Cmd::Bench(BenchCmd::Msgr(a)) => bench_msgr(a),
         Cmd::Bench(BenchCmd::Raft(a)) => bench_raft(a),
@@ -346,12 +372,18 @@ fn up(a: UpArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&a.dir)
         .with_context(|| format!("cannot create {}", a.dir.display()))?;
     let path = a.dir.join("up.json");
+    let ports_path = a.dir.join("ports.json");
+    let ports = load_ports(&ports_path);
     runtime()?.block_on(async {
+        // Listening for the stop signals from the start: a SIGTERM while starting still stops
+        // (and unmounts) in order instead of killing the process.
+        let stop = tokio::spawn(stop_signal());
+        let default_listen = "127.0.0.1:0";
         let master = Node::start(&NodeConfig {
             name: "master-1".into(),
             role: RoleName::Master,
-            listen: a.listen.clone(),
-            http_listen: a.http_listen.clone(),
+            listen: reuse_addr(&ports, "master-1", "listen", &a.listen, default_listen),
+            http_listen: reuse_addr(&ports, "master-1", "http", &a.http_listen, default_listen),
             data_dir: a.dir.join("master-1"),
             ..NodeConfig::default()
         })
@@ -360,11 +392,11 @@ fn up(a: UpArgs) -> anyhow::Result<()> {
         for role in [RoleName::Meta, RoleName::Data] {
             for i in 1..=3 {
                 let name = format!("{role:?}-{i}").to_lowercase();
-                let n = Node::start(&NodeConfig {
+                let started = Node::start(&NodeConfig {
                     name: name.clone(),
                     role,
-                    listen: "127.0.0.1:0".into(),
-                    http_listen: "127.0.0.1:0".into(),
+                    listen: reuse_addr(&ports, &name, "listen", default_listen, default_listen),
+                    http_listen: reuse_addr(&ports, &name, "http", default_listen, default_listen),
                     data_dir: a.dir.join(&name),
                     masters: vec![master.addr.clone()],
                     heartbeat_ms: 1000,
@@ -374,11 +406,42 @@ fn up(a: UpArgs) -> anyhow::Result<()> {
                     },
                     ..NodeConfig::default()
                 })
-                .await?;
-                nodes.push(n);
+                .await;
+                match started {
+                    Ok(n) => nodes.push(n),
+                    Err(e) => {
+                        let _ = stop_all(nodes, master).await;
+                        return Err(e);
+                    }
+                }
             }
         }
-        wait_until_ready(&master.addr, nodes.len()).await?;
+        let all = || std::iter::once(&master).chain(nodes.iter());
+        // Every node keeps its address across restarts: the master knows nodes by address and
+        // places replicas on nodes, so a node on a new port would be a new, empty node.
+        let recorded: serde_json::Map<String, serde_json::Value> = all()
+            .map(|n| {
+                (
+                    n.name.clone(),
+                    serde_json::json!({ "listen": n.addr, "http": n.http_addr }),
+                )
+            })
+            .collect();
+        let ready = async {
+            write_atomic(
+                &ports_path,
+                serde_json::to_string_pretty(&recorded)?.as_bytes(),
+            )?;
+            wait_until_ready(&master.addr, nodes.len()).await?;
+            if a.mount.is_some() {
+                mount::ensure_volume(&master.addr, &a.volume).await?;
+            }
+            anyhow::Ok(())
+        };
+        if let Err(e) = ready.await {
+            let _ = stop_all(nodes, master).await;
+            return Err(e);
+        }
         let describe = |n: &Node| {
             serde_json::json!({
                 "name": n.name, "role": n.role, "addr": n.addr, "http": n.http_addr,
@@ -388,11 +451,12 @@ fn up(a: UpArgs) -> anyhow::Result<()> {
             "pid": std::process::id(),
             "masters": [master.addr],
             "admin": master.http_addr.as_ref().map(|h| format!("http://{h}/api/v1")),
-            "nodes": std::iter::once(&master).chain(nodes.iter()).map(describe).collect::<Vec<_>>(),
+            "nodes": all().map(describe).collect::<Vec<_>>(),
+            "mount": a.mount.as_ref().map(|m| m.display().to_string()),
         });
         write_atomic(&path, serde_json::to_string_pretty(&info)?.as_bytes())?;
         println!("nacre is up (state in {})", a.dir.display());
-        for n in std::iter::once(&master).chain(nodes.iter()) {
+        for n in all() {
             println!(
                 "  {:<8} {:<21} http://{}/metrics",
                 n.name,
@@ -403,22 +467,107 @@ fn up(a: UpArgs) -> anyhow::Result<()> {
         if let Some(h) = &master.http_addr {
             println!("  admin API http://{h}/api/v1/status");
         }
+        let mounted = match &a.mount {
+            Some(dir) => {
+                match mount::VolumeMount::start(
+                    vec![master.addr.clone()],
+                    &a.volume,
+                    dir,
+                    &a.mount_flags,
+                )
+                .await
+                {
+                    Ok(m) => {
+                        println!(
+                            "mounted volume {} on {}",
+                            a.volume,
+                            m.mounted.dir().display()
+                        );
+                        Some(m)
+                    }
+                    Err(e) => {
+                        let _ = stop_all(nodes, master).await;
+                        let _ = std::fs::remove_file(&path);
+                        return Err(e.context(format!("cannot mount on {}", dir.display())));
+                    }
+                }
+            }
+            None => None,
+        };
         println!("try: nacre cluster status; nacre vol create demo; nacre vol info demo");
-        println!("Ctrl-C stops it.");
-        stop_signal().await;
+        println!(
+            "Ctrl-C (or `nacre down --dir {}`) stops it.",
+            a.dir.display()
+        );
+        let _ = stop.await;
         println!("stopping…");
         let mut r = Ok(());
-        for n in nodes {
-            if let Err(e) = n.stop().await {
-                r = Err(e);
+        // Unmount first: the file system needs the nodes to flush what is still open.
+        if let Some(m) = mounted {
+            match m.stop().await {
+                Ok(()) => println!("unmounted"),
+                Err(e) => r = Err(e),
             }
         }
-        if let Err(e) = master.stop().await {
+        if let Err(e) = stop_all(nodes, master).await {
             r = Err(e);
         }
         let _ = std::fs::remove_file(&path);
         r
     })
+}
+
+/// Stops the data and meta nodes, then the master.
+async fn stop_all(nodes: Vec<Node>, master: Node) -> anyhow::Result<()> {
+    let mut r = Ok(());
+    for n in nodes {
+        if let Err(e) = n.stop().await {
+            r = Err(e);
+        }
+    }
+    if let Err(e) = master.stop().await {
+        r = Err(e);
+    }
+    r
+}
+
+/// The addresses `nacre up` bound last time (DIR/ports.json): node name → {"listen", "http"}.
+fn load_ports(path: &std::path::Path) -> serde_json::Value {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// The address a node of `nacre up` binds: what the user asked for, else the one it had last
+/// time if that is still free, else `default` (a free port), with a warning.
+fn reuse_addr(
+    ports: &serde_json::Value,
+    name: &str,
+    key: &str,
+    asked: &str,
+    default: &str,
+) -> String {
+    if asked != default {
+        return asked.to_string();
+    }
+    let Some(last) = ports[name][key].as_str() else {
+        return default.to_string();
+    };
+    // Probe by binding (and closing at once); the node binds it again right after.
+    if std::net::TcpListener::bind(last).is_ok() {
+        return last.to_string();
+    }
+    if key == "listen" {
+        eprintln!(
+            "warning: {name} cannot get its address {last} back (in use); it takes a new one \
+             and the cluster sees it as a new, empty node: its partition replicas stay unreachable \
+             (partitions keep working while a majority of their replicas is up)"
+        );
+    } else {
+        eprintln!("warning: {name}'s HTTP address {last} is in use; it takes a new one");
+    }
+    default.to_string()
 }
 
 /// Waits (at most 30 s) until every node has registered and the default tenant exists, so that

@@ -1,0 +1,1039 @@
+//! The FUSE front end (DESIGN.md §8): [`FuseFs`] adapts any [`FileSystem`] (the network client, or
+//! a stack of layers over it) to the kernel through `fuser`, and [`mount`] mounts it.
+//!
+//! **Threads.** `fuser` reads requests on its own threads ([`MountOptions::threads`]); each
+//! callback moves its reply object into a task on the tokio runtime given to [`mount`], which
+//! awaits the file system and replies. So a slow network call never holds up the kernel queue, and
+//! the kernel's own limits (one outstanding request per blocked application thread, `max_background`
+//! for read-ahead) bound the work in flight.
+//!
+//! **Errors.** POSIX errno values exist only here ([`errno()`]).
+//!
+//! **Directories.** `opendir` starts a listing that `readdir` fills page by page (by name cursor)
+//! and keeps until `releasedir`, so the offsets the kernel hands back stay valid however the
+//! directory changes meanwhile; `rewinddir` (offset 0) starts a fresh listing.
+
+mod errno;
+mod mount;
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::future::Future;
+use std::os::unix::ffi::OsStrExt as _;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use fuser::{
+    AccessFlags, Errno, FileHandle, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
+    LockOwner, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus,
+    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
+    WriteFlags,
+};
+use nacre_client::{Caller, DirEntryPlus, Fh, FileSystem, FsError, OpenFlags};
+use nacre_meta::{Attr, FileType, MetaError, SetAttr, XattrMode};
+use nacre_types::Ino;
+use tokio::runtime::Handle;
+
+pub use crate::errno::errno;
+pub use crate::mount::{MountError, MountOptions, Mounted, mount};
+
+/// `st_blksize` reported for every inode: the data path's packet size.
+pub const BLKSIZE: u32 = 128 << 10;
+
+/// Entries fetched from the file system per `readdir` call.
+const DIR_PAGE: u32 = 1024;
+
+/// The kernel attributes of `a`: times are ns since the Unix epoch, `blocks` counts 512-byte
+/// units (`ceil(size / 512)`: files are not sparse as far as `du` can tell).
+pub fn file_attr(a: &Attr) -> fuser::FileAttr {
+    let time = |ns: u64| UNIX_EPOCH + Duration::from_nanos(ns);
+    fuser::FileAttr {
+        ino: INodeNo(a.ino.0),
+        size: a.size,
+        blocks: a.size.div_ceil(512),
+        atime: time(a.atime),
+        mtime: time(a.mtime),
+        ctime: time(a.ctime),
+        crtime: time(a.ctime),
+        kind: file_type(a.kind),
+        perm: (a.mode & 0o7777) as u16,
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: a.rdev,
+        blksize: BLKSIZE,
+        flags: 0,
+    }
+}
+
+fn file_type(k: FileType) -> fuser::FileType {
+    match k {
+        FileType::File => fuser::FileType::RegularFile,
+        FileType::Dir => fuser::FileType::Directory,
+        FileType::Symlink => fuser::FileType::Symlink,
+        FileType::Fifo => fuser::FileType::NamedPipe,
+        FileType::Socket => fuser::FileType::Socket,
+        FileType::CharDev => fuser::FileType::CharDevice,
+        FileType::BlockDev => fuser::FileType::BlockDevice,
+    }
+}
+
+/// Nanoseconds since the Unix epoch (times before it clamp to 0).
+fn nanos(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+fn time_or_now(t: TimeOrNow) -> u64 {
+    match t {
+        TimeOrNow::SpecificTime(t) => nanos(t),
+        TimeOrNow::Now => nanos(SystemTime::now()),
+    }
+}
+
+fn err(e: &FsError) -> Errno {
+    Errno::from_i32(errno(e))
+}
+
+/// How the adapter talks to the kernel.
+#[derive(Clone, Debug)]
+pub struct FuseConfig {
+    /// How long the kernel may cache a name → inode mapping.
+    pub entry_ttl: Duration,
+    /// How long the kernel may cache attributes.
+    pub attr_ttl: Duration,
+    /// FUSE_WRITEBACK_CACHE: the kernel buffers writes in its page cache and sends them later,
+    /// possibly through any writable handle of the file, with offsets it computed itself (it
+    /// handles `O_APPEND`), and reads pages around partial writes. So with it on, handles are
+    /// opened for reading too and without `append`.
+    pub writeback: bool,
+    /// Largest write the kernel sends in one request.
+    pub max_write: u32,
+}
+
+impl Default for FuseConfig {
+    fn default() -> Self {
+        Self {
+            entry_ttl: Duration::from_secs(1),
+            attr_ttl: Duration::from_secs(1),
+            writeback: false,
+            max_write: 1 << 20,
+        }
+    }
+}
+
+/// One open directory: what has been listed so far. Index 0 is `.`, 1 is `..`, `2 + i` is
+/// `entries[i]`; the FUSE offset of the entry at index `i` is `i + 1` (where the next call goes on).
+#[derive(Debug)]
+struct Listing {
+    dir: Ino,
+    parent: Ino,
+    entries: Vec<DirEntryPlus>,
+    complete: bool,
+}
+
+impl Listing {
+    /// Lists until `entries` has at least `want` entries or the directory ends.
+    async fn fill<F: FileSystem>(&mut self, fs: &F, want: usize) -> Result<(), FsError> {
+        while !self.complete && self.entries.len() < want {
+            let after = self.entries.last().map(|e| e.entry.name.clone());
+            let page = fs.readdir(self.dir, after, DIR_PAGE).await?;
+            // The trait allows short pages: only an empty one ends the directory.
+            self.complete = page.is_empty();
+            // Entries whose inode vanished between listing and reading it are left out.
+            self.entries
+                .extend(page.into_iter().filter(|e| e.attr.is_some()));
+        }
+        Ok(())
+    }
+}
+
+struct Inner<F> {
+    fs: Arc<F>,
+    rt: Handle,
+    cfg: FuseConfig,
+    dirs: Mutex<HashMap<u64, Arc<tokio::sync::Mutex<Listing>>>>,
+    next_dir: AtomicU64,
+    /// Directory → parent, as learned from lookups and listings (for `..` in listings; the
+    /// kernel itself resolves `..` through its dentry cache).
+    parents: Mutex<HashMap<u64, u64>>,
+}
+
+impl<F> Inner<F> {
+    fn learn_parent(&self, attr: &Attr, parent: Ino) {
+        if attr.kind == FileType::Dir
+            && let Ok(mut p) = self.parents.lock()
+        {
+            p.insert(attr.ino.0, parent.0);
+        }
+    }
+
+    fn parent_of(&self, dir: Ino) -> Ino {
+        self.parents
+            .lock()
+            .ok()
+            .and_then(|p| p.get(&dir.0).copied())
+            .map_or(dir, Ino)
+    }
+
+    fn listing(&self, fh: FileHandle) -> Option<Arc<tokio::sync::Mutex<Listing>>> {
+        self.dirs.lock().ok()?.get(&fh.0).cloned()
+    }
+
+    /// How the file system should open a file the application opened with `flags`.
+    fn open_flags(&self, flags: i32) -> OpenFlags {
+        let mut f = OpenFlags::from_posix(flags);
+        if self.cfg.writeback {
+            // The kernel reads around partial page writes and flushes pages through any
+            // writable handle at offsets it chose itself.
+            f.read |= f.write;
+            f.append = false;
+        }
+        f
+    }
+
+    fn entry(&self, reply: ReplyEntry, attr: &Attr) {
+        reply.entry_with_ttls(
+            &self.cfg.attr_ttl,
+            &self.cfg.entry_ttl,
+            &file_attr(attr),
+            Generation(u64::from(attr.generation)),
+        );
+    }
+}
+
+/// A [`FileSystem`] as a `fuser` file system.
+pub struct FuseFs<F: FileSystem> {
+    inner: Arc<Inner<F>>,
+}
+
+impl<F: FileSystem> std::fmt::Debug for FuseFs<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FuseFs")
+            .field("cfg", &self.inner.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<F: FileSystem> FuseFs<F> {
+    /// Calls into `fs` run as tasks on `rt`.
+    pub fn new(fs: Arc<F>, rt: Handle, cfg: FuseConfig) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                fs,
+                rt,
+                cfg,
+                dirs: Mutex::default(),
+                next_dir: AtomicU64::new(1),
+                parents: Mutex::default(),
+            }),
+        }
+    }
+
+    /// Runs `f` on the runtime. If the runtime is gone, the task (and the reply it owns) is
+    /// dropped, and `fuser` answers `EIO` for a dropped reply.
+    fn spawn<Fut>(&self, f: impl FnOnce(Arc<Inner<F>>) -> Fut)
+    where
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        self.inner.rt.spawn(f(self.inner.clone()));
+    }
+}
+
+fn caller(req: &Request) -> Caller {
+    Caller {
+        uid: req.uid(),
+        gid: req.gid(),
+    }
+}
+
+fn name_of(name: &OsStr) -> Vec<u8> {
+    name.as_bytes().to_vec()
+}
+
+/// A synthetic attribute for `.` and `..` in readdir-plus replies (the kernel ignores it).
+fn dot_attr(ino: Ino) -> fuser::FileAttr {
+    file_attr(&Attr {
+        ino,
+        kind: FileType::Dir,
+        mode: 0o755,
+        uid: 0,
+        gid: 0,
+        size: 0,
+        nlink: 2,
+        rdev: 0,
+        atime: 0,
+        mtime: 0,
+        ctime: 0,
+        generation: 0,
+    })
+}
+
+impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let caps = config.capabilities();
+        let mut want = InitFlags::FUSE_ASYNC_READ
+            | InitFlags::FUSE_BIG_WRITES
+            | InitFlags::FUSE_MAX_PAGES
+            // open(O_TRUNC) truncates in the open call (no setattr after it).
+            | InitFlags::FUSE_ATOMIC_O_TRUNC
+            | InitFlags::FUSE_DO_READDIRPLUS
+            | InitFlags::FUSE_READDIRPLUS_AUTO
+            | InitFlags::FUSE_PARALLEL_DIROPS
+            | InitFlags::FUSE_ASYNC_DIO
+            | InitFlags::FUSE_CACHE_SYMLINKS
+            // Cached pages are dropped when a refreshed mtime or size shows another client
+            // changed the file.
+            | InitFlags::FUSE_AUTO_INVAL_DATA;
+        if self.inner.cfg.writeback {
+            want |= InitFlags::FUSE_WRITEBACK_CACHE;
+        }
+        // Only what this kernel offers; the rest is simply not used.
+        let _ = config.add_capabilities(want & caps);
+        if let Err(max) = config.set_max_write(self.inner.cfg.max_write) {
+            let _ = config.set_max_write(max);
+        }
+        let _ = config.set_max_background(64);
+        tracing::info!(
+            kernel_abi = %config.kernel_abi(),
+            writeback = self.inner.cfg.writeback && caps.contains(InitFlags::FUSE_WRITEBACK_CACHE),
+            "FUSE session initialized"
+        );
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let name = name_of(name);
+        self.spawn(|i| async move {
+            match i.fs.lookup(Ino(parent.0), &name).await {
+                Ok(a) => {
+                    i.learn_parent(&a, Ino(parent.0));
+                    i.entry(reply, &a);
+                }
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        self.spawn(|i| async move {
+            match i.fs.getattr(Ino(ino.0)).await {
+                Ok(a) => reply.attr(&i.cfg.attr_ttl, &file_attr(&a)),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let set = SetAttr {
+            mode: mode.map(|m| m & 0o7777),
+            uid,
+            gid,
+            size,
+            atime: atime.map(time_or_now),
+            mtime: mtime.map(time_or_now),
+        };
+        self.spawn(|i| async move {
+            let ino = Ino(ino.0);
+            // Nothing we store changes (a ctime-only update): answer with the attributes.
+            let r = if set == SetAttr::default() {
+                i.fs.getattr(ino).await
+            } else {
+                i.fs.setattr(ino, set).await
+            };
+            match r {
+                Ok(a) => reply.attr(&i.cfg.attr_ttl, &file_attr(&a)),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        self.spawn(|i| async move {
+            match i.fs.readlink(Ino(ino.0)).await {
+                Ok(t) => reply.data(&t),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    /// Regular files only (create, then release); the file system has no special files.
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        _rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        if mode & libc::S_IFMT != libc::S_IFREG {
+            reply.error(Errno::EPERM);
+            return;
+        }
+        let (name, caller) = (name_of(name), caller(req));
+        let perm = mode & !umask & 0o7777;
+        self.spawn(|i| async move {
+            let r =
+                i.fs.create(Ino(parent.0), &name, perm, caller, OpenFlags::READ)
+                    .await;
+            match r {
+                Ok((a, fh)) => {
+                    let released = i.fs.release(fh).await;
+                    match released {
+                        Ok(()) => i.entry(reply, &a),
+                        Err(e) => reply.error(err(&e)),
+                    }
+                }
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let (name, caller) = (name_of(name), caller(req));
+        let perm = mode & !umask & 0o7777;
+        self.spawn(|i| async move {
+            match i.fs.mkdir(Ino(parent.0), &name, perm, caller).await {
+                Ok(a) => {
+                    i.learn_parent(&a, Ino(parent.0));
+                    i.entry(reply, &a);
+                }
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name_of(name);
+        self.spawn(|i| async move {
+            match i.fs.unlink(Ino(parent.0), &name).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name_of(name);
+        self.spawn(|i| async move {
+            match i.fs.rmdir(Ino(parent.0), &name).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        let (name, caller) = (name_of(link_name), caller(req));
+        let target = target.as_os_str().as_bytes().to_vec();
+        self.spawn(|i| async move {
+            match i.fs.symlink(Ino(parent.0), &name, &target, caller).await {
+                Ok(a) => i.entry(reply, &a),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    /// `RENAME_NOREPLACE` checks that the target is absent first (not atomic with the rename:
+    /// a concurrent creator of the target may still be replaced); `RENAME_EXCHANGE` and
+    /// `RENAME_WHITEOUT` are not supported (`EINVAL`).
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        if flags.intersects(RenameFlags::RENAME_EXCHANGE | RenameFlags::RENAME_WHITEOUT)
+            || !(flags - RenameFlags::RENAME_NOREPLACE).is_empty()
+        {
+            reply.error(Errno::EINVAL);
+            return;
+        }
+        let noreplace = flags.contains(RenameFlags::RENAME_NOREPLACE);
+        let (name, newname) = (name_of(name), name_of(newname));
+        self.spawn(|i| async move {
+            let (p, np) = (Ino(parent.0), Ino(newparent.0));
+            if noreplace {
+                match i.fs.lookup(np, &newname).await {
+                    Ok(_) => return reply.error(Errno::EEXIST),
+                    Err(FsError::Meta(MetaError::NotFound)) => {}
+                    Err(e) => return reply.error(err(&e)),
+                }
+            }
+            match i.fs.rename(p, &name, np, &newname).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        let newname = name_of(newname);
+        self.spawn(|i| async move {
+            match i.fs.link(Ino(ino.0), Ino(newparent.0), &newname).await {
+                Ok(a) => i.entry(reply, &a),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: fuser::OpenFlags, reply: ReplyOpen) {
+        self.spawn(|i| async move {
+            let flags = i.open_flags(flags.0);
+            match i.fs.open(Ino(ino.0), flags).await {
+                Ok(fh) => reply.opened(FileHandle(fh.0), FopenFlags::empty()),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: fuser::OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        self.spawn(|i| async move {
+            match i.fs.read(Fh(fh.0), offset, size).await {
+                Ok(b) => reply.data(&b),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: fuser::OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        // The request buffer is reused for the next request: the data is copied once, here.
+        let data = Bytes::copy_from_slice(data);
+        self.spawn(|i| async move {
+            match i.fs.write(Fh(fh.0), offset, data).await {
+                Ok(n) => reply.written(n),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        self.spawn(|i| async move {
+            match i.fs.flush(Fh(fh.0)).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: fuser::OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.spawn(|i| async move {
+            match i.fs.release(Fh(fh.0)).await {
+                Ok(()) => reply.ok(),
+                Err(e) => {
+                    // close(2) has returned already; nobody but the log sees this.
+                    tracing::warn!(fh = fh.0, error = %e, "release failed");
+                    reply.error(err(&e));
+                }
+            }
+        });
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.spawn(|i| async move {
+            match i.fs.fsync(Fh(fh.0)).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: fuser::OpenFlags, reply: ReplyOpen) {
+        let i = &self.inner;
+        let dir = Ino(ino.0);
+        let listing = Listing {
+            dir,
+            parent: i.parent_of(dir),
+            entries: Vec::new(),
+            complete: false,
+        };
+        let id = i.next_dir.fetch_add(1, Ordering::Relaxed);
+        match i.dirs.lock() {
+            Ok(mut d) => {
+                d.insert(id, Arc::new(tokio::sync::Mutex::new(listing)));
+                reply.opened(FileHandle(id), FopenFlags::empty());
+            }
+            Err(_) => reply.error(Errno::EIO),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let Some(listing) = self.inner.listing(fh) else {
+            reply.error(Errno::EBADF);
+            return;
+        };
+        self.spawn(|i| async move {
+            let mut l = listing.lock().await;
+            if offset == 0 {
+                l.entries.clear();
+                l.complete = false;
+            }
+            let mut at = usize::try_from(offset).unwrap_or(usize::MAX);
+            loop {
+                let entry = match at {
+                    0 => Some((l.dir, fuser::FileType::Directory, &b"."[..])),
+                    1 => Some((l.parent, fuser::FileType::Directory, &b".."[..])),
+                    _ => {
+                        if let Err(e) = l.fill(&*i.fs, at - 1).await {
+                            return reply.error(err(&e));
+                        }
+                        l.entries
+                            .get(at - 2)
+                            .map(|e| (e.entry.ino, file_type(e.entry.kind), &e.entry.name[..]))
+                    }
+                };
+                let Some((ino, kind, name)) = entry else {
+                    break;
+                };
+                if reply.add(INodeNo(ino.0), at as u64 + 1, kind, OsStr::from_bytes(name)) {
+                    break;
+                }
+                at += 1;
+            }
+            reply.ok();
+        });
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let Some(listing) = self.inner.listing(fh) else {
+            reply.error(Errno::EBADF);
+            return;
+        };
+        self.spawn(|i| async move {
+            let mut l = listing.lock().await;
+            if offset == 0 {
+                l.entries.clear();
+                l.complete = false;
+            }
+            let ttl = i.cfg.entry_ttl.min(i.cfg.attr_ttl);
+            let mut at = usize::try_from(offset).unwrap_or(usize::MAX);
+            loop {
+                let full = match at {
+                    0 => reply.add(
+                        INodeNo(l.dir.0),
+                        1,
+                        ".",
+                        &ttl,
+                        &dot_attr(l.dir),
+                        Generation(0),
+                    ),
+                    1 => reply.add(
+                        INodeNo(l.parent.0),
+                        2,
+                        "..",
+                        &ttl,
+                        &dot_attr(l.parent),
+                        Generation(0),
+                    ),
+                    _ => {
+                        if let Err(e) = l.fill(&*i.fs, at - 1).await {
+                            return reply.error(err(&e));
+                        }
+                        let Some(e) = l.entries.get(at - 2) else {
+                            break;
+                        };
+                        let Some(a) = &e.attr else {
+                            break; // not kept by `fill`
+                        };
+                        i.learn_parent(a, l.dir);
+                        reply.add(
+                            INodeNo(a.ino.0),
+                            at as u64 + 1,
+                            OsStr::from_bytes(&e.entry.name),
+                            &ttl,
+                            &file_attr(a),
+                            Generation(u64::from(a.generation)),
+                        )
+                    }
+                };
+                if full {
+                    break;
+                }
+                at += 1;
+            }
+            reply.ok();
+        });
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: fuser::OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        if let Ok(mut d) = self.inner.dirs.lock() {
+            d.remove(&fh.0);
+        }
+        reply.ok();
+    }
+
+    /// Every change is durable once its call returns: nothing to sync.
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        self.spawn(|i| async move {
+            match i.fs.statfs().await {
+                Ok(s) => {
+                    let bsize = if s.block_size == 0 {
+                        4096
+                    } else {
+                        s.block_size
+                    };
+                    let blocks = s.total_bytes / u64::from(bsize);
+                    let free = s.free_bytes / u64::from(bsize);
+                    reply.statfs(
+                        blocks,
+                        free,
+                        free,
+                        s.files.saturating_add(s.free_files),
+                        s.free_files,
+                        bsize,
+                        s.max_name,
+                        bsize,
+                    );
+                }
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        let mode = match flags & (libc::XATTR_CREATE | libc::XATTR_REPLACE) {
+            0 => XattrMode::Upsert,
+            libc::XATTR_CREATE => XattrMode::Create,
+            libc::XATTR_REPLACE => XattrMode::Replace,
+            _ => return reply.error(Errno::EINVAL),
+        };
+        let (name, value) = (name_of(name), value.to_vec());
+        self.spawn(|i| async move {
+            match i.fs.setxattr(Ino(ino.0), &name, &value, mode).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    /// `size` 0 asks for the value's length only; a value longer than `size` is `ERANGE`.
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let name = name_of(name);
+        self.spawn(|i| async move {
+            match i.fs.getxattr(Ino(ino.0), &name).await {
+                Ok(v) => reply_xattr(reply, &v, size),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        self.spawn(|i| async move {
+            match i.fs.listxattr(Ino(ino.0)).await {
+                Ok(names) => {
+                    let mut buf = Vec::new();
+                    for n in names {
+                        buf.extend_from_slice(&n);
+                        buf.push(0);
+                    }
+                    reply_xattr(reply, &buf, size);
+                }
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name_of(name);
+        self.spawn(|i| async move {
+            match i.fs.removexattr(Ino(ino.0), &name).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+
+    /// Permissions are checked by the kernel (the mount uses `default_permissions`).
+    fn access(&self, _req: &Request, _ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
+        reply.ok();
+    }
+
+    // Not offered by the file system. ENOSYS makes the kernel stop asking and fall back: to
+    // EOPNOTSUPP for fallocate (glibc's posix_fallocate then writes zeros), to its generic
+    // SEEK_DATA/SEEK_HOLE, and to a read/write copy for copy_file_range. (fuser's defaults
+    // answer the same but log a warning.)
+    fn fallocate(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: u64,
+        _length: u64,
+        _mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    fn lseek(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: i64,
+        _whence: i32,
+        reply: fuser::ReplyLseek,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    fn copy_file_range(
+        &self,
+        _req: &Request,
+        _ino_in: INodeNo,
+        _fh_in: FileHandle,
+        _offset_in: u64,
+        _ino_out: INodeNo,
+        _fh_out: FileHandle,
+        _offset_out: u64,
+        _len: u64,
+        _flags: fuser::CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let (name, caller) = (name_of(name), caller(req));
+        let perm = mode & !umask & 0o7777;
+        self.spawn(|i| async move {
+            let flags = i.open_flags(flags);
+            match i.fs.create(Ino(parent.0), &name, perm, caller, flags).await {
+                Ok((a, fh)) => reply.created(
+                    &i.cfg.attr_ttl.min(i.cfg.entry_ttl),
+                    &file_attr(&a),
+                    Generation(u64::from(a.generation)),
+                    FileHandle(fh.0),
+                    FopenFlags::empty(),
+                ),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
+    }
+}
+
+/// The size probe protocol of getxattr/listxattr.
+fn reply_xattr(reply: ReplyXattr, value: &[u8], size: u32) {
+    let len = u32::try_from(value.len()).unwrap_or(u32::MAX);
+    if size == 0 {
+        reply.size(len);
+    } else if len > size {
+        reply.error(Errno::ERANGE);
+    } else {
+        reply.data(value);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attributes_convert() {
+        let a = Attr {
+            ino: Ino(42),
+            kind: FileType::File,
+            mode: 0o104_755, // a type bit that must not leak into perm
+            uid: 1000,
+            gid: 100,
+            size: 1025,
+            nlink: 3,
+            rdev: 7,
+            atime: 1_700_000_000_123_456_789,
+            mtime: 1_700_000_001_000_000_001,
+            ctime: 5,
+            generation: 9,
+        };
+        let f = file_attr(&a);
+        assert_eq!(f.ino, INodeNo(42));
+        assert_eq!(f.size, 1025);
+        assert_eq!(f.blocks, 3);
+        assert_eq!(f.perm, 0o4755);
+        assert_eq!(f.kind, fuser::FileType::RegularFile);
+        assert_eq!((f.nlink, f.uid, f.gid, f.rdev), (3, 1000, 100, 7));
+        assert_eq!(f.blksize, 128 * 1024);
+        assert_eq!(
+            f.atime.duration_since(UNIX_EPOCH).ok(),
+            Some(Duration::new(1_700_000_000, 123_456_789))
+        );
+        assert_eq!(
+            f.mtime.duration_since(UNIX_EPOCH).ok(),
+            Some(Duration::new(1_700_000_001, 1))
+        );
+        assert_eq!(
+            f.ctime.duration_since(UNIX_EPOCH).ok(),
+            Some(Duration::new(0, 5))
+        );
+        for (size, blocks) in [(0, 0), (1, 1), (512, 1), (513, 2), (1 << 30, 1 << 21)] {
+            assert_eq!(file_attr(&Attr { size, ..a.clone() }).blocks, blocks);
+        }
+        for (k, want) in [
+            (FileType::Dir, fuser::FileType::Directory),
+            (FileType::Symlink, fuser::FileType::Symlink),
+            (FileType::Fifo, fuser::FileType::NamedPipe),
+            (FileType::Socket, fuser::FileType::Socket),
+            (FileType::CharDev, fuser::FileType::CharDevice),
+            (FileType::BlockDev, fuser::FileType::BlockDevice),
+        ] {
+            assert_eq!(
+                file_attr(&Attr {
+                    kind: k,
+                    ..a.clone()
+                })
+                .kind,
+                want
+            );
+        }
+    }
+
+    #[test]
+    fn times_round_trip() {
+        let t = UNIX_EPOCH + Duration::new(1_234, 567);
+        assert_eq!(nanos(t), 1_234_000_000_567);
+        assert_eq!(time_or_now(TimeOrNow::SpecificTime(t)), 1_234_000_000_567);
+        assert_eq!(nanos(UNIX_EPOCH - Duration::from_secs(1)), 0);
+        assert!(time_or_now(TimeOrNow::Now) > 1_600_000_000_000_000_000);
+    }
+}

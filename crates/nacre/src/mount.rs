@@ -1,0 +1,294 @@
+//! Mounting volumes: `nacre mount VOLUME DIR`, `nacre up --mount DIR`, and `nacre down`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use clap::Args;
+use nacre_client::{NetFs, NetVolume};
+use nacre_fuse::{MountOptions, Mounted};
+use nacre_master::MasterClient;
+use nacre_master::admin::{Admin, CreateVolume};
+use nacre_master::map::PartitionStatus;
+use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
+
+/// How a volume is mounted (shared by `nacre mount` and `nacre up --mount`).
+#[derive(Clone, Debug, Args)]
+pub struct MountFlags {
+    /// Seconds the kernel caches attributes.
+    #[arg(long, default_value_t = 1.0)]
+    pub attr_ttl: f64,
+    /// Seconds the kernel caches names (dentries).
+    #[arg(long, default_value_t = 1.0)]
+    pub entry_ttl: f64,
+    /// Kernel write-back caching: faster small writes, but data reaches the cluster (and other
+    /// clients) only when the kernel flushes it.
+    #[arg(long)]
+    pub writeback: bool,
+    /// Threads reading FUSE requests.
+    #[arg(long, default_value_t = 2)]
+    pub fuse_threads: usize,
+}
+
+impl MountFlags {
+    fn options(&self, volume: &str) -> anyhow::Result<MountOptions> {
+        let secs = |s: f64, what: &str| {
+            Duration::try_from_secs_f64(s)
+                .map_err(|_| anyhow::anyhow!("--{what}: {s} is not a valid number of seconds"))
+        };
+        Ok(MountOptions {
+            volume: volume.to_string(),
+            attr_ttl: secs(self.attr_ttl, "attr-ttl")?,
+            entry_ttl: secs(self.entry_ttl, "entry-ttl")?,
+            writeback: self.writeback,
+            threads: self.fuse_threads.max(1),
+            ..MountOptions::default()
+        })
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct MountArgs {
+    /// The volume to mount.
+    volume: String,
+    /// Mount point (created if missing).
+    dir: PathBuf,
+    /// Master addresses (`host:port`, comma-separated). Defaults to the masters of the `nacre up`
+    /// cluster whose state is in --up-dir.
+    #[arg(long, env = "NACRE_MASTERS", value_delimiter = ',')]
+    master: Vec<String>,
+    /// Where `nacre up` keeps its state (its up.json names the masters).
+    #[arg(long, default_value = ".nacre")]
+    up_dir: PathBuf,
+    #[command(flatten)]
+    flags: MountFlags,
+}
+
+#[derive(Debug, Args)]
+pub struct DownArgs {
+    /// The directory `nacre up` runs in.
+    #[arg(long, default_value = ".nacre")]
+    dir: PathBuf,
+    /// Seconds to wait for it to stop.
+    #[arg(long, default_value_t = 30.0)]
+    wait: f64,
+}
+
+/// A volume mounted through a client of its own.
+pub struct VolumeMount {
+    pub mounted: Mounted,
+    msgr: Messenger,
+}
+
+impl VolumeMount {
+    /// Connects to `volume` through `masters` and mounts it on `dir` (created if missing). Call
+    /// inside the runtime whose tasks will serve the file system.
+    pub async fn start(
+        masters: Vec<String>,
+        volume: &str,
+        dir: &Path,
+        flags: &MountFlags,
+    ) -> anyhow::Result<Self> {
+        let opts = flags.options(volume)?;
+        match std::fs::metadata(dir) {
+            // A stale mount of a dead process: mount() detaches it.
+            Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {}
+            _ => std::fs::create_dir_all(dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?,
+        }
+        let msgr = Messenger::new(
+            &format!("mount-{volume}"),
+            MsgrConfig {
+                workers: 1,
+                ..MsgrConfig::default()
+            },
+            Arc::new(TcpTransport),
+        )?;
+        let r = async {
+            let mc = MasterClient::new(msgr.client(), masters);
+            wait_volume_ready(&mc, volume).await?;
+            let vol = NetVolume::connect(msgr.client(), mc, volume)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot open volume {volume}: {e}"))?;
+            let fs = Arc::new(NetFs::new(Arc::new(vol)));
+            let rt = tokio::runtime::Handle::current();
+            let dir = dir.to_path_buf();
+            // The FUSE handshake blocks: not on a runtime worker.
+            let mounted =
+                tokio::task::spawn_blocking(move || nacre_fuse::mount(fs, rt, &dir, &opts))
+                    .await??;
+            anyhow::Ok(mounted)
+        }
+        .await;
+        match r {
+            Ok(mounted) => Ok(Self { mounted, msgr }),
+            Err(e) => {
+                shutdown(msgr).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Unmounts (lazily if files are still open) and closes the client.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        let Self { mounted, msgr } = self;
+        let r = tokio::task::spawn_blocking(move || mounted.unmount()).await;
+        shutdown(msgr).await;
+        r??;
+        Ok(())
+    }
+}
+
+async fn shutdown(msgr: Messenger) {
+    let _ = tokio::task::spawn_blocking(move || msgr.shutdown()).await;
+}
+
+/// Creates `volume` (owned by the default tenant, default layout) unless it exists.
+pub async fn ensure_volume(master: &str, volume: &str) -> anyhow::Result<()> {
+    let msgr = Messenger::new(
+        "up-volume",
+        MsgrConfig {
+            workers: 1,
+            ..MsgrConfig::default()
+        },
+        Arc::new(TcpTransport),
+    )?;
+    let r = async {
+        let mc = MasterClient::new(msgr.client(), vec![master.to_string()]);
+        if !mc.map().await?.volumes.contains_key(volume) {
+            Admin::new(mc.clone())
+                .create_volume(&CreateVolume {
+                    name: volume.to_string(),
+                    ..CreateVolume::default()
+                })
+                .await
+                .with_context(|| format!("cannot create volume {volume}"))?;
+            println!("created volume {volume}");
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    shutdown(msgr).await;
+    r
+}
+
+/// Waits (at most 60 s) until every partition of the volume has a leader and its data partitions
+/// take writes.
+async fn wait_volume_ready(mc: &MasterClient, volume: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let why = match mc.volume(volume).await {
+            Ok(v) => {
+                let leaderless = v
+                    .meta_partitions
+                    .iter()
+                    .chain(&v.data_partitions)
+                    .filter(|p| p.leader.is_none())
+                    .count();
+                let ro = v
+                    .data_partitions
+                    .iter()
+                    .filter(|p| p.status != PartitionStatus::Rw)
+                    .count();
+                if leaderless == 0 && ro == 0 {
+                    return Ok(());
+                }
+                format!(
+                    "{leaderless} partitions without a leader, {ro} data partitions not writable"
+                )
+            }
+            Err(e) => e.to_string(),
+        };
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "volume {volume} is not ready after 60 s: {why}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `nacre mount`: mounts and serves until Ctrl-C, SIGTERM, or an unmount from outside.
+pub fn run_mount(a: MountArgs) -> anyhow::Result<()> {
+    let masters = crate::admin::resolve_masters_in(&a.master, &a.up_dir)?;
+    crate::runtime()?.block_on(async move {
+        let stop = tokio::spawn(crate::stop_signal());
+        let m = VolumeMount::start(masters, &a.volume, &a.dir, &a.flags).await?;
+        println!(
+            "mounted volume {} on {} (Ctrl-C or `umount {}` ends it)",
+            a.volume,
+            m.mounted.dir().display(),
+            m.mounted.dir().display()
+        );
+        let ended = m.mounted.ended();
+        tokio::select! {
+            _ = stop => println!("unmounting…"),
+            _ = ended => println!("unmounted from outside"),
+        }
+        m.stop().await?;
+        println!("unmounted");
+        Ok(())
+    })
+}
+
+/// `nacre down`: asks the `nacre up` of `dir` to stop (SIGTERM) and waits until it has.
+pub fn run_down(a: DownArgs) -> anyhow::Result<()> {
+    use rustix::process::{Pid, Signal};
+    let path = a.dir.join("up.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        anyhow::anyhow!(
+            "nacre up is not running in {} (cannot read {}: {e})",
+            a.dir.display(),
+            path.display()
+        )
+    })?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("cannot parse {}", path.display()))?;
+    let pid = v["pid"]
+        .as_i64()
+        .and_then(|p| i32::try_from(p).ok())
+        .and_then(Pid::from_raw)
+        .with_context(|| format!("{} has no valid pid", path.display()))?;
+    // A stale up.json (the process was killed) may name a pid reused by another program.
+    let cmdline =
+        std::fs::read(format!("/proc/{}/cmdline", pid.as_raw_nonzero())).unwrap_or_default();
+    let is_up = cmdline.split(|b| *b == 0).any(|arg| arg == b"up");
+    anyhow::ensure!(
+        is_up,
+        "nacre up is not running in {} (process {} from {} is gone); remove the stale file",
+        a.dir.display(),
+        pid.as_raw_nonzero(),
+        path.display()
+    );
+    // Watch the process through a pidfd: it becomes readable when the process exits (a zombie
+    // counts), which `kill(pid, 0)` cannot tell.
+    let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+        .with_context(|| format!("cannot watch process {}", pid.as_raw_nonzero()))?;
+    rustix::process::kill_process(pid, Signal::TERM)
+        .with_context(|| format!("cannot signal process {}", pid.as_raw_nonzero()))?;
+    println!("stopping nacre up (pid {})…", pid.as_raw_nonzero());
+    let wait = Duration::try_from_secs_f64(a.wait.max(0.0)).unwrap_or(Duration::from_secs(30));
+    let timeout = rustix::event::Timespec {
+        tv_sec: wait.as_secs() as i64,
+        tv_nsec: i64::from(wait.subsec_nanos()),
+    };
+    let mut fds = [rustix::event::PollFd::new(
+        &pidfd,
+        rustix::event::PollFlags::IN,
+    )];
+    let deadline = Instant::now() + wait;
+    loop {
+        match rustix::event::poll(&mut fds, Some(&timeout)) {
+            Ok(n) if n > 0 => break,
+            Ok(_) => anyhow::bail!(
+                "nacre up (pid {}) did not stop within {:.0} s",
+                pid.as_raw_nonzero(),
+                wait.as_secs_f64()
+            ),
+            Err(rustix::io::Errno::INTR) if Instant::now() < deadline => continue,
+            Err(e) => return Err(e).context("cannot wait for the process"),
+        }
+    }
+    println!("nacre up stopped");
+    Ok(())
+}
