@@ -160,6 +160,38 @@ struct Inner<F> {
     /// Directory → parent, as learned from lookups and listings (for `..` in listings; the
     /// kernel itself resolves `..` through its dentry cache).
     parents: Mutex<HashMap<u64, u64>>,
+    /// Files known (within the attribute TTL) to have no `security.capability` xattr. The kernel
+    /// asks for it before every write (to drop file capabilities); answering from here saves a
+    /// metadata read per write.
+    no_caps: Mutex<HashMap<u64, std::time::Instant>>,
+}
+
+/// The xattr the kernel reads before every write.
+const CAPS: &[u8] = b"security.capability";
+/// Most inodes remembered in `no_caps` (the map is cleared when full).
+const NO_CAPS_MAX: usize = 100_000;
+
+impl<F> Inner<F> {
+    fn caps_known_absent(&self, ino: u64) -> bool {
+        self.no_caps
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&ino).copied())
+            .is_some_and(|t| t.elapsed() < self.cfg.attr_ttl)
+    }
+
+    fn set_caps_absent(&self, ino: u64, absent: bool) {
+        if let Ok(mut m) = self.no_caps.lock() {
+            if absent {
+                if m.len() >= NO_CAPS_MAX {
+                    m.clear();
+                }
+                m.insert(ino, std::time::Instant::now());
+            } else {
+                m.remove(&ino);
+            }
+        }
+    }
 }
 
 impl<F> Inner<F> {
@@ -229,6 +261,7 @@ impl<F: FileSystem> FuseFs<F> {
                 dirs: Mutex::default(),
                 next_dir: AtomicU64::new(1),
                 parents: Mutex::default(),
+                no_caps: Mutex::default(),
             }),
         }
     }
@@ -832,6 +865,9 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         };
         let (name, value) = (name_of(name), value.to_vec());
         self.spawn(|i| async move {
+            if name == CAPS {
+                i.set_caps_absent(ino.0, false);
+            }
             match i.fs.setxattr(Ino(ino.0), &name, &value, mode).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(err(&e)),
@@ -842,10 +878,19 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
     /// `size` 0 asks for the value's length only; a value longer than `size` is `ERANGE`.
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
         let name = name_of(name);
+        let caps = name == CAPS;
+        if caps && self.inner.caps_known_absent(ino.0) {
+            return reply.error(Errno::from_i32(libc::ENODATA));
+        }
         self.spawn(|i| async move {
             match i.fs.getxattr(Ino(ino.0), &name).await {
                 Ok(v) => reply_xattr(reply, &v, size),
-                Err(e) => reply.error(err(&e)),
+                Err(e) => {
+                    if caps && matches!(e, FsError::Meta(MetaError::NoXattr)) {
+                        i.set_caps_absent(ino.0, true);
+                    }
+                    reply.error(err(&e))
+                }
             }
         });
     }

@@ -32,8 +32,8 @@ struct State {
     next: u64,
 }
 
-/// A minimal POSIX-ish file system in memory.
-struct Toy(Mutex<State>);
+/// A minimal POSIX-ish file system in memory; counts reads of `security.capability`.
+struct Toy(Mutex<State>, std::sync::atomic::AtomicU64);
 
 fn not_found() -> FsError {
     MetaError::NotFound.into()
@@ -47,7 +47,7 @@ impl Toy {
         };
         s.attrs.insert(Ino(1), attr(Ino(1), FileType::Dir, 0o755));
         s.dirs.insert(Ino(1), BTreeMap::new());
-        Self(Mutex::new(s))
+        Self(Mutex::new(s), std::sync::atomic::AtomicU64::new(0))
     }
 
     fn new_inode(&self, parent: Ino, name: &[u8], kind: FileType, mode: u32) -> FsResult<Attr> {
@@ -364,6 +364,9 @@ impl FileSystem for Toy {
     }
 
     async fn getxattr(&self, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
+        if name == b"security.capability" {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         let s = self.0.lock().unwrap();
         s.xattrs
             .get(&ino)
@@ -449,7 +452,8 @@ fn through_the_kernel() {
         volume: "toy".into(),
         ..MountOptions::default()
     };
-    let mounted = mount(Arc::new(Toy::new()), rt.handle().clone(), &mnt, &opts).unwrap();
+    let toy = Arc::new(Toy::new());
+    let mounted = mount(toy.clone(), rt.handle().clone(), &mnt, &opts).unwrap();
     let mounts = fs::read_to_string("/proc/self/mounts").unwrap();
     assert!(
         mounts
@@ -468,6 +472,20 @@ fn through_the_kernel() {
         .write_all(b"def")
         .unwrap();
     assert_eq!(fs::read(&f).unwrap(), b"abcdef");
+    // The kernel asks for security.capability before every write; the adapter remembers its
+    // absence for the attribute TTL instead of asking the file system each time.
+    let before = toy.1.load(std::sync::atomic::Ordering::Relaxed);
+    let mut w = fs::File::create(mnt.join("caps")).unwrap();
+    for _ in 0..50 {
+        w.write_all(b"x").unwrap();
+    }
+    drop(w);
+    let asked = toy.1.load(std::sync::atomic::Ordering::Relaxed) - before;
+    assert!(
+        asked < 10,
+        "security.capability asked {asked} times for 50 writes"
+    );
+    fs::remove_file(mnt.join("caps")).unwrap();
     fs::OpenOptions::new()
         .write(true)
         .open(&f)
