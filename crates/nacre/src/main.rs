@@ -483,6 +483,9 @@ fn up(a: UpArgs) -> anyhow::Result<()> {
                             a.volume,
                             m.mounted.dir().display()
                         );
+                        if let Some(h) = &m.metrics_addr {
+                            println!("  client metrics http://{h}/metrics");
+                        }
                         Some(m)
                     }
                     Err(e) => {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::Args;
-use nacre_client::{NetFs, NetVolume};
+use nacre_client::{MetaCache, Metrics, NetFs, NetVolume};
 use nacre_fuse::{MountOptions, Mounted};
 use nacre_master::MasterClient;
 use nacre_master::admin::{Admin, CreateVolume};
@@ -29,6 +29,10 @@ pub struct MountFlags {
     /// Threads reading FUSE requests.
     #[arg(long, default_value_t = 2)]
     pub fuse_threads: usize,
+    /// HTTP address serving the client's metrics (`/metrics`: file system operations, errors,
+    /// latencies and bytes, and its messenger); empty for none.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub metrics_listen: String,
 }
 
 impl MountFlags {
@@ -75,9 +79,12 @@ pub struct DownArgs {
     wait: f64,
 }
 
-/// A volume mounted through a client of its own.
+/// A volume mounted through a client of its own: the kernel over `Metrics<MetaCache<NetFs>>`.
 pub struct VolumeMount {
     pub mounted: Mounted,
+    /// Where the client's metrics are served, if they are.
+    pub metrics_addr: Option<String>,
+    http_stop: Option<tokio::sync::oneshot::Sender<()>>,
     msgr: Messenger,
 }
 
@@ -111,18 +118,29 @@ impl VolumeMount {
             let vol = NetVolume::connect(msgr.client(), mc, volume)
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot open volume {volume}: {e}"))?;
-            let fs = Arc::new(NetFs::new(Arc::new(vol)));
+            let mut registry = prometheus_client::registry::Registry::default();
+            msgr.register_metrics(&mut registry);
+            let fs = Arc::new(Metrics::new(
+                MetaCache::new(NetFs::new(Arc::new(vol))),
+                &mut registry,
+            ));
+            let (metrics_addr, http_stop) = serve_metrics(&flags.metrics_listen, registry).await?;
             let rt = tokio::runtime::Handle::current();
             let dir = dir.to_path_buf();
             // The FUSE handshake blocks: not on a runtime worker.
             let mounted =
                 tokio::task::spawn_blocking(move || nacre_fuse::mount(fs, rt, &dir, &opts))
                     .await??;
-            anyhow::Ok(mounted)
+            anyhow::Ok((mounted, metrics_addr, http_stop))
         }
         .await;
         match r {
-            Ok(mounted) => Ok(Self { mounted, msgr }),
+            Ok((mounted, metrics_addr, http_stop)) => Ok(Self {
+                mounted,
+                metrics_addr,
+                http_stop,
+                msgr,
+            }),
             Err(e) => {
                 shutdown(msgr).await;
                 Err(e)
@@ -132,7 +150,15 @@ impl VolumeMount {
 
     /// Unmounts (lazily if files are still open) and closes the client.
     pub async fn stop(self) -> anyhow::Result<()> {
-        let Self { mounted, msgr } = self;
+        let Self {
+            mounted,
+            http_stop,
+            msgr,
+            ..
+        } = self;
+        if let Some(stop) = http_stop {
+            let _ = stop.send(());
+        }
         let r = tokio::task::spawn_blocking(move || mounted.unmount()).await;
         shutdown(msgr).await;
         r??;
@@ -208,6 +234,31 @@ async fn wait_volume_ready(mc: &MasterClient, volume: &str) -> anyhow::Result<()
     }
 }
 
+/// Serves `registry` on `listen` (nothing when empty): the bound address and the stop switch.
+async fn serve_metrics(
+    listen: &str,
+    registry: prometheus_client::registry::Registry,
+) -> anyhow::Result<(Option<String>, Option<tokio::sync::oneshot::Sender<()>>)> {
+    if listen.is_empty() {
+        return Ok((None, None));
+    }
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen} for metrics"))?;
+    let addr = listener.local_addr()?.to_string();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let app = crate::http::router(Arc::new(registry));
+    tokio::spawn(async move {
+        let stopped = async {
+            let _ = rx.await;
+        };
+        if let Err(e) = crate::http::serve(listener, app, stopped).await {
+            tracing::warn!(error = %e, "client metrics server failed");
+        }
+    });
+    Ok((Some(addr), Some(tx)))
+}
+
 /// `nacre mount`: mounts and serves until Ctrl-C, SIGTERM, or an unmount from outside.
 pub fn run_mount(a: MountArgs) -> anyhow::Result<()> {
     let masters = crate::admin::resolve_masters_in(&a.master, &a.up_dir)?;
@@ -220,6 +271,9 @@ pub fn run_mount(a: MountArgs) -> anyhow::Result<()> {
             m.mounted.dir().display(),
             m.mounted.dir().display()
         );
+        if let Some(h) = &m.metrics_addr {
+            println!("client metrics: http://{h}/metrics");
+        }
         let ended = m.mounted.ended();
         tokio::select! {
             _ = stop => println!("unmounting…"),

@@ -729,6 +729,33 @@ fn python_on_mount(scripts: &[&str]) {
         let out = run(Command::new("python3").args(["-c", script]).arg(&dir));
         assert_eq!(out.lines().last(), Some("ok"), "case {i}: {out}");
     }
+    // The mount's client serves its metrics (the Metrics layer over MetaCache over NetFs).
+    let mut up = up;
+    up.proc
+        .wait_line("client metrics http://", Duration::from_secs(10));
+    let addr = up
+        .proc
+        .seen
+        .iter()
+        .find_map(|l| l.split("client metrics http://").nth(1))
+        .and_then(|rest| rest.split('/').next())
+        .unwrap()
+        .to_string();
+    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    std::io::Write::write_all(
+        &mut conn,
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .unwrap();
+    let mut metrics = String::new();
+    std::io::Read::read_to_string(&mut conn, &mut metrics).unwrap();
+    let writes = metrics
+        .lines()
+        .find(|l| l.starts_with("nacre_fs_ops_total{op=\"write\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(writes > 0.0, "no writes counted:\n{metrics}");
     up.down();
 }
 
