@@ -281,7 +281,9 @@ impl SeqWriter {
             };
             let room = (MAX_EXTENT - off).min(MAX_PACKET as u64) as usize;
             let piece = data.split_to(room.min(data.len()));
-            self.send(p, e, off, piece);
+            // In order within this stream, so a packet never waits for a slot behind a later one.
+            let slot = self.vol.append_slot().await;
+            self.send(p, e, off, piece, slot);
             self.cur = Some((
                 p,
                 e,
@@ -294,10 +296,21 @@ impl SeqWriter {
         Ok(())
     }
 
-    fn send(&mut self, partition: PartitionId, extent: ExtentId, offset: u64, data: Bytes) {
+    fn send(
+        &mut self,
+        partition: PartitionId,
+        extent: ExtentId,
+        offset: u64,
+        data: Bytes,
+        slot: tokio::sync::OwnedSemaphorePermit,
+    ) {
         let vol = self.vol.clone();
         let d = data.clone();
-        let reply = tokio::spawn(async move { vol.append(partition, extent, offset, d).await });
+        let reply = tokio::spawn(async move {
+            let r = vol.append(partition, extent, offset, d).await;
+            drop(slot);
+            r
+        });
         self.pending.push_back(Packet {
             file_offset: self.file_offset,
             data,

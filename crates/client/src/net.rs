@@ -49,7 +49,14 @@ pub struct NetVolume {
     pub timeout: Duration,
     /// Time allowed for one operation across replicas, elections and view refreshes.
     pub retry_for: Duration,
+    /// Append packets this client has in flight, across all its files (see [`APPEND_WINDOW`]).
+    append_slots: Arc<tokio::sync::Semaphore>,
 }
+
+/// Most append packets (128 KiB each) one client keeps in flight across all its writers. Beyond
+/// what the data nodes can absorb, more in flight only queues on the servers, where waits of
+/// seconds time replication out and turn partitions read-only; queued here, writers just wait.
+pub const APPEND_WINDOW: usize = 32;
 
 impl NetVolume {
     /// Fetches the volume's view from the master.
@@ -66,9 +73,19 @@ impl NetVolume {
             leaders: Mutex::default(),
             timeout: Duration::from_secs(3),
             retry_for: Duration::from_secs(15),
+            append_slots: Arc::new(tokio::sync::Semaphore::new(APPEND_WINDOW)),
         };
         m.refresh().await?;
         Ok(m)
+    }
+
+    /// A slot for one append packet in flight (held until its reply).
+    pub async fn append_slot(&self) -> tokio::sync::OwnedSemaphorePermit {
+        // The semaphore is never closed.
+        match self.append_slots.clone().acquire_owned().await {
+            Ok(p) => p,
+            Err(_) => unreachable!("the append window is never closed"),
+        }
     }
 
     /// Re-reads the volume view from the master; leader hints it carries seed the leader cache.
