@@ -1,8 +1,7 @@
 //! FUSE end to end: `nacre up --mount` as a child process, driven through the kernel with std::fs
 //! and real programs (SQLite, git, tar). Skipped (with a message) without /dev/fuse or root.
 //!
-//! The tests run one at a time (each starts a 7-node cluster on a 2-core machine). Set
-//! NACRE_BIG_TESTS=1 for the 1 GiB file.
+//! The tests run one at a time (each starts a 7-node cluster on a 2-core machine).
 #![allow(clippy::unwrap_used)]
 
 use std::fs::{self, OpenOptions};
@@ -556,10 +555,6 @@ impl Drop for Unmount {
 #[test]
 fn big_file_1gib() {
     require_fuse!();
-    if std::env::var("NACRE_BIG_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipped: set NACRE_BIG_TESTS=1 for the 1 GiB file");
-        return;
-    }
     let _serial = serial();
     let tmp = tempfile::tempdir().unwrap();
     let up = timed("nacre up --mount", || Up::start(tmp.path()));
