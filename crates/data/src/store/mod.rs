@@ -15,7 +15,7 @@ mod format;
 mod recovery;
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{
     Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
@@ -31,11 +31,6 @@ use format::{Header, RECORD, Record, SLOT, crc_name, data_name, record_at};
 pub const TINY_EXTENTS: u64 = nacre_types::TINY_EXTENTS;
 /// The first id of a normal extent (ids between the tiny ones and this are reserved).
 pub const FIRST_NORMAL_EXTENT: u64 = nacre_types::FIRST_NORMAL_EXTENT;
-
-/// Most threads one sync round uses to fsync its extents, and the fewest dirty extents for which
-/// it uses more than one (below, spawning threads costs more than it saves).
-const SYNC_THREADS: usize = 8;
-const PARALLEL_SYNC_FROM: usize = 4;
 /// Default size of a checksummed block.
 pub const DEFAULT_BLOCK_SIZE: u32 = 128 * 1024;
 /// Smallest and largest accepted block sizes.
@@ -1105,83 +1100,37 @@ impl ExtentStore {
             }
             (std::mem::take(&mut d.extents), std::mem::take(&mut d.dir))
         };
-        let extents: Vec<Arc<Extent>> = extents.into_values().collect();
-        let again = Mutex::new(Vec::new());
-        // Many extents written at once (many files streaming) are synced by several threads: one
-        // after another, a round of 64 extents under heavy writeback took seconds.
-        let workers = extents.len().min(SYNC_THREADS);
-        if extents.len() < PARALLEL_SYNC_FROM {
-            for ext in &extents {
-                self.sync_extent(ext, &again)?;
-            }
-        } else {
-            let next = AtomicUsize::new(0);
-            std::thread::scope(|s| {
-                let handles: Vec<_> = (0..workers)
-                    .map(|_| {
-                        s.spawn(|| {
-                            loop {
-                                let i = next.fetch_add(1, Ordering::Relaxed);
-                                let Some(ext) = extents.get(i) else {
-                                    return Ok(());
-                                };
-                                self.sync_extent(ext, &again)?;
-                            }
-                        })
-                    })
-                    .collect();
-                let mut result = Ok(());
-                for h in handles {
-                    let r = h.join().unwrap_or_else(|_| {
-                        Err(StoreError::Io(std::io::Error::other(
-                            "a sync thread panicked",
-                        )))
-                    });
-                    if result.is_ok() {
-                        result = r;
-                    }
+        let mut again = Vec::new();
+        for ext in extents.into_values() {
+            let generation = {
+                let mut st = write(&ext.state);
+                if st.deleted {
+                    continue;
                 }
-                result
-            })?;
+                let len = st.len;
+                let tail_crc = match (len % self.bs, st.blocks.last()) {
+                    (0, _) | (_, None) => 0,
+                    (_, Some(b)) => b.crc,
+                };
+                self.write_header(&ext, &mut st, len, tail_crc)?
+            };
+            ext.data.sync_data()?;
+            ext.crc.sync_data()?;
+            let mut st = write(&ext.state);
+            Self::header_durable(&mut st, generation);
+            // Recovery reads every block between the two headers' lengths (the newer header's round
+            // may not have completed). Writing the same length into the other slot next round bounds
+            // that to the last block once the extent goes idle; an extent still being written gets a
+            // new header every round anyway.
+            if st.hdr.lens[0] != st.hdr.lens[1] {
+                again.push(ext.clone());
+            }
         }
         if dir {
             self.disk.sync_dir()?;
         }
-        for ext in lock(&again).iter() {
+        for ext in &again {
             self.mark_dirty(ext);
-        }
-        Ok(())
-    }
-
-    /// Makes one extent's data, CRCs and header durable; queues it in `again` when its other
-    /// header slot still holds an older length.
-    fn sync_extent(
-        &self,
-        ext: &Arc<Extent>,
-        again: &Mutex<Vec<Arc<Extent>>>,
-    ) -> Result<(), StoreError> {
-        let generation = {
-            let mut st = write(&ext.state);
-            if st.deleted {
-                return Ok(());
-            }
-            let len = st.len;
-            let tail_crc = match (len % self.bs, st.blocks.last()) {
-                (0, _) | (_, None) => 0,
-                (_, Some(b)) => b.crc,
-            };
-            self.write_header(ext, &mut st, len, tail_crc)?
-        };
-        ext.data.sync_data()?;
-        ext.crc.sync_data()?;
-        let mut st = write(&ext.state);
-        Self::header_durable(&mut st, generation);
-        // Recovery reads every block between the two headers' lengths (the newer header's round
-        // may not have completed). Writing the same length into the other slot next round bounds
-        // that to the last block once the extent goes idle; an extent still being written gets a
-        // new header every round anyway.
-        if st.hdr.lens[0] != st.hdr.lens[1] {
-            lock(again).push(ext.clone());
         }
         Ok(())
     }
