@@ -860,10 +860,7 @@ impl DataNode {
 
     async fn sync_store(store: &Arc<ExtentStore>) -> Result<(), DataError> {
         let store = store.clone();
-        tokio::task::spawn_blocking(move || store.sync())
-            .await
-            .map_err(|e| DataError::Io(e.to_string()))?
-            .map_err(store_error)
+        off_worker(move || store.sync().map_err(store_error)).await
     }
 
     /// The append state of an extent on the leader. An extent this replica does not know may have
@@ -966,25 +963,28 @@ impl DataNode {
             });
         }
         let committed_before = {
-            let _w = track
-                .write
-                .lock()
-                .map_err(|_| DataError::Io("poisoned".into()))?;
-            let next = *track.next.borrow();
-            let committed = track.committed();
-            if next != req.offset {
-                return Err(DataError::OutOfRange {
-                    extent: req.extent,
-                    offset: req.offset,
-                    len,
-                    committed,
-                });
-            }
-            part.store
-                .write(req.extent, req.offset, &data.bytes)
-                .map_err(store_error)?;
-            track.next.send_replace(req.offset + len);
-            committed
+            let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
+            let (extent, offset) = (req.extent, req.offset);
+            off_worker(move || {
+                let _w = track
+                    .write
+                    .lock()
+                    .map_err(|_| DataError::Io("poisoned".into()))?;
+                let next = *track.next.borrow();
+                let committed = track.committed();
+                if next != offset {
+                    return Err(DataError::OutOfRange {
+                        extent,
+                        offset,
+                        len,
+                        committed,
+                    });
+                }
+                store.write(extent, offset, &bytes).map_err(store_error)?;
+                track.next.send_replace(offset + len);
+                Ok(committed)
+            })
+            .await?
         };
         self.replicate(part, req.extent, req.offset, committed_before, &data)
             .await?;
@@ -1053,16 +1053,18 @@ impl DataNode {
         };
         let len = data.bytes.len() as u64;
         let (offset, committed_before) = {
-            let _w = track
-                .write
-                .lock()
-                .map_err(|_| DataError::Io("poisoned".into()))?;
-            let offset = (*track.next.borrow()).next_multiple_of(TINY_ALIGN);
-            part.store
-                .write(extent, offset, &data.bytes)
-                .map_err(store_error)?;
-            track.next.send_replace(offset + len);
-            (offset, track.committed())
+            let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
+            off_worker(move || {
+                let _w = track
+                    .write
+                    .lock()
+                    .map_err(|_| DataError::Io("poisoned".into()))?;
+                let offset = (*track.next.borrow()).next_multiple_of(TINY_ALIGN);
+                store.write(extent, offset, &bytes).map_err(store_error)?;
+                track.next.send_replace(offset + len);
+                Ok((offset, track.committed()))
+            })
+            .await?
         };
         self.replicate(part, extent, offset, committed_before, data)
             .await?;
@@ -1109,7 +1111,8 @@ impl DataNode {
             )
             .await;
         }
-        {
+        let (store, bytes) = (part.store.clone(), data.bytes.clone());
+        off_worker(move || {
             let _w = track
                 .write
                 .lock()
@@ -1126,7 +1129,7 @@ impl DataNode {
                         committed: track.committed(),
                     });
                 }
-                part.store
+                store
                     .truncate(req.extent, req.offset)
                     .map_err(store_error)?;
             } else if req.offset > have && !tiny {
@@ -1137,11 +1140,13 @@ impl DataNode {
                     committed: have,
                 });
             }
-            part.store
-                .write(req.extent, req.offset, &data.bytes)
+            store
+                .write(req.extent, req.offset, &bytes)
                 .map_err(store_error)?;
             track.next.send_replace(req.offset + len);
-        }
+            Ok(())
+        })
+        .await?;
         Self::sync_store(&part.store).await
     }
 
@@ -1498,6 +1503,18 @@ impl DataNode {
             }
         })
     }
+}
+
+/// Runs store work on tokio's blocking pool. A buffered `pwrite` can stall for seconds in the
+/// kernel's dirty-page throttling while the disk catches up; on a messenger worker that stall holds
+/// up every call the node serves (replication, Raft heartbeats), and with many writers those calls
+/// time out and turn partitions read-only.
+async fn off_worker<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, DataError> + Send + 'static,
+) -> Result<T, DataError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| DataError::Io(format!("store task failed: {e}")))?
 }
 
 fn check_packet(data: &Payload) -> Result<(), DataError> {
