@@ -25,9 +25,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use nacre_master::agent::{BoxFuture, NodeDuties, NodeRaft, PartitionHost, SpecRegistry, run_node};
 use nacre_master::map::{PartitionKind, PartitionReport, PartitionSpec, Replica, Role};
-use nacre_msgr::{CallOptions, Client, Payload, Router};
+use nacre_msgr::{CallOptions, Client, MsgrError, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
+use nacre_proto::msg::sys::{Ping, PingRequest};
 use nacre_raft::{RaftError, RaftHandle, StoreConfig};
 use nacre_types::{ErrorCode, ExtentId, NodeId, PartitionId};
 use tokio::sync::watch;
@@ -48,8 +49,13 @@ pub struct DataNodeConfig {
     pub store: StoreOptions,
     /// How often reports are refreshed, read-only partitions re-checked and repairs run.
     pub report_interval: Duration,
-    /// How long the leader waits for a follower's answer to a packet.
+    /// How long the leader waits for a follower's answer to a packet before it checks that the
+    /// follower is alive at all (a ping). One that answers the ping is slow, not gone (a saturated
+    /// disk), and is waited for up to `replicate_stall_limit`; one that does not fails the packet
+    /// and turns the partition read-only.
     pub replicate_timeout: Duration,
+    /// Longest wait for a live but slow follower, or for an earlier packet of the same extent.
+    pub replicate_stall_limit: Duration,
     /// Bytes per second a repair may copy (per node), so foreground IO keeps the bandwidth.
     pub repair_rate: u64,
 }
@@ -70,6 +76,7 @@ impl DataNodeConfig {
             },
             report_interval: Duration::from_millis(500),
             replicate_timeout: Duration::from_secs(5),
+            replicate_stall_limit: Duration::from_secs(60),
             repair_rate: 64 << 20,
         }
     }
@@ -889,30 +896,25 @@ impl DataNode {
         data: &Payload,
     ) -> Result<(), DataError> {
         let me = self.raft().map_err(DataError::Io)?.id();
-        let opts = CallOptions {
-            timeout: Some(self.inner.config.replicate_timeout),
-            ..CallOptions::default()
-        };
         let req = ReplicateRequest {
             partition: part.id,
             extent,
             offset,
             committed,
         };
+        let (check_after, limit) = (
+            self.inner.config.replicate_timeout,
+            self.inner.config.replicate_stall_limit,
+        );
         let mut sends = tokio::task::JoinSet::new();
         for r in part.followers(me) {
             let client = self.inner.client.clone();
             let req = req.clone();
             let data = Payload::with_crc(data.bytes.clone(), data.crc());
             sends.spawn(async move {
-                let out = client
-                    .call_with::<Replicate>(&r.addr, &req, data, opts)
-                    .await;
-                match out {
-                    Ok((Ok(()), _)) => Ok(()),
-                    Ok((Err(e), _)) => Err(format!("{}: {e}", r.addr)),
-                    Err(e) => Err(format!("{}: {e}", r.addr)),
-                }
+                replicate_to(&client, &r.addr, &req, data, check_after, limit)
+                    .await
+                    .map_err(|e| format!("{}: {e}", r.addr))
             });
         }
         let (local, remote) = tokio::join!(Self::sync_store(&part.store), sends.join_all());
@@ -949,7 +951,7 @@ impl DataNode {
         // Packets of one extent may arrive out of order: wait for the previous one's local write.
         let mut next = track.next.subscribe();
         let ready = tokio::time::timeout(
-            self.inner.config.replicate_timeout,
+            self.inner.config.replicate_stall_limit,
             next.wait_for(|n| *n >= req.offset),
         )
         .await
@@ -991,7 +993,7 @@ impl DataNode {
         // Commit in offset order: the previous packet must be committed first.
         let mut c = track.committed.subscribe();
         let prev = tokio::time::timeout(
-            self.inner.config.replicate_timeout,
+            self.inner.config.replicate_stall_limit,
             c.wait_for(|c| *c >= req.offset),
         )
         .await
@@ -1502,6 +1504,57 @@ impl DataNode {
                 }
             }
         })
+    }
+}
+
+/// Sends one packet to a follower. Past `check_after` without an answer, and every `check_after`
+/// after that, the follower is pinged: a live one is waited for (up to `limit`), a silent one fails
+/// the packet. A saturated disk makes fsyncs take seconds; that is no reason to drop a replica.
+async fn replicate_to(
+    client: &Client,
+    addr: &str,
+    req: &ReplicateRequest,
+    data: Payload,
+    check_after: Duration,
+    limit: Duration,
+) -> Result<(), String> {
+    let opts = CallOptions {
+        timeout: Some(limit),
+        ..CallOptions::default()
+    };
+    let call = client.call_with::<Replicate>(addr, req, data, opts);
+    tokio::pin!(call);
+    let done = |out: Result<(Result<(), DataError>, Payload), MsgrError>| match out {
+        Ok((Ok(()), _)) => Ok(()),
+        Ok((Err(e), _)) => Err(e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    loop {
+        tokio::select! {
+            out = &mut call => return done(out),
+            () = tokio::time::sleep(check_after) => {}
+        }
+        tokio::select! {
+            out = &mut call => return done(out),
+            alive = alive(client, addr, check_after) => if !alive {
+                return Err(format!("no answer within {check_after:?}, and none to a ping"));
+            }
+        }
+    }
+}
+
+/// Whether `addr` answers at all: any answer, even an error, means its process and link are up.
+async fn alive(client: &Client, addr: &str, within: Duration) -> bool {
+    let opts = CallOptions {
+        timeout: Some(within),
+        ..CallOptions::default()
+    };
+    match client
+        .call_with::<Ping>(addr, &PingRequest {}, Payload::none(), opts)
+        .await
+    {
+        Ok(_) | Err(MsgrError::Remote { .. }) => true,
+        Err(_) => false,
     }
 }
 

@@ -2,6 +2,7 @@
 
 mod admin;
 mod bench;
+mod check;
 mod config;
 mod fs_cmd;
 mod http;
@@ -75,6 +76,12 @@ enum Cmd {
     /// `nacre fs ls -l /isos`. The cluster is found as the admin commands find it (--master,
     /// NACRE_MASTERS, or ./.nacre/up.json); --volume picks the volume (default: `default`).
     Fs(fs_cmd::FsArgs),
+    /// The reliability harness: a multi-process cluster, a verifying workload, fault schedules
+    /// (kill -9, network partitions, a full disk, corrupted blocks, bad input) and a checker.
+    ///
+    /// Example: `sudo nacre check run --schedule kill-data --duration 60s`. Prints the operations,
+    /// the faults, fail-over times and whether any acknowledged write was lost (exit 1 if so).
+    Check(check::CheckArgs),
     /// Send ping (or echo) requests to a node and print round-trip times.
     Ping(PingArgs),
     /// Benchmarks. Each prints a table, or one JSON object per line with --json.
@@ -271,6 +278,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Partition(a) => admin_cli(admin::AdminCmd::Partition(a)),
         Cmd::Tenant(a) => admin_cli(admin::AdminCmd::Tenant(a)),
         Cmd::Fs(a) => fs_cmd::run(a),
+        Cmd::Check(a) => check::run(a),
         Cmd::Ping(a) => ping(a),
         Cmd::Bench(BenchCmd::Msgr(a)) => bench_msgr(a),
         Cmd::Bench(BenchCmd::Raft(a)) => bench_raft(a),

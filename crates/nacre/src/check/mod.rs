@@ -1,0 +1,763 @@
+//! `nacre check`: the reliability harness (issue 8). `nacre check run` starts a cluster of ten
+//! `nacre server` processes ([`harness`]), runs the verifying workload ([`workload`]) on it while a
+//! fault schedule kills, isolates, fills and corrupts nodes, measures fail-over times with probes,
+//! and finally reads everything back: every acknowledged byte must be there, and nothing that was
+//! never written.
+
+pub mod garbage;
+pub mod harness;
+pub mod workload;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand, ValueEnum};
+use nacre_client::{FileSystem, MetaTransport, NetFs, NetVolume};
+use nacre_master::MasterClient;
+use nacre_master::map::{Command as MapCommand, PartitionStatus};
+use nacre_meta::SetAttr;
+use nacre_msgr::{Client, Messenger, MsgrConfig, TcpTransport};
+use nacre_types::{ExtentId, Ino, PartitionId};
+use serde::Serialize;
+use tokio::sync::watch;
+
+use harness::{Harness, HarnessConfig, Role, next};
+use workload::{Workload, WorkloadConfig};
+
+const VOLUME: &str = "check";
+
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    #[command(subcommand)]
+    cmd: CheckCmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum CheckCmd {
+    /// Start a cluster (3 masters, 3 meta, 4 data nodes, one process each), run the verifying
+    /// workload under a fault schedule, then check that no acknowledged write was lost.
+    ///
+    /// Example (the 30-minute soak): `nacre check run --schedule all --duration 30m`. Exits 1 when
+    /// anything acknowledged is missing or wrong, or something never written is found.
+    Run(RunArgs),
+    /// Send malformed frames, oversized lengths and random bytes to nodes' messenger ports (and
+    /// HTTP ports with --http), and check each answers cleanly and keeps serving.
+    Garbage(GarbageArgs),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Schedule {
+    /// No faults: the workload and the checker only.
+    None,
+    /// kill -9 a random data node every interval, restart it.
+    KillData,
+    /// kill -9 a random meta node every interval, restart it.
+    KillMeta,
+    /// kill -9 the master leader every interval, restart it.
+    KillMaster,
+    /// Cut one node (data, meta or the master leader, in turn) off the network, heal it.
+    Partition,
+    /// Fill data node 0's (small, loop-mounted) disk to the last byte; free it late in the run.
+    FullDisk,
+    /// Flip bytes of committed blocks on random data nodes (never one block on two replicas).
+    Corrupt,
+    /// Malformed frames and random bytes to every node's ports, every interval.
+    Garbage,
+    /// A random one of the above every interval (the soak).
+    All,
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    #[arg(long, value_enum, default_value = "all")]
+    schedule: Schedule,
+    /// How long faults are injected (e.g. 60s, 30m).
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    duration: Duration,
+    /// Time between faults.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    interval: Duration,
+    /// Concurrent clients of the workload (each its own NetFs).
+    #[arg(long, default_value_t = 4)]
+    clients: usize,
+    /// Seed of the workload and the schedule (default: from the clock).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Directory for the cluster (removed afterwards unless --keep).
+    #[arg(long, default_value = ".nacre-check")]
+    dir: PathBuf,
+    /// Keep the directory (node logs, data, the acknowledgement log).
+    #[arg(long)]
+    keep: bool,
+    /// Never use network namespaces: isolate nodes with SIGSTOP.
+    #[arg(long)]
+    no_netns: bool,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct GarbageArgs {
+    /// Messenger addresses (host:port).
+    #[arg(required = true)]
+    addrs: Vec<String>,
+    /// HTTP addresses to hammer too.
+    #[arg(long)]
+    http: Vec<String>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+/// Parses `90`, `90s`, `500ms`, `5m` or `1h`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (like 90s, 5m, 1h)"))?;
+    let ms = match unit {
+        "ms" => n,
+        "" | "s" => n.saturating_mul(1000),
+        "m" => n.saturating_mul(60_000),
+        "h" => n.saturating_mul(3_600_000),
+        _ => return Err(format!("unknown unit {unit:?} in {s:?} (ms, s, m or h)")),
+    };
+    Ok(Duration::from_millis(ms))
+}
+
+pub fn run(a: CheckArgs) -> anyhow::Result<()> {
+    match a.cmd {
+        CheckCmd::Run(r) => run_check(r),
+        CheckCmd::Garbage(g) => run_garbage(g),
+    }
+}
+
+fn messenger(name: &str) -> anyhow::Result<Messenger> {
+    let cfg = MsgrConfig {
+        workers: 1,
+        connect_timeout: Duration::from_secs(2),
+        ..MsgrConfig::default()
+    };
+    Ok(Messenger::new(name, cfg, Arc::new(TcpTransport))?)
+}
+
+fn run_garbage(a: GarbageArgs) -> anyhow::Result<()> {
+    crate::runtime()?.block_on(async move {
+        let msgr = messenger("check-garbage")?;
+        let mut bad = 0;
+        for addr in &a.addrs {
+            let r = garbage::hammer_msgr(&msgr.client(), addr, a.seed).await;
+            bad += r.problems.len();
+            println!("{r}");
+        }
+        for addr in &a.http {
+            let r = garbage::hammer_http(addr, a.seed).await;
+            bad += r.problems.len();
+            println!("{r}");
+        }
+        let m = msgr.clone();
+        tokio::task::spawn_blocking(move || m.shutdown()).await?;
+        if bad > 0 {
+            bail!("{bad} bad inputs were not answered cleanly");
+        }
+        Ok(())
+    })
+}
+
+/// One injected fault.
+#[derive(Clone, Debug, Serialize)]
+struct Fault {
+    at_ms: u64,
+    kind: &'static str,
+    node: String,
+    detail: String,
+}
+
+/// Time from a fault to the first successful write on a partition its node led.
+#[derive(Clone, Debug, Serialize)]
+struct Failover {
+    kind: &'static str,
+    node: String,
+    target: String,
+    /// None: no write succeeded within the probe's limit.
+    ms: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+struct Summary {
+    schedule: Schedule,
+    seed: u64,
+    duration_s: u64,
+    clients: usize,
+    isolation: &'static str,
+    ops_acked: u64,
+    ops_failed: u64,
+    faults: Vec<Fault>,
+    failovers: Vec<Failover>,
+    failover_p50_ms: Option<u64>,
+    failover_max_ms: Option<u64>,
+    corrupt_blocks_detected: usize,
+    garbage_problems: Vec<String>,
+    report: workload::Report,
+    healed_within_ms: Option<u64>,
+}
+
+/// What the probes write to: the master's map, a directory on each meta partition, an extent on
+/// each data partition.
+#[derive(Clone, Debug)]
+enum Target {
+    Master,
+    Meta(PartitionId, Ino),
+    Data(PartitionId, ExtentId),
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Master => write!(f, "master"),
+            Self::Meta(p, _) => write!(f, "meta partition {p}"),
+            Self::Data(p, _) => write!(f, "data partition {p}"),
+        }
+    }
+}
+
+/// Writes to one target at a time, for fail-over times.
+#[derive(Clone)]
+struct Prober {
+    mc: MasterClient,
+    vol: Arc<NetVolume>,
+    fs: Arc<NetFs>,
+    n: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// How long a probe keeps trying before it reports no fail-over at all.
+const PROBE_LIMIT: Duration = Duration::from_secs(60);
+
+impl Prober {
+    async fn once(&self, t: &Target) -> bool {
+        let n = self.n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match t {
+            Target::Master => self
+                .mc
+                .execute(&MapCommand::CreateTenant {
+                    name: format!("probe-{}-{n}", std::process::id()),
+                    access_key: format!("PROBE{}X{n}", std::process::id()),
+                    secret_key: "0123456789abcdef".into(),
+                })
+                .await
+                .is_ok(),
+            Target::Meta(_, ino) => {
+                let set = SetAttr {
+                    mode: Some(0o755 | (n as u32 & 0o20)),
+                    ..SetAttr::default()
+                };
+                self.fs.setattr(*ino, set).await.is_ok()
+            }
+            Target::Data(p, e) => {
+                let data = bytes::Bytes::from(vec![(n & 0xFF) as u8; 4096]);
+                self.vol.overwrite(*p, *e, 0, data).await.is_ok()
+            }
+        }
+    }
+
+    /// Starts a write every 100 ms (each may take long while leaders change) until one succeeds;
+    /// the time from `since` to that success.
+    async fn failover(&self, t: Target, since: Instant) -> Option<Duration> {
+        let mut set = tokio::task::JoinSet::new();
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    if since.elapsed() > PROBE_LIMIT {
+                        return None;
+                    }
+                    let (p, t) = (self.clone(), t.clone());
+                    set.spawn(async move {
+                        tokio::time::timeout(Duration::from_secs(10), p.once(&t)).await == Ok(true)
+                    });
+                }
+                Some(Ok(true)) = set.join_next(), if !set.is_empty() => {
+                    return Some(since.elapsed());
+                }
+            }
+        }
+    }
+}
+
+fn run_check(a: RunArgs) -> anyhow::Result<()> {
+    let seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
+    if a.dir.exists() {
+        std::fs::remove_dir_all(&a.dir)
+            .with_context(|| format!("cannot clear {}", a.dir.display()))?;
+    }
+    let netns = !a.no_netns && harness::netns_available();
+    let small_disk = matches!(a.schedule, Schedule::FullDisk | Schedule::All);
+    if a.schedule == Schedule::FullDisk && !harness::small_disk_available() {
+        bail!("the full-disk schedule needs root, mkfs.ext4 and a loop device");
+    }
+    let cfg = HarnessConfig {
+        dir: std::fs::canonicalize(".")?.join(&a.dir),
+        exe: std::env::current_exe()?,
+        netns,
+        small_disk_mib: (small_disk && harness::small_disk_available()).then_some(256),
+        log: "info".into(),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let keep = a.keep;
+    let dir = cfg.dir.clone();
+    let out = rt.block_on(async move {
+        let mut h = Harness::start(cfg)?;
+        let r = drive(&mut h, &a, seed).await;
+        drop(h);
+        r
+    });
+    if !keep {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let (summary, json) = out?;
+    if json {
+        println!("{}", serde_json::to_string(&summary)?);
+    } else {
+        print_summary(&summary);
+    }
+    if summary.report.lost_ops > 0
+        || !summary.report.findings.is_empty()
+        || !summary.garbage_problems.is_empty()
+        || summary.failovers.iter().any(|f| f.ms.is_none())
+    {
+        bail!("the check failed (see the report above)");
+    }
+    Ok(())
+}
+
+fn print_summary(s: &Summary) {
+    println!(
+        "schedule {:?}, seed {}, {} s of faults, {} clients, isolation by {}",
+        s.schedule, s.seed, s.duration_s, s.clients, s.isolation
+    );
+    println!(
+        "operations: {} acknowledged, {} failed (during faults)",
+        s.ops_acked, s.ops_failed
+    );
+    let mut kinds: Vec<&str> = s.faults.iter().map(|f| f.kind).collect();
+    kinds.sort_unstable();
+    kinds.dedup();
+    let counts: Vec<String> = kinds
+        .iter()
+        .map(|k| format!("{} {k}", s.faults.iter().filter(|f| f.kind == *k).count()))
+        .collect();
+    println!("faults injected: {}", counts.join(", "));
+    if !s.failovers.is_empty() {
+        println!(
+            "fail-over (fault to first successful write on a partition the node led): {} measured, p50 {} ms, max {} ms",
+            s.failovers.len(),
+            s.failover_p50_ms.map_or("-".into(), |v| v.to_string()),
+            s.failover_max_ms.map_or("-".into(), |v| v.to_string()),
+        );
+        for f in s.failovers.iter().filter(|f| f.ms.is_none()) {
+            println!(
+                "  no write on {} within {PROBE_LIMIT:?} after {} of {}",
+                f.target, f.kind, f.node
+            );
+        }
+    }
+    if s.corrupt_blocks_detected > 0 {
+        println!(
+            "corrupt blocks detected and repaired on read: {}",
+            s.corrupt_blocks_detected
+        );
+    }
+    for p in &s.garbage_problems {
+        println!("bad input not handled cleanly: {p}");
+    }
+    match s.healed_within_ms {
+        Some(ms) => println!("cluster writable again {ms} ms after the last fault"),
+        None => println!("cluster NOT fully writable again after the last fault"),
+    }
+    println!("{}", s.report);
+}
+
+async fn connect(client: Client, masters: &[String]) -> anyhow::Result<Arc<NetVolume>> {
+    let mc = MasterClient::new(client.clone(), masters.to_vec());
+    let vol = NetVolume::connect(client, mc, VOLUME)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot open volume {VOLUME}: {e}"))?;
+    Ok(Arc::new(vol))
+}
+
+/// Waits (bounded) until every partition of the volume is writable with a leader.
+async fn wait_writable(mc: &MasterClient, within: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(v) = mc.volume(VOLUME).await
+            && !v.data_partitions.is_empty()
+            && v.meta_partitions
+                .iter()
+                .chain(&v.data_partitions)
+                .all(|p| p.status == PartitionStatus::Rw && p.leader.is_some())
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("volume {VOLUME} not writable within {within:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Probe targets: one directory per meta partition (directories under the root are spread over
+/// the partitions) and one 4 KiB extent per data partition.
+async fn probe_targets(fs: &NetFs, vol: &NetVolume) -> anyhow::Result<Vec<Target>> {
+    let mut targets = vec![Target::Master];
+    let metas: Vec<PartitionId> = fs
+        .meta()
+        .transport()
+        .partitions()
+        .iter()
+        .map(|p| p.id)
+        .collect();
+    let mut covered = Vec::new();
+    for j in 0..metas.len() * 4 {
+        if covered.len() == metas.len() {
+            break;
+        }
+        let name = format!("probe-{j}");
+        let attr = fs
+            .mkdir(
+                nacre_meta::ROOT_INO,
+                name.as_bytes(),
+                0o755,
+                Default::default(),
+            )
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot make {name}: {e}"))?;
+        let p = fs.meta().partition_of(attr.ino)?;
+        if !covered.contains(&p) {
+            covered.push(p);
+            targets.push(Target::Meta(p, attr.ino));
+        }
+    }
+    for p in vol.data_partitions().iter() {
+        let e = vol.create_extent(p.id).await?;
+        vol.append(p.id, e, 0, bytes::Bytes::from(vec![0u8; 4096]))
+            .await?;
+        targets.push(Target::Data(p.id, e));
+    }
+    Ok(targets)
+}
+
+/// The targets node `addr` leads, by the master's view.
+async fn led_by(mc: &MasterClient, addr: &str, targets: &[Target]) -> Vec<Target> {
+    let (Ok(map), Ok(v)) = (mc.map().await, mc.volume(VOLUME).await) else {
+        return Vec::new();
+    };
+    let Some(id) = map
+        .nodes
+        .iter()
+        .find(|(_, n)| n.addr == addr)
+        .map(|(id, _)| *id)
+    else {
+        return Vec::new();
+    };
+    let led: Vec<PartitionId> = v
+        .meta_partitions
+        .iter()
+        .chain(&v.data_partitions)
+        .filter(|p| p.leader == Some(id))
+        .map(|p| p.spec.id)
+        .collect();
+    targets
+        .iter()
+        .filter(|t| match t {
+            Target::Master => false,
+            Target::Meta(p, _) | Target::Data(p, _) => led.contains(p),
+        })
+        .cloned()
+        .collect()
+}
+
+/// The node index of the master leader.
+async fn master_leader(mc: &MasterClient, h: &Harness) -> Option<usize> {
+    let st = mc.status().await.ok()?;
+    let addr = st.masters.get(&st.leader)?;
+    h.nodes.iter().position(|n| &n.addr == addr)
+}
+
+async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summary, bool)> {
+    let msgr = messenger("check")?;
+    let masters = h.masters();
+    let mc = MasterClient::new(msgr.client(), masters.clone());
+    h.wait_healthy(&mc, Duration::from_secs(60)).await?;
+    mc.execute(&MapCommand::CreateTenant {
+        name: "check".into(),
+        access_key: "CHECK".into(),
+        secret_key: "0123456789abcdef".into(),
+    })
+    .await?;
+    mc.execute(&MapCommand::CreateVolume {
+        name: VOLUME.into(),
+        owner: "check".into(),
+        replicas: 3,
+        capacity: 0,
+        meta_partitions: 3,
+        data_partitions: 4,
+        inode_step: 1 << 20,
+    })
+    .await?;
+    wait_writable(&mc, Duration::from_secs(60)).await?;
+
+    let probe_vol = connect(msgr.client(), &masters).await?;
+    let probe_fs = Arc::new(NetFs::new(probe_vol.clone()));
+    let targets = probe_targets(&probe_fs, &probe_vol).await?;
+    let prober = Prober {
+        mc: mc.clone(),
+        vol: probe_vol,
+        fs: probe_fs,
+        n: Arc::default(),
+    };
+
+    let wl = Arc::new(Workload::new(
+        WorkloadConfig {
+            clients: a.clients,
+            seed,
+            root: "check".into(),
+            ..WorkloadConfig::default()
+        },
+        Some(h.dir().join("acks.jsonl")),
+    )?);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut clients = tokio::task::JoinSet::new();
+    for id in 0..a.clients {
+        let vol = connect(msgr.client(), &masters).await?;
+        let (wl, stop) = (wl.clone(), stop_rx.clone());
+        clients.spawn(async move {
+            let fs = NetFs::new(vol);
+            wl.run_client(id, &fs, stop).await;
+        });
+    }
+
+    let start = Instant::now();
+    let mut faults = Vec::new();
+    let mut probes = tokio::task::JoinSet::new();
+    let mut garbage_problems = Vec::new();
+    let mut rng = seed ^ 0x5EED_F00D;
+    let mut turn = 0usize;
+    let kinds = [
+        Schedule::KillData,
+        Schedule::KillMeta,
+        Schedule::KillMaster,
+        Schedule::Partition,
+        Schedule::Corrupt,
+        Schedule::Garbage,
+    ];
+    if matches!(a.schedule, Schedule::FullDisk)
+        || (a.schedule == Schedule::All && h.has_small_disk())
+    {
+        let n = h.fill_disk()?;
+        faults.push(Fault {
+            at_ms: 0,
+            kind: "full-disk",
+            node: "data-0".into(),
+            detail: format!("filled with {} MiB", n >> 20),
+        });
+    }
+    let free_at = a.duration * 2 / 3;
+    let mut freed = false;
+    while start.elapsed() < a.duration {
+        tokio::time::sleep(a.interval / 2).await;
+        if h.has_small_disk() && !freed && start.elapsed() >= free_at {
+            h.free_disk()?;
+            freed = true;
+            faults.push(fault(start, "free-disk", "data-0", String::new()));
+        }
+        let kind = match a.schedule {
+            Schedule::All => kinds[(next(&mut rng) % kinds.len() as u64) as usize],
+            s => s,
+        };
+        let half = a.interval / 2;
+        match kind {
+            Schedule::None | Schedule::FullDisk => tokio::time::sleep(half).await,
+            Schedule::KillData | Schedule::KillMeta | Schedule::KillMaster => {
+                let k = match kind {
+                    Schedule::KillMaster => match master_leader(&mc, h).await {
+                        Some(k) => k,
+                        None => continue,
+                    },
+                    Schedule::KillMeta => pick(&h.of(Role::Meta), &mut rng),
+                    _ => pick(&h.of(Role::Data), &mut rng),
+                };
+                let name = h.nodes[k].name.clone();
+                let mut led = led_by(&mc, &h.nodes[k].addr, &targets).await;
+                if kind == Schedule::KillMaster {
+                    led = vec![Target::Master];
+                }
+                let label = kind_label(kind);
+                h.kill(k);
+                let t0 = Instant::now();
+                faults.push(fault(start, label, &name, format!("{} led", led.len())));
+                for t in led {
+                    let (p, name) = (prober.clone(), name.clone());
+                    probes.spawn(async move {
+                        let ms = p
+                            .failover(t.clone(), t0)
+                            .await
+                            .map(|d| d.as_millis() as u64);
+                        Failover {
+                            kind: label,
+                            node: name,
+                            target: t.to_string(),
+                            ms,
+                        }
+                    });
+                }
+                tokio::time::sleep(half).await;
+                h.spawn(k)?;
+                // One failure at a time: the next fault waits for this node to be back.
+                let _ = h.wait_healthy(&mc, Duration::from_secs(30)).await;
+            }
+            Schedule::Partition => {
+                let k = match turn % 3 {
+                    0 => pick(&h.of(Role::Data), &mut rng),
+                    1 => pick(&h.of(Role::Meta), &mut rng),
+                    _ => match master_leader(&mc, h).await {
+                        Some(k) => k,
+                        None => continue,
+                    },
+                };
+                turn += 1;
+                let name = h.nodes[k].name.clone();
+                let mut led = led_by(&mc, &h.nodes[k].addr, &targets).await;
+                if h.nodes[k].role == Role::Master {
+                    led = vec![Target::Master];
+                }
+                h.isolate(k)?;
+                let t0 = Instant::now();
+                faults.push(fault(start, "partition", &name, h.isolation.to_string()));
+                for t in led {
+                    let (p, name) = (prober.clone(), name.clone());
+                    probes.spawn(async move {
+                        let ms = p
+                            .failover(t.clone(), t0)
+                            .await
+                            .map(|d| d.as_millis() as u64);
+                        Failover {
+                            kind: "partition",
+                            node: name,
+                            target: t.to_string(),
+                            ms,
+                        }
+                    });
+                }
+                tokio::time::sleep(half).await;
+                h.heal(k)?;
+                let _ = h.wait_healthy(&mc, Duration::from_secs(30)).await;
+            }
+            Schedule::Corrupt => {
+                for _ in 0..3 {
+                    let k = pick(&h.of(Role::Data), &mut rng);
+                    if let Some(what) = h.corrupt(k, &mut rng)? {
+                        faults.push(fault(start, "corrupt", &h.nodes[k].name.clone(), what));
+                    }
+                }
+                tokio::time::sleep(half).await;
+            }
+            Schedule::Garbage => {
+                let client = msgr.client();
+                for n in h.nodes.iter().filter(|n| n.running() && !n.isolated()) {
+                    let s = next(&mut rng);
+                    let r = garbage::hammer_msgr(&client, &n.addr, s).await;
+                    garbage_problems.extend(r.problems.iter().map(|p| format!("{}: {p}", n.name)));
+                    let r = garbage::hammer_http(&n.http, s).await;
+                    garbage_problems.extend(r.problems.iter().map(|p| format!("{}: {p}", n.name)));
+                }
+                faults.push(fault(start, "garbage", "all nodes", String::new()));
+                tokio::time::sleep(half).await;
+            }
+            Schedule::All => unreachable!("All is resolved to a kind above"),
+        }
+    }
+    // Heal: every node running and connected, the disk freed.
+    for k in 0..h.nodes.len() {
+        h.heal(k)?;
+        h.spawn(k)?;
+    }
+    h.free_disk()?;
+    let last_fault = Instant::now();
+    h.wait_healthy(&mc, Duration::from_secs(60)).await?;
+    let healed_within_ms = wait_writable(&mc, Duration::from_secs(120))
+        .await
+        .ok()
+        .map(|()| last_fault.elapsed().as_millis() as u64);
+    // A few seconds of writes on the healed cluster, then stop.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _ = stop_tx.send(true);
+    while clients.join_next().await.is_some() {}
+    let mut failovers: Vec<Failover> = Vec::new();
+    while let Some(Ok(f)) = probes.join_next().await {
+        failovers.push(f);
+    }
+    let verify_vol = connect(msgr.client(), &masters).await?;
+    let report = wl.verify(&NetFs::new(verify_vol)).await;
+    let stats = wl.stats().snapshot();
+    let mut ms: Vec<u64> = failovers.iter().filter_map(|f| f.ms).collect();
+    ms.sort_unstable();
+    let detected = (0..h.nodes.len())
+        .filter(|&k| h.nodes[k].role == Role::Data)
+        .map(|k| h.log_matches(k, "checksum mismatch on read"))
+        .sum();
+    let summary = Summary {
+        schedule: a.schedule,
+        seed,
+        duration_s: a.duration.as_secs(),
+        clients: a.clients,
+        isolation: h.isolation,
+        ops_acked: stats.acked,
+        ops_failed: stats.failed,
+        faults,
+        failover_p50_ms: ms.get(ms.len() / 2).copied(),
+        failover_max_ms: ms.last().copied(),
+        failovers,
+        corrupt_blocks_detected: detected,
+        garbage_problems,
+        report,
+        healed_within_ms,
+    };
+    let m = msgr.clone();
+    tokio::task::spawn_blocking(move || m.shutdown()).await?;
+    Ok((summary, a.json))
+}
+
+fn fault(start: Instant, kind: &'static str, node: &str, detail: String) -> Fault {
+    Fault {
+        at_ms: start.elapsed().as_millis() as u64,
+        kind,
+        node: node.to_string(),
+        detail,
+    }
+}
+
+fn kind_label(s: Schedule) -> &'static str {
+    match s {
+        Schedule::KillData => "kill-data",
+        Schedule::KillMeta => "kill-meta",
+        Schedule::KillMaster => "kill-master",
+        _ => "other",
+    }
+}
+
+fn pick(of: &[usize], rng: &mut u64) -> usize {
+    of[(next(rng) % of.len().max(1) as u64) as usize]
+}

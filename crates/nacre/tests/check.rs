@@ -1,0 +1,128 @@
+//! The reliability harness's fault schedules, bounded: each runs `nacre check run` (ten server
+//! processes, the verifying workload, faults, the checker) for a short while and requires that no
+//! acknowledged operation was lost. The 30-minute soak is the same command with
+//! `--schedule all --duration 30m` (docs/reliability.md).
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+use std::sync::Mutex;
+
+mod common;
+use common::BIN;
+
+/// One cluster at a time: ten processes on a 2-core machine.
+static ONE: Mutex<()> = Mutex::new(());
+
+/// Runs one schedule and returns its JSON summary, after checking the invariants every schedule
+/// shares.
+fn schedule(name: &str, secs: u32) -> serde_json::Value {
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "check",
+            "run",
+            "--schedule",
+            name,
+            "--duration",
+            &format!("{secs}s"),
+            "--interval",
+            "4s",
+            "--clients",
+            "3",
+            "--seed",
+            "7",
+            "--json",
+            "--dir",
+        ])
+        .arg(dir.path().join("c"))
+        .env("NACRE_LOG", "warn")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let summary: serde_json::Value = stdout
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no JSON summary from {name}:\n{stdout}\n{stderr}"));
+    let pretty = serde_json::to_string_pretty(&summary).unwrap();
+    assert!(
+        out.status.success(),
+        "schedule {name} failed:\n{pretty}\n{stderr}"
+    );
+    let report = &summary["report"];
+    assert_eq!(report["lost_ops"], 0, "{pretty}");
+    assert_eq!(report["findings"].as_array().unwrap().len(), 0, "{pretty}");
+    assert!(
+        summary["ops_acked"].as_u64().unwrap() > 20,
+        "too little work done: {pretty}"
+    );
+    assert!(
+        summary["healed_within_ms"].is_u64(),
+        "the cluster did not become writable again: {pretty}"
+    );
+    summary
+}
+
+fn faults(s: &serde_json::Value, kind: &str) -> usize {
+    s["faults"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == kind)
+        .count()
+}
+
+#[test]
+fn kill_data_nodes() {
+    let s = schedule("kill-data", 16);
+    assert!(faults(&s, "kill-data") >= 2, "{s}");
+}
+
+#[test]
+fn kill_meta_nodes() {
+    let s = schedule("kill-meta", 16);
+    assert!(faults(&s, "kill-meta") >= 2, "{s}");
+}
+
+#[test]
+fn kill_the_master_leader() {
+    let s = schedule("kill-master", 16);
+    assert!(faults(&s, "kill-master") >= 2, "{s}");
+    // Every kill of the leader is followed by a successful write to the map.
+    assert!(
+        s["failovers"].as_array().unwrap().len() >= 2,
+        "no fail-over measured: {s}"
+    );
+}
+
+#[test]
+fn network_partitions() {
+    let s = schedule("partition", 16);
+    assert!(faults(&s, "partition") >= 2, "{s}");
+}
+
+#[test]
+fn corrupted_blocks() {
+    let s = schedule("corrupt", 12);
+    assert!(faults(&s, "corrupt") >= 3, "{s}");
+}
+
+#[test]
+fn bad_input_on_every_port() {
+    let s = schedule("garbage", 8);
+    assert!(faults(&s, "garbage") >= 1, "{s}");
+    assert_eq!(s["garbage_problems"].as_array().unwrap().len(), 0, "{s}");
+}
+
+#[test]
+fn a_full_disk() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: the full-disk schedule needs root (a loop-mounted file system)");
+        return;
+    }
+    let s = schedule("full-disk", 16);
+    assert_eq!(faults(&s, "full-disk"), 1, "{s}");
+    assert_eq!(faults(&s, "free-disk"), 1, "{s}");
+}
