@@ -567,6 +567,8 @@ pub struct FaultyDisk {
 
 #[derive(Debug)]
 struct Faults {
+    /// Writes fail with `StorageFull` after writing half their bytes (see [`FaultyDisk::set_full`]).
+    full: std::sync::atomic::AtomicBool,
     ops: AtomicU64,
     /// `u64::MAX` = never.
     fail_after: AtomicU64,
@@ -610,6 +612,7 @@ impl FaultyDisk {
         Self {
             inner,
             faults: Arc::new(Faults {
+                full: std::sync::atomic::AtomicBool::new(false),
                 ops: AtomicU64::new(0),
                 fail_after: AtomicU64::new(plan.fail_after.unwrap_or(u64::MAX)),
                 tear: plan.tear,
@@ -620,6 +623,12 @@ impl FaultyDisk {
     /// Operations attempted so far (successful or not).
     pub fn ops(&self) -> u64 {
         self.faults.ops.load(Ordering::SeqCst)
+    }
+
+    /// A full disk: while on, every write stores half its bytes and fails with `StorageFull`
+    /// (ENOSPC); everything else works.
+    pub fn set_full(&self, full: bool) {
+        self.faults.full.store(full, Ordering::SeqCst);
     }
 
     /// Changes the budget: fail after `n` more successful operations from now (`None`: never).
@@ -678,6 +687,10 @@ impl DiskFile for FaultyFile {
     }
 
     fn write_at(&self, data: &[u8], off: u64) -> io::Result<()> {
+        if self.faults.full.load(Ordering::SeqCst) {
+            self.inner.write_at(&data[..data.len() / 2], off)?;
+            return Err(io::Error::from(io::ErrorKind::StorageFull));
+        }
         match self.faults.next() {
             Verdict::Ok => self.inner.write_at(data, off),
             Verdict::First if self.faults.tear => {

@@ -986,7 +986,8 @@ impl DataNode {
                 track.next.send_replace(offset + len);
                 Ok(committed)
             })
-            .await?
+            .await
+            .inspect_err(|e| degrade_if_full(part, e))?
         };
         self.replicate(part, req.extent, req.offset, committed_before, &data)
             .await?;
@@ -1066,7 +1067,8 @@ impl DataNode {
                 track.next.send_replace(offset + len);
                 Ok((offset, track.committed()))
             })
-            .await?
+            .await
+            .inspect_err(|e| degrade_if_full(part, e))?
         };
         self.replicate(part, extent, offset, committed_before, data)
             .await?;
@@ -1555,6 +1557,13 @@ async fn alive(client: &Client, addr: &str, within: Duration) -> bool {
     {
         Ok(_) | Err(MsgrError::Remote { .. }) => true,
         Err(_) => false,
+    }
+}
+
+/// A leader whose own disk is full takes no appends: read-only until a re-check finds room.
+fn degrade_if_full(part: &Part, e: &DataError) {
+    if let DataError::ReadOnly(why) = e {
+        part.degrade(why.clone());
     }
 }
 

@@ -111,9 +111,12 @@ impl DataSm {
                 let end = offset.saturating_add(data.len() as u64);
                 match self.store.len(extent) {
                     Ok(len) if end <= len => {
-                        self.store
-                            .write(extent, offset, &data)
-                            .map_err(store_error)?;
+                        // A write that failed here (ENOSPC, EIO) was applied by the other
+                        // replicas: compare this copy with the leader's in the next repair.
+                        self.store.write(extent, offset, &data).map_err(|e| {
+                            self.shared.suspect(extent);
+                            store_error(e)
+                        })?;
                     }
                     // The local copy lacks bytes the leader has (appends not yet repaired here):
                     // writing would extend it wrongly. Repair brings the leader's blocks, which
@@ -138,9 +141,10 @@ impl DataSm {
                     Err(e) => return Err(store_error(e)),
                 };
                 if len == offset {
-                    self.store
-                        .write(extent, offset, &data)
-                        .map_err(store_error)?;
+                    self.store.write(extent, offset, &data).map_err(|e| {
+                        self.shared.suspect(extent);
+                        store_error(e)
+                    })?;
                 } else if len < end {
                     // Not at the end here: this replica missed appends. Repair catches up.
                     self.shared.suspect(extent);
@@ -193,6 +197,7 @@ pub fn store_error(e: StoreError) -> DataError {
         },
         StoreError::Corrupt { extent, block, .. } => DataError::Corrupt { extent, block },
         StoreError::Invalid(m) => DataError::Invalid(m),
+        StoreError::NoSpace => DataError::ReadOnly("the data node's disk is full".into()),
         other => DataError::Io(other.to_string()),
     }
 }

@@ -1091,3 +1091,44 @@ fn concurrent_syncs_are_durable() {
         assert_eq!(s.len(id).unwrap(), 1000);
     }
 }
+
+/// ENOSPC fails the write, not the store: nothing changes in memory, the half-written bytes never
+/// show, and once there is room writes, syncs and a reopen work as if the failed write never was.
+/// A failed overwrite inside the extent is like one a crash tore: its blocks fail their CRC (never
+/// serving the torn bytes) until a replica's copy repairs them.
+#[test]
+fn a_full_disk_fails_the_write_not_the_store() {
+    let mem = MemDisk::new();
+    let faulty = FaultyDisk::new(Arc::new(mem.clone()), FaultPlan::default());
+    let store = ExtentStore::open(Arc::new(faulty.clone()), opts()).unwrap();
+    let (e, t) = (NORMAL[0], TINY[0]);
+    store.create(e).unwrap();
+    store.write(e, 0, &[1; 300]).unwrap();
+    store.write(t, 0, &[1; 100]).unwrap();
+    store.sync().unwrap();
+    faulty.set_full(true);
+    // An append, a tiny write and an overwrite of block 1 (64..128).
+    for (id, off, len) in [(e, 300, 500), (t, 128, 64), (e, 64, 64)] {
+        let r = store.write(id, off, &vec![2; len]);
+        assert!(matches!(r, Err(StoreError::NoSpace)), "{id} {off}: {r:?}");
+    }
+    assert_eq!(StoreError::NoSpace.code(), ErrorCode::Unavailable);
+    faulty.set_full(false);
+    assert_eq!(store.len(e).unwrap(), 300);
+    assert_eq!(&store.read(e, 0, 64).unwrap()[..], &[1; 64][..]);
+    assert_eq!(&store.read(e, 128, 172).unwrap()[..], &[1; 172][..]);
+    assert!(matches!(
+        store.read(e, 64, 64),
+        Err(StoreError::Corrupt { block: 1, .. })
+    ));
+    store.repair_block(e, 1, &[1; 64]).unwrap();
+    store.write(e, 300, &[3; 500]).unwrap();
+    store.write(t, 128, &[3; 64]).unwrap();
+    store.sync().unwrap();
+    drop(store);
+    let store = open(&mem);
+    let mut want = vec![1u8; 300];
+    want.extend_from_slice(&[3; 500]);
+    assert_eq!(&store.read(e, 0, 800).unwrap()[..], &want[..]);
+    assert_eq!(&store.read(t, 128, 64).unwrap()[..], &[3; 64][..]);
+}

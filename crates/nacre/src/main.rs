@@ -362,6 +362,7 @@ fn server(a: ServerArgs) -> anyhow::Result<()> {
         print!("{}", toml::to_string_pretty(&cfg)?);
         return Ok(());
     }
+    nacre_raft::store::exit_process_on_log_failure(true);
     runtime()?.block_on(async {
         let node = Node::start(&cfg).await?;
         println!(

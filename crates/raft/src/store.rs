@@ -25,6 +25,17 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::log::{GroupId, LogStore};
 use crate::node::{NodeConfig, ProposalId, RaftError, RaftNode, StateMachine};
 
+static EXIT_ON_LOG_FAILURE: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Makes a failed raft log write end the process (exit code 74) instead of only stopping that
+/// store. A server process hosts one role: with its log gone it would still answer pings and
+/// heartbeats while taking part in nothing; exiting is what its supervisor (and its peers' failure
+/// detection) understands. `nacre up` runs every node in one process and leaves this off.
+pub fn exit_process_on_log_failure(on: bool) {
+    EXIT_ON_LOG_FAILURE.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Settings of a raft store.
 #[derive(Clone, Debug)]
 pub struct StoreConfig {
@@ -428,6 +439,13 @@ async fn run<S: StateMachine>(
         if let Err(e) = lp.ready() {
             // A failed log write leaves the log in an unknown state: stop serving.
             tracing::error!(node = id, error = %e, "raft store stopped");
+            if EXIT_ON_LOG_FAILURE.load(std::sync::atomic::Ordering::Relaxed) {
+                tracing::error!(
+                    node = id,
+                    "exiting: a node whose raft log cannot be written must not linger half alive"
+                );
+                std::process::exit(74); // EX_IOERR
+            }
             break;
         }
     }

@@ -106,6 +106,12 @@ pub enum StoreError {
     /// refuses all work until it is reopened (which recovers from what is on disk).
     #[error("the store failed an IO earlier; reopen it")]
     Failed,
+    /// A write found the disk full. Nothing changed in memory and what reached the files lies past
+    /// the extent's length or in blocks whose records still hold the old CRC (as after a crash in
+    /// the middle of the write), so unlike other IO errors this does not fail the store: writes
+    /// work again once there is room.
+    #[error("no space left on the disk")]
+    NoSpace,
 }
 
 impl StoreError {
@@ -115,6 +121,7 @@ impl StoreError {
             Self::OutOfRange { .. } | Self::Invalid(_) => ErrorCode::InvalidArgument,
             Self::Corrupt { .. } => ErrorCode::Corrupt,
             Self::Io(_) | Self::Failed => ErrorCode::Internal,
+            Self::NoSpace => ErrorCode::Unavailable,
         }
     }
 }
@@ -395,7 +402,13 @@ impl ExtentStore {
                     extent_len: st.len,
                 });
             }
-            self.write_locked(&ext, &mut st, offset, data)?;
+            self.write_locked(&ext, &mut st, offset, data)
+                .map_err(|e| match e {
+                    StoreError::Io(io) if io.kind() == std::io::ErrorKind::StorageFull => {
+                        StoreError::NoSpace
+                    }
+                    e => e,
+                })?;
             drop(st);
             self.mark_dirty(&ext);
             Ok(())

@@ -321,8 +321,12 @@ impl Harness {
         let exe = self.cfg.exe.clone();
         let log_path = self.log_path(k);
         let n = &mut self.nodes[k];
-        if n.child.is_some() {
-            return Ok(());
+        // A process that exited by itself (fail-stop on a dead disk) is started again too.
+        if let Some(c) = &mut n.child {
+            match c.try_wait() {
+                Ok(None) => return Ok(()),
+                _ => n.child = None,
+            }
         }
         let log = OpenOptions::new()
             .create(true)

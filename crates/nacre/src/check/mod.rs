@@ -581,6 +581,11 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         if h.has_small_disk() && !freed && start.elapsed() >= free_at {
             h.free_disk()?;
             freed = true;
+            // Its node may have stopped on the full disk (a failed raft log write exits): a
+            // supervisor would start it again.
+            if let Some(&k) = h.of(Role::Data).first() {
+                h.spawn(k)?;
+            }
             faults.push(fault(start, "free-disk", "data-0", String::new()));
         }
         let kind = match a.schedule {
