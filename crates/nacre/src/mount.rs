@@ -86,6 +86,7 @@ pub struct VolumeMount {
     pub metrics_addr: Option<String>,
     http_stop: Option<tokio::sync::oneshot::Sender<()>>,
     msgr: Messenger,
+    evictor: tokio::task::JoinHandle<()>,
 }
 
 impl VolumeMount {
@@ -125,21 +126,24 @@ impl VolumeMount {
                 &mut registry,
             ));
             let (metrics_addr, http_stop) = serve_metrics(&flags.metrics_listen, registry).await?;
+            let for_evictor = fs.clone();
             let rt = tokio::runtime::Handle::current();
             let dir = dir.to_path_buf();
             // The FUSE handshake blocks: not on a runtime worker.
             let mounted =
                 tokio::task::spawn_blocking(move || nacre_fuse::mount(fs, rt, &dir, &opts))
                     .await??;
-            anyhow::Ok((mounted, metrics_addr, http_stop))
+            let evictor = tokio::spawn(evict_orphans(for_evictor));
+            anyhow::Ok((mounted, metrics_addr, http_stop, evictor))
         }
         .await;
         match r {
-            Ok((mounted, metrics_addr, http_stop)) => Ok(Self {
+            Ok((mounted, metrics_addr, http_stop, evictor)) => Ok(Self {
                 mounted,
                 metrics_addr,
                 http_stop,
                 msgr,
+                evictor,
             }),
             Err(e) => {
                 shutdown(msgr).await;
@@ -154,8 +158,10 @@ impl VolumeMount {
             mounted,
             http_stop,
             msgr,
+            evictor,
             ..
         } = self;
+        evictor.abort();
         if let Some(stop) = http_stop {
             let _ = stop.send(());
         }
@@ -163,6 +169,23 @@ impl VolumeMount {
         shutdown(msgr).await;
         r??;
         Ok(())
+    }
+}
+
+/// How often a mount retries evicting the inodes its failed creates left behind.
+const EVICT_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Retries, every [`EVICT_EVERY`], the evictions of orphan inodes (a create whose dentry failed
+/// after its inode was made, and whose undo failed too: CFS's client-side orphan list).
+async fn evict_orphans(fs: Arc<Metrics<MetaCache<NetFs>>>) {
+    let mut tick = tokio::time::interval(EVICT_EVERY);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let left = fs.inner().inner().meta().evict_orphans().await;
+        if left > 0 {
+            tracing::warn!(left, "orphan inodes still not evicted; retrying later");
+        }
     }
 }
 
