@@ -265,6 +265,33 @@ impl Prober {
         }
     }
 
+    /// Starts a fail-over probe of each target in `led` (the partitions a node that just failed
+    /// led), timed from `t0`.
+    fn spawn_probes(
+        &self,
+        probes: &mut tokio::task::JoinSet<Failover>,
+        led: Vec<Target>,
+        kind: &'static str,
+        node: &str,
+        t0: Instant,
+    ) {
+        for t in led {
+            let (p, node) = (self.clone(), node.to_string());
+            probes.spawn(async move {
+                let ms = p
+                    .failover(t.clone(), t0)
+                    .await
+                    .map(|d| d.as_millis() as u64);
+                Failover {
+                    kind,
+                    node,
+                    target: t.to_string(),
+                    ms,
+                }
+            });
+        }
+    }
+
     /// Starts a write every 100 ms (each may take long while leaders change) until one succeeds;
     /// the time from `since` to that success.
     async fn failover(&self, t: Target, since: Instant) -> Option<Duration> {
@@ -613,21 +640,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
                 h.kill(k);
                 let t0 = Instant::now();
                 faults.push(fault(start, label, &name, format!("{} led", led.len())));
-                for t in led {
-                    let (p, name) = (prober.clone(), name.clone());
-                    probes.spawn(async move {
-                        let ms = p
-                            .failover(t.clone(), t0)
-                            .await
-                            .map(|d| d.as_millis() as u64);
-                        Failover {
-                            kind: label,
-                            node: name,
-                            target: t.to_string(),
-                            ms,
-                        }
-                    });
-                }
+                prober.spawn_probes(&mut probes, led, label, &name, t0);
                 tokio::time::sleep(half).await;
                 h.spawn(k)?;
                 // One failure at a time: the next fault waits for this node to be back.
@@ -651,21 +664,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
                 h.isolate(k)?;
                 let t0 = Instant::now();
                 faults.push(fault(start, "partition", &name, h.isolation.to_string()));
-                for t in led {
-                    let (p, name) = (prober.clone(), name.clone());
-                    probes.spawn(async move {
-                        let ms = p
-                            .failover(t.clone(), t0)
-                            .await
-                            .map(|d| d.as_millis() as u64);
-                        Failover {
-                            kind: "partition",
-                            node: name,
-                            target: t.to_string(),
-                            ms,
-                        }
-                    });
-                }
+                prober.spawn_probes(&mut probes, led, "partition", &name, t0);
                 tokio::time::sleep(half).await;
                 h.heal(k)?;
                 let _ = h.wait_healthy(&mc, Duration::from_secs(30)).await;
