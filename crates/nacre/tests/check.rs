@@ -54,6 +54,7 @@ fn schedule(name: &str, secs: u32) -> serde_json::Value {
     let report = &summary["report"];
     assert_eq!(report["lost_ops"], 0, "{pretty}");
     assert_eq!(report["findings"].as_array().unwrap().len(), 0, "{pretty}");
+    assert_eq!(summary["clients_gave_up"], 0, "{pretty}");
     assert!(
         summary["ops_acked"].as_u64().unwrap() > 20,
         "too little work done: {pretty}"

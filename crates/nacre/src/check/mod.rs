@@ -197,6 +197,8 @@ struct Summary {
     isolation: &'static str,
     ops_acked: u64,
     ops_failed: u64,
+    /// Clients that could not make their directories and did no work.
+    clients_gave_up: u64,
     faults: Vec<Fault>,
     failovers: Vec<Failover>,
     failover_p50_ms: Option<u64>,
@@ -379,6 +381,12 @@ fn print_summary(s: &Summary) {
         "operations: {} acknowledged, {} failed (during faults)",
         s.ops_acked, s.ops_failed
     );
+    if s.clients_gave_up > 0 {
+        println!(
+            "WARNING: {} clients could not make their directories and did no work",
+            s.clients_gave_up
+        );
+    }
     let mut kinds: Vec<&str> = s.faults.iter().map(|f| f.kind).collect();
     kinds.sort_unstable();
     kinds.dedup();
@@ -730,6 +738,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         isolation: h.isolation,
         ops_acked: stats.acked,
         ops_failed: stats.failed,
+        clients_gave_up: stats.gave_up,
         faults,
         failover_p50_ms: ms.get(ms.len() / 2).copied(),
         failover_max_ms: ms.last().copied(),
