@@ -680,8 +680,13 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
             Schedule::Corrupt => {
                 for _ in 0..3 {
                     let k = pick(&h.of(Role::Data), &mut rng);
-                    if let Some(what) = h.corrupt(k, &mut rng)? {
-                        faults.push(fault(start, "corrupt", &h.nodes[k].name.clone(), what));
+                    let node = h.nodes[k].name.clone();
+                    match h.corrupt(k, &mut rng) {
+                        Ok(Some(what)) => faults.push(fault(start, "corrupt", &node, what)),
+                        Ok(None) => {}
+                        // Flipping a byte can fail too (a byte in a punched hole of a full
+                        // disk needs a block): no fault then, and the run goes on.
+                        Err(e) => faults.push(fault(start, "corrupt-failed", &node, e.to_string())),
                     }
                 }
                 tokio::time::sleep(half).await;
