@@ -349,7 +349,12 @@ fn run_check(a: RunArgs) -> anyhow::Result<()> {
     let dir = cfg.dir.clone();
     let out = rt.block_on(async move {
         let mut h = Harness::start(cfg)?;
-        let r = drive(&mut h, &a, seed).await;
+        // Ctrl-C or SIGTERM (a CI job cancelled) still stops the processes and deletes the
+        // namespaces: that happens when the harness drops.
+        let r = tokio::select! {
+            r = drive(&mut h, &a, seed) => r,
+            () = crate::stop_signal() => Err(anyhow::anyhow!("interrupted; the cluster is stopped")),
+        };
         drop(h);
         r
     });
