@@ -206,6 +206,8 @@ struct Summary {
     corrupt_blocks_detected: usize,
     garbage_problems: Vec<String>,
     report: workload::Report,
+    /// For each path with a finding: its lines of the acknowledgement log (what was acknowledged).
+    history: std::collections::BTreeMap<String, Vec<String>>,
     healed_within_ms: Option<u64>,
 }
 
@@ -428,6 +430,12 @@ fn print_summary(s: &Summary) {
         None => println!("cluster NOT fully writable again after the last fault"),
     }
     println!("{}", s.report);
+    for (path, lines) in &s.history {
+        println!("acknowledged operations on {path}:");
+        for l in lines {
+            println!("  {l}");
+        }
+    }
 }
 
 async fn connect(client: Client, masters: &[String]) -> anyhow::Result<Arc<NetVolume>> {
@@ -734,6 +742,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     let verify_vol = connect(msgr.client(), &masters).await?;
     let report = wl.verify(&NetFs::new(verify_vol)).await;
     let stats = wl.stats().snapshot();
+    let history = history(&h.dir().join("acks.jsonl"), &report);
     let mut ms: Vec<u64> = failovers.iter().filter_map(|f| f.ms).collect();
     ms.sort_unstable();
     let detected = (0..h.nodes.len())
@@ -756,11 +765,35 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         corrupt_blocks_detected: detected,
         garbage_problems,
         report,
+        history,
         healed_within_ms,
     };
     let m = msgr.clone();
     tokio::task::spawn_blocking(move || m.shutdown()).await?;
     Ok((summary, a.json))
+}
+
+/// The acknowledgement log's lines about each path the report has a finding for (the log
+/// names a file by `path`, and by `from` when it was renamed).
+fn history(
+    acks: &std::path::Path,
+    report: &workload::Report,
+) -> std::collections::BTreeMap<String, Vec<String>> {
+    let mut out = std::collections::BTreeMap::new();
+    if report.findings.is_empty() {
+        return out;
+    }
+    let text = std::fs::read_to_string(acks).unwrap_or_default();
+    for f in &report.findings {
+        let quoted = format!("\"{}\"", f.path());
+        let lines: Vec<String> = text
+            .lines()
+            .filter(|l| l.contains(&quoted))
+            .map(String::from)
+            .collect();
+        out.insert(f.path().to_string(), lines);
+    }
+    out
 }
 
 fn fault(start: Instant, kind: &'static str, node: &str, detail: String) -> Fault {

@@ -144,6 +144,19 @@ pub enum Finding {
     RenameNotAtomic { from: String, to: String },
 }
 
+impl Finding {
+    /// The volume path the finding is about.
+    pub fn path(&self) -> &str {
+        match self {
+            Self::Missing { path, .. }
+            | Self::Wrong { path, .. }
+            | Self::Unexpected { path, .. }
+            | Self::Unreadable { path, .. } => path,
+            Self::RenameNotAtomic { from, .. } => from,
+        }
+    }
+}
+
 impl fmt::Display for Finding {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -804,7 +817,7 @@ impl<F: FileSystem + Sync> Client<'_, F> {
     fn fail(&mut self, op: &str, rel: &str, e: &FsError) {
         self.count_failure();
         let path = self.full(rel);
-        tracing::debug!(client = self.id, op, path, error = %e, "operation failed");
+        tracing::warn!(client = self.id, op, path, error = %e, "operation failed");
     }
 
     /// The operation's paths now have the outcomes `worlds`; the client forgets them.
