@@ -36,6 +36,7 @@ fn opts() -> StoreOptions {
     StoreOptions {
         block_size: BS,
         sync: true,
+        ..StoreOptions::default()
     }
 }
 

@@ -6,22 +6,27 @@
 //! - a write is durable only after [`DiskFile::sync_data`] of that file returns;
 //! - a created, removed or renamed name is durable only after [`Disk::sync_dir`] returns;
 //! - unsynced writes may be lost, reordered or torn (any prefix or subset of sectors may land);
-//! - an open handle keeps working after its name is removed (the inode lives on).
+//! - an open handle keeps working after its name is removed (the inode lives on);
+//! - a file is closed when the last `Arc` of its handle drops; closing loses nothing (unsynced writes
+//!   stay in the page cache), and `sync_data` through a handle opened later makes them durable too.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use rustix::fs::FallocateFlags;
 
 /// A directory of files.
 pub trait Disk: Send + Sync + std::fmt::Debug + 'static {
-    /// Opens (creating if missing) a file by flat name (no `/`).
+    /// Opens (creating if missing) a file by flat name (no `/`). The file closes when the last `Arc`
+    /// of the handle drops.
     fn open(&self, name: &str) -> io::Result<Arc<dyn DiskFile>>;
+    /// Opens a file that must exist (`NotFound` otherwise): for reopening a file closed earlier.
+    fn open_existing(&self, name: &str) -> io::Result<Arc<dyn DiskFile>>;
     /// Names of the files present now (durable or not), in no particular order.
     fn list(&self) -> io::Result<Vec<String>>;
     /// Removes a name; a missing file is not an error.
@@ -99,15 +104,25 @@ impl FileDisk {
     }
 }
 
-impl Disk for FileDisk {
-    fn open(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
+impl FileDisk {
+    fn open_file(&self, name: &str, create: bool) -> io::Result<Arc<dyn DiskFile>> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
+            .create(create)
             .truncate(false)
             .open(self.path(name)?)?;
         Ok(Arc::new(RealFile { file }))
+    }
+}
+
+impl Disk for FileDisk {
+    fn open(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
+        self.open_file(name, true)
+    }
+
+    fn open_existing(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
+        self.open_file(name, false)
     }
 
     fn list(&self) -> io::Result<Vec<String>> {
@@ -210,10 +225,26 @@ impl DiskFile for RealFile {
 /// An in-memory disk that also keeps its **crash image**: for every file the content as of its last
 /// `sync_data` plus the writes since (so a crash can keep any subset of them), and the names as of the
 /// last `sync_dir`. Clones share the same files, so a test can keep a handle to inspect, corrupt or
-/// crash the disk a store is using.
+/// crash the disk a store is using. It also counts its open handles ([`MemDisk::open_files`]), so a
+/// test can check a bound on open files.
 #[derive(Clone, Debug, Default)]
 pub struct MemDisk {
     dir: Arc<Mutex<MemDir>>,
+    handles: Arc<Handles>,
+}
+
+/// Open [`MemFile`]s of a [`MemDisk`] (and of its clones).
+#[derive(Debug, Default)]
+struct Handles {
+    now: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl Handles {
+    fn opened(&self) {
+        let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.peak.fetch_max(now, Ordering::SeqCst);
+    }
 }
 
 #[derive(Debug, Default)]
@@ -354,7 +385,18 @@ impl MemDisk {
                 live: files.clone(),
                 durable: files,
             })),
+            handles: Arc::default(),
         }
+    }
+
+    /// Handles opened through this disk (or its clones) and not dropped yet.
+    pub fn open_files(&self) -> usize {
+        self.handles.now.load(Ordering::SeqCst)
+    }
+
+    /// The most handles that were open at once.
+    pub fn peak_open_files(&self) -> usize {
+        self.handles.peak.load(Ordering::SeqCst)
     }
 
     /// A file's current content, if the name exists.
@@ -405,12 +447,35 @@ impl MemDisk {
     }
 }
 
+impl MemDisk {
+    fn handle(&self, inode: Arc<MemInode>) -> Arc<dyn DiskFile> {
+        self.handles.opened();
+        Arc::new(MemFile {
+            inode,
+            handles: self.handles.clone(),
+        })
+    }
+}
+
 impl Disk for MemDisk {
     fn open(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
         check_name(name)?;
-        let mut dir = lock(&self.dir);
-        let inode = dir.live.entry(name.to_owned()).or_default().clone();
-        Ok(Arc::new(MemFile { inode }))
+        let inode = lock(&self.dir)
+            .live
+            .entry(name.to_owned())
+            .or_default()
+            .clone();
+        Ok(self.handle(inode))
+    }
+
+    fn open_existing(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
+        check_name(name)?;
+        let inode = lock(&self.dir)
+            .live
+            .get(name)
+            .cloned()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, name.to_owned()))?;
+        Ok(self.handle(inode))
     }
 
     fn list(&self) -> io::Result<Vec<String>> {
@@ -461,6 +526,13 @@ impl Disk for MemDisk {
 #[derive(Debug)]
 struct MemFile {
     inode: Arc<MemInode>,
+    handles: Arc<Handles>,
+}
+
+impl Drop for MemFile {
+    fn drop(&mut self) {
+        self.handles.now.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl MemFile {
@@ -568,7 +640,9 @@ pub struct FaultyDisk {
 #[derive(Debug)]
 struct Faults {
     /// Writes fail with `StorageFull` after writing half their bytes (see [`FaultyDisk::set_full`]).
-    full: std::sync::atomic::AtomicBool,
+    full: AtomicBool,
+    /// Opening files fails with `EMFILE` (see [`FaultyDisk::set_out_of_fds`]).
+    no_fds: AtomicBool,
     ops: AtomicU64,
     /// `u64::MAX` = never.
     fail_after: AtomicU64,
@@ -607,12 +681,18 @@ fn injected() -> io::Error {
     io::Error::other("injected fault")
 }
 
+/// `EMFILE`, as `open(2)` returns it when the process has no descriptor left.
+fn out_of_fds() -> io::Error {
+    io::Error::from_raw_os_error(rustix::io::Errno::MFILE.raw_os_error())
+}
+
 impl FaultyDisk {
     pub fn new(inner: Arc<dyn Disk>, plan: FaultPlan) -> Self {
         Self {
             inner,
             faults: Arc::new(Faults {
-                full: std::sync::atomic::AtomicBool::new(false),
+                full: AtomicBool::new(false),
+                no_fds: AtomicBool::new(false),
                 ops: AtomicU64::new(0),
                 fail_after: AtomicU64::new(plan.fail_after.unwrap_or(u64::MAX)),
                 tear: plan.tear,
@@ -631,6 +711,28 @@ impl FaultyDisk {
         self.faults.full.store(full, Ordering::SeqCst);
     }
 
+    /// No descriptors left: while on, every operation that opens a file or a directory (`open`,
+    /// `open_existing`, `list`, `sync_dir`, `used`, as on [`FileDisk`]) fails with `EMFILE` and does
+    /// nothing; handles already open keep working.
+    pub fn set_out_of_fds(&self, on: bool) {
+        self.faults.no_fds.store(on, Ordering::SeqCst);
+    }
+
+    fn check_fds(&self) -> io::Result<()> {
+        if self.faults.no_fds.load(Ordering::SeqCst) {
+            Err(out_of_fds())
+        } else {
+            Ok(())
+        }
+    }
+
+    fn wrap(&self, inner: Arc<dyn DiskFile>) -> Arc<dyn DiskFile> {
+        Arc::new(FaultyFile {
+            inner,
+            faults: self.faults.clone(),
+        })
+    }
+
     /// Changes the budget: fail after `n` more successful operations from now (`None`: never).
     pub fn fail_after_more(&self, n: Option<u64>) {
         let limit = n.map_or(u64::MAX, |n| self.ops().saturating_add(n));
@@ -640,15 +742,19 @@ impl FaultyDisk {
 
 impl Disk for FaultyDisk {
     fn open(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
+        self.check_fds()?;
         self.faults.check()?;
-        let inner = self.inner.open(name)?;
-        Ok(Arc::new(FaultyFile {
-            inner,
-            faults: self.faults.clone(),
-        }))
+        Ok(self.wrap(self.inner.open(name)?))
+    }
+
+    fn open_existing(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
+        self.check_fds()?;
+        self.faults.check()?;
+        Ok(self.wrap(self.inner.open_existing(name)?))
     }
 
     fn list(&self) -> io::Result<Vec<String>> {
+        self.check_fds()?;
         self.faults.check()?;
         self.inner.list()
     }
@@ -664,11 +770,13 @@ impl Disk for FaultyDisk {
     }
 
     fn sync_dir(&self) -> io::Result<()> {
+        self.check_fds()?;
         self.faults.check()?;
         self.inner.sync_dir()
     }
 
     fn used(&self) -> io::Result<u64> {
+        self.check_fds()?;
         self.faults.check()?;
         self.inner.used()
     }
@@ -766,6 +874,41 @@ mod tests {
             saw_torn |= img.len() == 2050 && img.contains(&0);
         }
         assert!(saw_torn, "some image tears the large write");
+    }
+
+    #[test]
+    fn mem_disk_counts_open_handles() {
+        let disk = MemDisk::new();
+        assert!(
+            disk.open_existing("a").is_err(),
+            "open_existing never creates"
+        );
+        let a = disk.open("a").unwrap();
+        let a2 = disk.clone().open_existing("a").unwrap();
+        assert_eq!(disk.open_files(), 2);
+        drop(a);
+        assert_eq!(disk.open_files(), 1);
+        a2.write_at(b"x", 0).unwrap();
+        drop(a2);
+        assert_eq!((disk.open_files(), disk.peak_open_files()), (0, 2));
+        assert_eq!(disk.read_file("a").unwrap(), b"x", "closing loses nothing");
+    }
+
+    #[test]
+    fn faulty_disk_runs_out_of_descriptors() {
+        let disk = FaultyDisk::new(Arc::new(MemDisk::new()), FaultPlan::default());
+        let f = disk.open("f").unwrap();
+        disk.set_out_of_fds(true);
+        let e = disk.open_existing("f").unwrap_err();
+        assert_eq!(
+            e.raw_os_error(),
+            Some(rustix::io::Errno::MFILE.raw_os_error())
+        );
+        assert!(disk.open("g").is_err() && disk.sync_dir().is_err() && disk.list().is_err());
+        f.write_at(b"open handles work", 0).unwrap();
+        f.sync_data().unwrap();
+        disk.set_out_of_fds(false);
+        assert_eq!(disk.list().unwrap(), ["f"]);
     }
 
     #[test]

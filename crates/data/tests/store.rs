@@ -25,11 +25,24 @@ fn opts() -> StoreOptions {
     StoreOptions {
         block_size: BS,
         sync: true,
+        ..StoreOptions::default()
+    }
+}
+
+/// At most `cap` extents' files open at once.
+fn capped(cap: u32) -> StoreOptions {
+    StoreOptions {
+        max_open_extents: cap,
+        ..opts()
     }
 }
 
 fn open(disk: &MemDisk) -> ExtentStore {
     ExtentStore::open(Arc::new(disk.clone()), opts()).unwrap()
+}
+
+fn open_capped(disk: &MemDisk, cap: u32) -> ExtentStore {
+    ExtentStore::open(Arc::new(disk.clone()), capped(cap)).unwrap()
 }
 
 fn data_name(id: ExtentId) -> String {
@@ -486,21 +499,56 @@ proptest! {
     /// serves nothing unverified and reports what it trimmed.
     #[test]
     fn crash_recovery(ops in prop::collection::vec(op(), 1..50), seed in any::<u64>()) {
-        let disk = MemDisk::new();
-        let store = open(&disk);
-        let mut sim = Sim::default();
-        for op in &ops {
-            sim.step(&store, op).unwrap();
-        }
-        for image in [disk.crash(), disk.crash_torn(seed), disk.crash_torn(seed ^ 0x5555)] {
-            let found = data_lens(&image);
-            let recovered = open(&image);
-            sim.check_recovered(&recovered, &found);
-            // Recovery is idempotent.
-            drop(recovered);
-            let again = open(&image);
-            prop_assert!(again.recovery_report().is_empty(), "{:?}", again.recovery_report());
-        }
+        check_crash_recovery(&ops, seed, &opts());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    /// The same with one extent's files open at a time: nearly every call reopens its extent, and
+    /// every sync round reopens extents whose files were closed after they were written.
+    #[test]
+    fn crash_recovery_with_evicted_files(
+        ops in prop::collection::vec(op(), 1..50),
+        seed in any::<u64>(),
+    ) {
+        check_crash_recovery(&ops, seed, &capped(1));
+    }
+}
+
+fn check_crash_recovery(ops: &[Op], seed: u64, opts: &StoreOptions) {
+    let disk = MemDisk::new();
+    let store = ExtentStore::open(Arc::new(disk.clone()), opts.clone()).unwrap();
+    let mut sim = Sim::default();
+    for op in ops {
+        sim.step(&store, op).unwrap();
+    }
+    let cap = opts.max_open_extents as usize;
+    assert!(store.open_extents() <= cap);
+    assert!(
+        disk.peak_open_files() <= 2 * cap,
+        "{}",
+        disk.peak_open_files()
+    );
+    for image in [
+        disk.crash(),
+        disk.crash_torn(seed),
+        disk.crash_torn(seed ^ 0x5555),
+    ] {
+        let found = data_lens(&image);
+        let recovered = ExtentStore::open(Arc::new(image.clone()), opts.clone()).unwrap();
+        sim.check_recovered(&recovered, &found);
+        // Recovery is idempotent.
+        drop(recovered);
+        let again = ExtentStore::open(Arc::new(image.clone()), opts.clone()).unwrap();
+        assert!(
+            again.recovery_report().is_empty(),
+            "{:?}",
+            again.recovery_report()
+        );
+        drop(again);
+        assert!(image.peak_open_files() <= 2 * cap);
     }
 }
 
@@ -575,15 +623,17 @@ fn open_rejects_a_different_block_size() {
     drop(s);
     let other = StoreOptions {
         block_size: 128,
-        sync: true,
+        ..opts()
     };
     let e = ExtentStore::open(Arc::new(disk.clone()), other).unwrap_err();
     assert!(matches!(e, StoreError::Invalid(_)), "{e}");
     let bad = StoreOptions {
         block_size: 1,
-        sync: true,
+        ..opts()
     };
-    assert!(ExtentStore::open(Arc::new(disk), bad).is_err());
+    assert!(ExtentStore::open(Arc::new(disk.clone()), bad).is_err());
+    let e = ExtentStore::open(Arc::new(disk), capped(0)).unwrap_err();
+    assert!(matches!(e, StoreError::Invalid(_)), "{e}");
 }
 
 #[test]
@@ -724,13 +774,15 @@ fn faulty_workload() -> Vec<Op> {
 
 /// Runs `workload` on a disk that fails after `n` operations (tearing the failing write), then
 /// checks every crash image and the files as left. Returns whether the workload never hit the fault.
-fn run_with_fault(workload: &[Op], n: u64, seed: u64) -> bool {
+fn run_with_fault(workload: &[Op], n: u64, seed: u64, opts: &StoreOptions) -> bool {
     let mem = MemDisk::new();
     let faulty = FaultyDisk::new(Arc::new(mem.clone()), FaultPlan::fail_after(n).tearing());
     let mut sim = Sim::default();
     let mut completed = true;
-    if let Ok(store) = ExtentStore::open(Arc::new(faulty), opts()) {
+    if let Ok(store) = ExtentStore::open(Arc::new(faulty), opts.clone()) {
         let mut failed = false;
+        // A failed read whose open had to close (so first fsync) another extent's files.
+        let mut read_failed = false;
         for op in workload {
             let r = sim.step(&store, op);
             if failed {
@@ -738,9 +790,13 @@ fn run_with_fault(workload: &[Op], n: u64, seed: u64) -> bool {
             }
             match r {
                 Ok(()) => {}
-                // A read's IO error changes nothing.
-                Err(StoreError::Io(_)) if matches!(op, Op::Read(..)) => completed = false,
-                Err(StoreError::Failed) if failed => {}
+                // A read's IO error changes nothing, but when it is the fsync of files the read's
+                // open closed to make room, it fails the store.
+                Err(StoreError::Io(_)) if matches!(op, Op::Read(..)) => {
+                    completed = false;
+                    read_failed = true;
+                }
+                Err(StoreError::Failed) if failed || read_failed => failed = true,
                 Err(e) => {
                     assert!(matches!(e, StoreError::Io(_)), "n={n} {op:?}: {e}");
                     completed = false;
@@ -765,7 +821,7 @@ fn run_with_fault(workload: &[Op], n: u64, seed: u64) -> bool {
     .enumerate()
     {
         let found = data_lens(&image);
-        let store = ExtentStore::open(Arc::new(image), opts())
+        let store = ExtentStore::open(Arc::new(image), opts.clone())
             .unwrap_or_else(|e| panic!("n={n} image {i}: reopen failed: {e}"));
         sim.check_recovered(&store, &found);
     }
@@ -779,7 +835,19 @@ fn run_with_fault(workload: &[Op], n: u64, seed: u64) -> bool {
 fn fail_after_every_n_operations() {
     let workload = faulty_workload();
     let mut n = 0;
-    while !run_with_fault(&workload, n, n) {
+    while !run_with_fault(&workload, n, n, &opts()) {
+        n += 1;
+    }
+    assert!(n > 50, "the workload did only {n} operations");
+}
+
+/// The same with one extent's files open at a time, so that reopens (and the sync round's reopens
+/// of evicted dirty extents) fail too.
+#[test]
+fn fail_after_every_n_operations_with_evicted_files() {
+    let workload = faulty_workload();
+    let mut n = 0;
+    while !run_with_fault(&workload, n, n, &capped(1)) {
         n += 1;
     }
     assert!(n > 50, "the workload did only {n} operations");
@@ -795,7 +863,7 @@ proptest! {
         n in 0..300u64,
         seed in any::<u64>(),
     ) {
-        run_with_fault(&ops, n, seed);
+        run_with_fault(&ops, n, seed, &opts());
     }
 }
 
@@ -909,13 +977,22 @@ struct GateFile {
     is_data: bool,
 }
 
-impl Disk for GateDisk {
-    fn open(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
-        Ok(Arc::new(GateFile {
-            inner: self.inner.open(name)?,
+impl GateDisk {
+    fn wrap(&self, name: &str, inner: Arc<dyn DiskFile>) -> Arc<dyn DiskFile> {
+        Arc::new(GateFile {
+            inner,
             gate: self.gate.clone(),
             is_data: name.ends_with(".data"),
-        }))
+        })
+    }
+}
+
+impl Disk for GateDisk {
+    fn open(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
+        Ok(self.wrap(name, self.inner.open(name)?))
+    }
+    fn open_existing(&self, name: &str) -> io::Result<Arc<dyn DiskFile>> {
+        Ok(self.wrap(name, self.inner.open_existing(name)?))
     }
     fn list(&self) -> io::Result<Vec<String>> {
         self.inner.list()
@@ -1131,4 +1208,405 @@ fn a_full_disk_fails_the_write_not_the_store() {
     want.extend_from_slice(&[3; 500]);
     assert_eq!(&store.read(e, 0, 800).unwrap()[..], &want[..]);
     assert_eq!(&store.read(t, 128, 64).unwrap()[..], &[3; 64][..]);
+}
+
+// -------------------------------------------------------------------------------------------------
+// Bounded open files (docs/data-store.md, "Open files")
+
+/// splitmix64, for fixed-seed workloads.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// In `0..n` (`n > 0`).
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+/// Every extent of the model reads back whole, with the model's lengths and nothing else.
+fn check_model(store: &ExtentStore, model: &BTreeMap<ExtentId, Vec<u8>>) {
+    let want: Vec<(ExtentId, u64)> = model.iter().map(|(id, v)| (*id, v.len() as u64)).collect();
+    assert_eq!(store.extents(), want);
+    for (id, v) in model {
+        assert_eq!(
+            store.read(*id, 0, v.len() as u32).unwrap()[..],
+            v[..],
+            "{id}"
+        );
+    }
+}
+
+/// 200 normal extents and 4 tiny ones with at most 8 extents' files open: a seeded random
+/// interleaving of create, append, overwrite, read, truncate, punch, delete and sync matches the
+/// model, the disk never has more than 16 files open (not even inside a call), and everything reads
+/// back after a clean reopen and after a crash following the last sync.
+#[test]
+fn open_files_stay_bounded_across_many_extents() {
+    const CAP: u32 = 8;
+    const FILES: usize = 2 * CAP as usize;
+    for seed in 0..3u64 {
+        let disk = MemDisk::new();
+        let store = open_capped(&disk, CAP);
+        let mut rng = Rng(seed);
+        let mut model: BTreeMap<ExtentId, Vec<u8>> = BTreeMap::new();
+        let normal = |i: u64| ExtentId(1024 + i);
+        let mut most = 0;
+        for step in 0..4000 {
+            let id = if rng.below(10) == 0 {
+                ExtentId(1 + rng.below(4))
+            } else {
+                normal(rng.below(200))
+            };
+            let exists = model.contains_key(&id);
+            let len = model.get(&id).map_or(0, |v| v.len() as u64);
+            match rng.below(16) {
+                // Creating is the most common at first, so the extents pile up.
+                0..=2 if !id.is_tiny() => {
+                    store.create(id).unwrap();
+                    model.entry(id).or_default();
+                }
+                3..=6 if exists || id.is_tiny() => {
+                    // Append (a tiny extent after a gap), or overwrite in place.
+                    let off = match rng.below(3) {
+                        0 => rng.below(len + 1),
+                        _ if id.is_tiny() => len + rng.below(100),
+                        _ => len,
+                    };
+                    let n = 1 + rng.below(200) as usize;
+                    let d = rng.bytes(n);
+                    store.write(id, off, &d).unwrap();
+                    let v = model.entry(id).or_default();
+                    let end = off as usize + d.len();
+                    if v.len() < end {
+                        v.resize(end, 0);
+                    }
+                    v[off as usize..end].copy_from_slice(&d);
+                }
+                7..=9 if exists => {
+                    let off = rng.below(len + 1);
+                    let n = rng.below(len - off + 1);
+                    let got = store.read(id, off, n as u32).unwrap();
+                    assert_eq!(got[..], model[&id][off as usize..(off + n) as usize]);
+                }
+                10 if exists => {
+                    let to = rng.below(len + 1);
+                    store.truncate(id, to).unwrap();
+                    model.get_mut(&id).unwrap().truncate(to as usize);
+                }
+                11 if exists => {
+                    let off = rng.below(len + 1);
+                    let n = rng.below(len - off + 1);
+                    store.punch(id, off, n).unwrap();
+                    model.get_mut(&id).unwrap()[off as usize..(off + n) as usize].fill(0);
+                }
+                12 if exists && !id.is_tiny() => {
+                    store.delete(id).unwrap();
+                    model.remove(&id);
+                }
+                13 => store.sync().unwrap(),
+                _ => {}
+            }
+            most = most.max(model.len());
+            assert!(
+                store.open_extents() <= CAP as usize,
+                "seed {seed} step {step}: {} extents open",
+                store.open_extents()
+            );
+            assert!(disk.open_files() <= FILES, "seed {seed} step {step}");
+        }
+        assert!(most > 10 * CAP as usize, "seed {seed}: only {most} extents");
+        check_model(&store, &model);
+        store.sync().unwrap();
+        assert!(
+            disk.peak_open_files() <= FILES,
+            "{}",
+            disk.peak_open_files()
+        );
+        drop(store);
+        assert_eq!(disk.open_files(), 0, "closing the store closes its files");
+
+        // Recovery at open keeps the bound too.
+        let store = open_capped(&disk, CAP);
+        assert!(store.recovery_report().is_empty());
+        check_model(&store, &model);
+        drop(store);
+        let image = disk.crash();
+        let store = open_capped(&image, CAP);
+        check_model(&store, &model);
+        assert!(disk.peak_open_files() <= FILES);
+        assert!(image.peak_open_files() <= FILES);
+    }
+}
+
+/// The length in the newest valid commit header of an extent's crc file (docs/data-store.md, "Files").
+fn header_len(disk: &MemDisk, id: ExtentId) -> Option<u64> {
+    let crc = disk.read_file(&format!("{}.crc", id.0))?;
+    let u64_at = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+    (0..2)
+        .filter_map(|i| crc.get(64 * i..64 * (i + 1)))
+        .filter(|h| h[..4] == *b"NXCR")
+        .max_by_key(|h| u64_at(h, 16))
+        .map(|h| u64_at(h, 24))
+}
+
+/// Writes to extents whose files were closed before the sync are made durable by it (the round
+/// reopens them to write their commit headers), and truncate, punch, repair and delete work on
+/// extents whose files are closed.
+#[test]
+fn sync_makes_writes_to_evicted_extents_durable() {
+    let disk = MemDisk::new();
+    let s = open_capped(&disk, 1);
+    let [a, b, c] = NORMAL;
+    for id in NORMAL {
+        s.create(id).unwrap();
+    }
+    s.sync().unwrap();
+    // Each write closes the previous extent's files, with its write not yet synced.
+    s.write(a, 0, &[1; 150]).unwrap();
+    s.write(b, 0, &[2; 150]).unwrap();
+    s.write(c, 0, &[3; 150]).unwrap();
+    assert_eq!(s.open_extents(), 1);
+    assert_eq!(disk.open_files(), 2);
+    s.sync().unwrap();
+    let image = disk.crash();
+    for id in NORMAL {
+        assert_eq!(
+            header_len(&image, id),
+            Some(150),
+            "{id}: the round committed it"
+        );
+    }
+    let r = open_capped(&image, 1);
+    assert!(r.recovery_report().is_empty());
+    for (id, byte) in [(a, 1), (b, 2), (c, 3)] {
+        assert_eq!(r.read(id, 0, 150).unwrap()[..], [byte; 150][..], "{id}");
+    }
+
+    // Changes on closed extents: each call reopens its extent and closes the previous one.
+    s.truncate(a, 100).unwrap(); // durable when it returns
+    s.punch(b, 10, 20).unwrap(); // durable when it returns
+    s.repair_block(c, 0, &[4; 64]).unwrap();
+    s.delete(a).unwrap();
+    s.write(b, 150, &[5; 50]).unwrap();
+    s.write(TINY[0], 0, &[6; 10]).unwrap();
+    let image = disk.crash();
+    let r = open_capped(&image, 1);
+    assert_eq!(r.len(a).unwrap(), 100, "the truncate is durable");
+    let mut want_b = vec![2; 150];
+    want_b[10..30].fill(0);
+    assert_eq!(
+        r.read(b, 0, 150).unwrap()[..],
+        want_b[..],
+        "the punch is durable"
+    );
+    drop(r);
+    s.sync().unwrap();
+    assert_eq!(disk.peak_open_files(), 2);
+    let image = disk.crash();
+    let r = open_capped(&image, 1);
+    assert!(matches!(r.len(a), Err(StoreError::NotFound(_))));
+    want_b.extend([5; 50]);
+    assert_eq!(r.read(b, 0, 200).unwrap()[..], want_b[..]);
+    let mut want_c = vec![4; 64];
+    want_c.extend([3; 86]);
+    assert_eq!(r.read(c, 0, 150).unwrap()[..], want_c[..]);
+    assert_eq!(r.read(TINY[0], 0, 10).unwrap()[..], [6; 10][..]);
+    let names: BTreeSet<String> = image.list().unwrap().into_iter().collect();
+    assert!(!names.contains(&data_name(a)), "{names:?}");
+}
+
+/// EMFILE is transient: the call that cannot open its files fails with `TooManyOpenFiles`
+/// (`Unavailable`), nothing changes, and the store keeps working; a sync that cannot reopen a dirty
+/// extent fails and leaves it dirty, and the next sync makes it durable.
+#[test]
+fn out_of_descriptors_fails_the_call_not_the_store() {
+    let mem = MemDisk::new();
+    let faulty = FaultyDisk::new(Arc::new(mem.clone()), FaultPlan::default());
+    let s = ExtentStore::open(Arc::new(faulty.clone()), capped(1)).unwrap();
+    let [a, b, c] = NORMAL;
+    s.create(a).unwrap();
+    s.create(b).unwrap();
+    s.sync().unwrap();
+    s.write(a, 0, &[1; 100]).unwrap();
+    s.write(b, 0, &[2; 100]).unwrap(); // closes a's files, a dirty
+    faulty.set_out_of_fds(true);
+
+    let no_fds = |r: Result<_, StoreError>| {
+        let e = r.unwrap_err();
+        assert!(matches!(e, StoreError::TooManyOpenFiles), "{e}");
+        assert_eq!(e.code(), ErrorCode::Unavailable);
+    };
+    // b's files are open: it keeps working.
+    s.write(b, 100, &[2; 28]).unwrap();
+    assert_eq!(s.read(b, 0, 128).unwrap()[..], [2; 128][..]);
+    // a's are not.
+    no_fds(s.read(a, 0, 100).map(drop));
+    no_fds(s.write(a, 100, &[9; 10]));
+    no_fds(s.truncate(a, 50));
+    no_fds(s.punch(a, 0, 10));
+    no_fds(s.repair_block(a, 0, &[9; 64]));
+    no_fds(s.create(c));
+    no_fds(s.write(TINY[0], 0, b"tiny"));
+    no_fds(s.sync());
+    no_fds(s.sync());
+    // Nothing changed, and the store did not fail.
+    assert_eq!(s.len(a).unwrap(), 100);
+    assert!(matches!(s.len(c), Err(StoreError::NotFound(_))));
+    assert_eq!(s.len(TINY[0]).unwrap(), 0);
+    // Closing a's files to open b's fsynced a's data, but no round committed its length.
+    assert_eq!(header_len(&mem.crash(), a), Some(0));
+    no_fds(ExtentStore::open(Arc::new(faulty.clone()), capped(1)).map(drop));
+
+    faulty.set_out_of_fds(false);
+    s.sync().unwrap();
+    assert_eq!(header_len(&mem.crash(), a), Some(100));
+    let r = open_capped(&mem.crash(), 1);
+    assert!(r.recovery_report().is_empty());
+    assert_eq!(r.read(a, 0, 100).unwrap()[..], [1; 100][..]);
+    assert_eq!(r.read(b, 0, 128).unwrap()[..], [2; 128][..]);
+    drop(r);
+    s.create(c).unwrap();
+    s.write(a, 100, &[3; 10]).unwrap();
+    s.sync().unwrap();
+    let r = open_capped(&mem.crash(), 1);
+    assert_eq!(r.len(a).unwrap(), 110);
+    assert_eq!(r.len(c).unwrap(), 0);
+
+    // A round that cannot fsync the directory (it opens it) keeps the names for the next one.
+    s.delete(c).unwrap();
+    faulty.set_out_of_fds(true);
+    no_fds(s.sync());
+    faulty.set_out_of_fds(false);
+    assert_eq!(open_capped(&mem.crash(), 1).len(c).unwrap(), 0);
+    s.sync().unwrap();
+    let r = open_capped(&mem.crash(), 1);
+    assert!(matches!(r.len(c), Err(StoreError::NotFound(_))));
+}
+
+/// Threads writing, syncing and reading 32 extents with 2 open at a time: every sync makes that
+/// thread's write durable, reads see it, and the open files stay bounded by the cap plus a few per
+/// concurrent call (never by the number of extents).
+#[test]
+fn concurrent_calls_with_evictions() {
+    const CAP: u32 = 2;
+    const THREADS: usize = 4;
+    const PER_THREAD: u64 = 8;
+    let mem = MemDisk::new();
+    let store = Arc::new(open_capped(&mem, CAP));
+    let ids = |t: usize| (0..PER_THREAD).map(move |i| ExtentId(1024 + t as u64 * PER_THREAD + i));
+    for t in 0..THREADS {
+        for id in ids(t) {
+            store.create(id).unwrap();
+        }
+    }
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let s = store.clone();
+            let mem = mem.clone();
+            std::thread::spawn(move || {
+                let ids: Vec<ExtentId> = ids(t).collect();
+                for i in 0..40u64 {
+                    let id = ids[(i % PER_THREAD) as usize];
+                    let off = (i / PER_THREAD) * 40;
+                    let d = vec![(t * 40) as u8 + i as u8; 40];
+                    s.write(id, off, &d).unwrap();
+                    s.sync().unwrap();
+                    let image = mem.crash().read_file(&data_name(id)).unwrap();
+                    assert_eq!(image[off as usize..][..40], d[..], "{id} write {i}");
+                    assert_eq!(s.read(id, off, 40).unwrap()[..], d[..]);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let cap = CAP as usize;
+    assert!(store.open_extents() <= cap.max(THREADS));
+    let bound = 2 * (cap + 3 * THREADS + 1);
+    assert!(bound < 2 * THREADS * PER_THREAD as usize);
+    assert!(
+        mem.peak_open_files() <= bound,
+        "{} files open at once",
+        mem.peak_open_files()
+    );
+    let s = open_capped(&mem.crash(), CAP);
+    assert!(s.recovery_report().is_empty());
+    for t in 0..THREADS {
+        for id in ids(t) {
+            assert_eq!(s.len(id).unwrap(), 200);
+        }
+    }
+}
+
+/// This process's descriptors open on files under `dir` (other tests run in parallel in this
+/// process, so the whole of /proc/self/fd would be noisy).
+fn fds_under(dir: &std::path::Path) -> usize {
+    let dir = dir.canonicalize().unwrap();
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| target.starts_with(&dir))
+        .count()
+}
+
+/// On real files: with a cap of 4, 40 extents written, synced, read and reopened never hold more
+/// than 8 descriptors (counted in /proc/self/fd), and dropping the store closes them all.
+#[test]
+fn file_disk_descriptors_stay_bounded() {
+    const CAP: u32 = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let disk: Arc<dyn Disk> = Arc::new(FileDisk::new(dir.path()).unwrap());
+    let before = fds_under(dir.path());
+    assert_eq!(before, 0);
+    let bounded = |what: &str| {
+        let n = fds_under(dir.path());
+        assert!(n <= 2 * CAP as usize, "{what}: {n} descriptors open");
+    };
+    let content = |i: u64| vec![i as u8; 3 * BS as usize + (i as usize % 7)];
+    let ids: Vec<ExtentId> = (0..40).map(|i| ExtentId(1024 + i)).collect();
+    let s = ExtentStore::open(disk.clone(), capped(CAP)).unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        s.create(id).unwrap();
+        s.write(id, 0, &content(i as u64)).unwrap();
+        bounded("writing");
+    }
+    assert_eq!(s.open_extents(), CAP as usize);
+    s.sync().unwrap();
+    bounded("after a sync of 40 dirty extents");
+    for (i, &id) in ids.iter().enumerate().rev() {
+        let want = content(i as u64);
+        assert_eq!(s.read(id, 0, want.len() as u32).unwrap()[..], want[..]);
+        bounded("reading");
+    }
+    drop(s);
+    assert_eq!(
+        fds_under(dir.path()),
+        0,
+        "dropping the store closes its files"
+    );
+
+    let s = ExtentStore::open(disk, capped(CAP)).unwrap();
+    bounded("after recovery");
+    assert!(s.recovery_report().is_empty());
+    for (i, &id) in ids.iter().enumerate() {
+        let want = content(i as u64);
+        assert_eq!(s.read(id, 0, want.len() as u32).unwrap()[..], want[..]);
+        s.truncate(id, 10).unwrap();
+        bounded("truncating");
+    }
+    drop(s);
+    assert_eq!(fds_under(dir.path()), before);
 }

@@ -9,8 +9,13 @@
 //!
 //! Concurrency: the extent map is behind an `RwLock` held only for lookups and inserts; every extent
 //! has its own `RwLock`, read-held by reads (so reads of one extent run in parallel) and write-held by
-//! changes. No lock is held across an fsync except in `truncate` and `punch`, whose ordering needs it.
+//! changes. No lock is held across an fsync except in `truncate` and `punch`, whose ordering needs it,
+//! and in a call whose open closes files written since their last fsync (rare: see `cache.rs`).
+//!
+//! Open files: at most [`StoreOptions::max_open_extents`] extents have their files open (`cache.rs`);
+//! the rest are closed and reopened on demand. Memory (lengths, CRCs) stays resident for every extent.
 
+mod cache;
 mod format;
 mod recovery;
 
@@ -25,6 +30,7 @@ use nacre_types::{ErrorCode, ExtentId, crc32c, crc32c_append};
 use serde::{Deserialize, Serialize};
 
 use crate::io::{Disk, DiskFile};
+use cache::{CacheError, Changing, FileCache, Files, Open};
 use format::{Header, RECORD, Record, SLOT, crc_name, data_name, record_at};
 
 /// Ids `1..=TINY_EXTENTS` are tiny extents.
@@ -39,6 +45,9 @@ pub const MAX_BLOCK_SIZE: u32 = 64 << 20;
 /// Most blocks an extent may have (bounds memory: 8 bytes per block).
 pub const MAX_EXTENT_BLOCKS: u64 = 1 << 22;
 
+/// Default for [`StoreOptions::max_open_extents`]: 512 descriptors per store (see there).
+pub const DEFAULT_MAX_OPEN_EXTENTS: u32 = 256;
+
 /// A gap (tiny extents) up to this size is written as zeros with the data, in one write.
 const INLINE_GAP: u64 = 64 * 1024;
 
@@ -51,6 +60,16 @@ pub struct StoreOptions {
     /// `false` makes [`ExtentStore::sync`] (and the fsyncs inside truncate and punch) no-ops: nothing
     /// is durable. For benchmarks.
     pub sync: bool,
+    /// Most extents whose files (two each: `.data`, `.crc`) are open at once; the least recently
+    /// used are closed and reopened on demand (at least 1). Exceeded only while more extents than
+    /// this have calls in flight at once.
+    ///
+    /// A node runs one store per data partition replica, so its descriptors are about
+    /// `2 × max_open_extents × partitions`. The default, 256, is 512 descriptors per partition: a node
+    /// with 30 partitions stays under 16,000 (room for sockets and the Raft logs under a 20,000 limit),
+    /// and 256 extents cover a partition's working set (its 16 tiny extents, the extents being appended
+    /// to, hot reads). A miss costs two `open`s, small next to the disk read it usually precedes.
+    pub max_open_extents: u32,
 }
 
 impl Default for StoreOptions {
@@ -58,6 +77,7 @@ impl Default for StoreOptions {
         Self {
             block_size: DEFAULT_BLOCK_SIZE,
             sync: true,
+            max_open_extents: DEFAULT_MAX_OPEN_EXTENTS,
         }
     }
 }
@@ -112,6 +132,12 @@ pub enum StoreError {
     /// work again once there is room.
     #[error("no space left on the disk")]
     NoSpace,
+    /// The process (`EMFILE`) or the system (`ENFILE`) is out of file descriptors, so an extent's
+    /// files could not be opened (or reopened after the store closed them to bound its descriptors).
+    /// Nothing changed; the call can be retried once descriptors are free, and the store keeps
+    /// working. A `sync` that fails this way leaves the unsynced extents for the next round.
+    #[error("too many open files")]
+    TooManyOpenFiles,
 }
 
 impl StoreError {
@@ -121,8 +147,13 @@ impl StoreError {
             Self::OutOfRange { .. } | Self::Invalid(_) => ErrorCode::InvalidArgument,
             Self::Corrupt { .. } => ErrorCode::Corrupt,
             Self::Io(_) | Self::Failed => ErrorCode::Internal,
-            Self::NoSpace => ErrorCode::Unavailable,
+            Self::NoSpace | Self::TooManyOpenFiles => ErrorCode::Unavailable,
         }
+    }
+
+    /// An error that changed nothing the store cannot describe, so it does not fail the store.
+    fn is_transient(&self) -> bool {
+        matches!(self, Self::NoSpace | Self::TooManyOpenFiles)
     }
 }
 
@@ -165,11 +196,10 @@ struct State {
     hdr: Cursor,
 }
 
+/// An extent's memory. Its files are in the store's [`FileCache`], open or not.
 #[derive(Debug)]
 struct Extent {
     id: ExtentId,
-    data: Arc<dyn DiskFile>,
-    crc: Arc<dyn DiskFile>,
     /// In the dirty set. Set only under the dirty-set lock after inserting, cleared when a round takes
     /// the set: so `true` means "a round not yet started will sync this extent".
     dirty: AtomicBool,
@@ -188,6 +218,10 @@ struct Commit {
     /// Rounds started; rounds are serialized, so a round `r` starts only after `r - 1` finished.
     started: u64,
     finished: u64,
+    /// The last round that succeeded. A round that fails transiently (out of descriptors) puts what
+    /// it did not sync back into the dirty set, so every write before round `r` started is durable
+    /// once `last_ok >= r`.
+    last_ok: u64,
     running: bool,
     calls: u64,
 }
@@ -207,6 +241,8 @@ pub struct ExtentStore {
     /// CRC of a block of zeros.
     zero_block_crc: u32,
     extents: RwLock<HashMap<ExtentId, Arc<Extent>>>,
+    /// The extents' open files, bounded.
+    cache: FileCache,
     /// Serializes creating and deleting extents (their files), not IO on them.
     namespace: Mutex<()>,
     dirty: Mutex<Dirty>,
@@ -223,6 +259,7 @@ impl std::fmt::Debug for ExtentStore {
             .field("disk", &self.disk)
             .field("opts", &self.opts)
             .field("extents", &read(&self.extents).len())
+            .field("open_extents", &self.cache.len())
             .field("failed", &self.failed.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
@@ -276,10 +313,20 @@ impl ExtentStore {
                 opts.block_size
             )));
         }
+        if opts.max_open_extents == 0 {
+            return Err(StoreError::Invalid(
+                "max_open_extents must be at least 1".into(),
+            ));
+        }
         let bs = u64::from(opts.block_size);
+        let cache = FileCache::new(
+            disk.clone(),
+            usize::try_from(opts.max_open_extents).unwrap_or(usize::MAX),
+            opts.sync,
+        );
         // (data file, crc file) present
         let mut found: BTreeMap<ExtentId, (bool, bool)> = BTreeMap::new();
-        for name in disk.list()? {
+        for name in disk.list().map_err(cache::open_error)? {
             match format::parse_name(&name) {
                 Some((id, k)) if kind(id).is_ok() => {
                     let e = found.entry(id).or_default();
@@ -305,9 +352,12 @@ impl ExtentStore {
                 tracing::info!(extent = %id, "removed the remnant of an unsynced create or delete");
                 continue;
             }
-            let data = disk.open(&data_name(id))?;
-            let crc = disk.open(&crc_name(id))?;
-            let r = recovery::recover(id, &*data, &*crc, opts.block_size, opts.sync)?;
+            // Recovery changes files only to cut them, and then fsyncs them.
+            let f = cache.get(id, Open::Existing).map_err(|e| match e {
+                CacheError::Open(e) => cache::open_error(e),
+                CacheError::Sync(e) => StoreError::Io(e),
+            })?;
+            let r = recovery::recover(id, &*f.data, &*f.crc, opts.block_size, opts.sync)?;
             if r.len != r.found_len {
                 trimmed.push(Trimmed {
                     extent: id,
@@ -322,7 +372,7 @@ impl ExtentStore {
                 blocks: r.blocks,
                 hdr: r.cursor,
             };
-            extents.insert(id, Arc::new(Extent::new(id, data, crc, state)));
+            extents.insert(id, Arc::new(Extent::new(id, state)));
         }
         Ok(Self {
             disk,
@@ -331,6 +381,7 @@ impl ExtentStore {
             bs,
             opts,
             extents: RwLock::new(extents),
+            cache,
             namespace: Mutex::new(()),
             dirty: Mutex::new(Dirty {
                 extents: HashMap::new(),
@@ -368,6 +419,12 @@ impl ExtentStore {
         &self.opts
     }
 
+    /// Extents whose files the store holds open now (at most `max_open_extents`, unless more extents
+    /// than that have calls in flight at once).
+    pub fn open_extents(&self) -> usize {
+        self.cache.len()
+    }
+
     /// Creates an empty normal extent; idempotent (an existing extent is left unchanged). A tiny
     /// extent id makes its file exist. Durable after the next [`ExtentStore::sync`].
     pub fn create(&self, id: ExtentId) -> Result<(), StoreError> {
@@ -402,7 +459,8 @@ impl ExtentStore {
                     extent_len: st.len,
                 });
             }
-            self.write_locked(&ext, &mut st, offset, data)
+            let f = self.files_to_change(id)?;
+            self.write_locked(&ext, &f, &mut st, offset, data)
                 .map_err(|e| match e {
                     StoreError::Io(io) if io.kind() == std::io::ErrorKind::StorageFull => {
                         StoreError::NoSpace
@@ -440,7 +498,8 @@ impl ExtentStore {
                 )));
             }
             if len < st.len {
-                self.truncate_locked(&ext, &mut st, len)?;
+                let f = self.files_to_change(id)?;
+                self.truncate_locked(&f, &mut st, len)?;
             }
             drop(st);
             self.mark_dirty(&ext);
@@ -483,8 +542,10 @@ impl ExtentStore {
         let last = (end - 1) / bs;
         let start = first * bs;
         let stop = st.len.min((last + 1) * bs);
+        let f = self.files(id, Open::Existing)?;
         let mut buf = vec![0u8; (stop - start) as usize];
-        let got = ext.data.read_at(&mut buf, start)?;
+        let got = f.data.read_at(&mut buf, start)?;
+        drop(f);
         for (i, chunk) in buf.chunks(bs as usize).enumerate() {
             let b = first + i as u64;
             let blk = st.blocks[b as usize];
@@ -575,11 +636,12 @@ impl ExtentStore {
                     data.len()
                 )));
             }
+            let f = self.files_to_change(id)?;
             if start < st.len && end < st.len && st.len <= start + bs {
                 // The last block, shorter on the healthy replica.
-                self.truncate_locked(&ext, &mut st, end)?;
+                self.truncate_locked(&f, &mut st, end)?;
             }
-            self.write_locked(&ext, &mut st, start, data)?;
+            self.write_locked(&ext, &f, &mut st, start, data)?;
             drop(st);
             self.mark_dirty(&ext);
             Ok(())
@@ -599,7 +661,12 @@ impl ExtentStore {
             let Some(ext) = self.lookup(id) else {
                 return Ok(());
             };
-            write(&ext.state).deleted = true;
+            {
+                let mut st = write(&ext.state);
+                st.deleted = true;
+                // Under the state lock: a call that reopens files checks `deleted` under it first.
+                self.cache.forget(id);
+            }
             write(&self.extents).remove(&id);
             lock(&self.dirty).dir = true;
             self.disk.remove(&data_name(id))?;
@@ -635,12 +702,16 @@ impl ExtentStore {
                 };
             };
             let mut st = write(&ext.state);
+            if st.deleted {
+                return Err(StoreError::NotFound(id));
+            }
             if end > st.len {
                 return Err(out_of_range(st.len));
             }
             if len == 0 {
                 return Ok(());
             }
+            let f = self.files_to_change(id)?;
             let bs = self.bs;
             let first = offset / bs;
             let last = (end - 1) / bs;
@@ -655,7 +726,7 @@ impl ExtentStore {
                     (self.zeros_crc(blen), (!old.bad).then_some(old.crc))
                 } else {
                     let mut buf = vec![0u8; blen as usize];
-                    let verified = self.read_block(&ext, &mut buf, start, old)?;
+                    let verified = self.read_block(&f, &mut buf, start, old)?;
                     buf[(ps - start) as usize..(pe - start) as usize].fill(0);
                     let crc = crc32c(&buf);
                     // An unverified block is accepted only if punching makes it match its CRC.
@@ -678,12 +749,12 @@ impl ExtentStore {
                 (_, Some((blk, _, _))) if last + 1 == st.blocks.len() as u64 => blk.crc,
                 _ => st.blocks.last().map_or(0, |b| b.crc),
             };
-            ext.crc.write_at(&records, record_at(first))?;
+            f.crc.write_at(&records, record_at(first))?;
             let len_now = st.len;
-            let generation = self.write_header(&ext, &mut st, len_now, tail_crc)?;
-            self.fsync_file(&*ext.crc)?;
-            ext.data.punch_hole(offset, len)?;
-            self.fsync_file(&*ext.data)?;
+            let generation = self.write_header(&f, &mut st, len_now, tail_crc)?;
+            self.fsync_file(&*f.crc)?;
+            f.data.punch_hole(offset, len)?;
+            self.fsync_file(&*f.data)?;
             if self.opts.sync {
                 Self::header_durable(&mut st, generation);
             }
@@ -694,7 +765,7 @@ impl ExtentStore {
                     // The punch is durable: drop the alternative (unsynced, best effort; a record
                     // that keeps it costs only a read at recovery).
                     let rec = Record::new(blen as u32, block.crc, st.hdr.seq);
-                    ext.crc.write_at(&rec.encode(), record_at(b))?;
+                    f.crc.write_at(&rec.encode(), record_at(b))?;
                 }
             }
             drop(st);
@@ -734,8 +805,13 @@ impl ExtentStore {
         let target = c.started + 1;
         loop {
             self.check()?;
-            if c.finished >= target {
+            if c.last_ok >= target {
                 return Ok(());
+            }
+            if c.finished >= target {
+                // Every round since our call ran out of descriptors (the only transient error a
+                // round has); our writes wait in the dirty set for a later one.
+                return Err(StoreError::TooManyOpenFiles);
             }
             if c.running {
                 c = self
@@ -752,10 +828,14 @@ impl ExtentStore {
             c = lock(&self.commit);
             c.running = false;
             c.finished = round;
-            if let Err(e) = result {
-                self.fail(&e);
-                self.round_done.notify_all();
-                return Err(e);
+            match result {
+                Ok(()) => c.last_ok = round,
+                Err(e) if e.is_transient() => {}
+                Err(e) => {
+                    self.fail(&e);
+                    self.round_done.notify_all();
+                    return Err(e);
+                }
             }
             self.round_done.notify_all();
         }
@@ -824,14 +904,15 @@ impl ExtentStore {
         if let Some(e) = self.lookup(id) {
             return Ok(e);
         }
-        let data = self.disk.open(&data_name(id))?;
-        let crc = self.disk.open(&crc_name(id))?;
+        let files = self.files(id, Open::Create)?;
         // Leftovers of a delete whose remove failed must not show through.
-        for f in [&data, &crc] {
+        for f in [&files.data, &files.crc] {
             if f.len()? != 0 {
                 f.set_len(0)?;
+                files.changed();
             }
         }
+        drop(files);
         let state = State {
             deleted: false,
             len: 0,
@@ -843,11 +924,30 @@ impl ExtentStore {
                 lens: [u64::MAX; 2],
             },
         };
-        let ext = Arc::new(Extent::new(id, data, crc, state));
+        let ext = Arc::new(Extent::new(id, state));
         write(&self.extents).insert(id, ext.clone());
         lock(&self.dirty).dir = true;
         self.mark_dirty(&ext);
         Ok(ext)
+    }
+
+    /// An extent's files (`cache.rs`), opened if the cache closed them. Call under the extent's state
+    /// lock, having checked that it is not deleted. Closing other files to make room fsyncs those
+    /// written since their last fsync; if that fails, the store fails (whatever the call).
+    fn files(&self, id: ExtentId, how: Open) -> Result<Arc<Files>, StoreError> {
+        self.cache.get(id, how).map_err(|e| match e {
+            CacheError::Open(e) => cache::open_error(e),
+            CacheError::Sync(e) => {
+                let e = StoreError::Io(e);
+                self.fail(&e);
+                e
+            }
+        })
+    }
+
+    /// [`ExtentStore::files`] for a change: marked changed when the returned guard drops.
+    fn files_to_change(&self, id: ExtentId) -> Result<Changing, StoreError> {
+        self.files(id, Open::Existing).map(Changing)
     }
 
     fn mark_dirty(&self, ext: &Arc<Extent>) {
@@ -870,12 +970,12 @@ impl ExtentStore {
     /// Reads a block's bytes into `buf` (its current length) and says whether they verify.
     fn read_block(
         &self,
-        ext: &Extent,
+        f: &Files,
         buf: &mut [u8],
         start: u64,
         blk: Block,
     ) -> Result<bool, StoreError> {
-        let got = ext.data.read_at(buf, start)?;
+        let got = f.data.read_at(buf, start)?;
         if got < buf.len() {
             buf[got..].fill(0);
             return Ok(false);
@@ -915,7 +1015,7 @@ impl ExtentStore {
     /// Writes a commit header for length `len` into the cursor's slot; returns its generation.
     fn write_header(
         &self,
-        ext: &Extent,
+        f: &Files,
         st: &mut State,
         len: u64,
         tail_crc: u32,
@@ -929,7 +1029,7 @@ impl ExtentStore {
         st.hdr.seq = st.hdr.seq.saturating_add(1);
         st.hdr.generation += 1;
         st.hdr.lens[st.hdr.slot as usize] = len;
-        ext.crc.write_at(&h.encode(), st.hdr.slot * SLOT)?;
+        f.crc.write_at(&h.encode(), st.hdr.slot * SLOT)?;
         Ok(st.hdr.generation)
     }
 
@@ -946,6 +1046,7 @@ impl ExtentStore {
     fn write_locked(
         &self,
         ext: &Extent,
+        f: &Files,
         st: &mut State,
         offset: u64,
         data: &[u8],
@@ -1003,8 +1104,7 @@ impl ExtentStore {
                     }
                 } else {
                     let mut buf = vec![0u8; new_blen as usize];
-                    let verified =
-                        self.read_block(ext, &mut buf[..old_blen as usize], start, old)?;
+                    let verified = self.read_block(f, &mut buf[..old_blen as usize], start, old)?;
                     buf[(ws - start) as usize..(we - start) as usize].copy_from_slice(piece);
                     let crc = crc32c(&buf);
                     // Never bless bytes that failed their CRC, unless this write makes the block
@@ -1026,16 +1126,16 @@ impl ExtentStore {
                 let mut buf = Vec::with_capacity(gap as usize + data.len());
                 buf.resize(gap as usize, 0);
                 buf.extend_from_slice(data);
-                ext.data.write_at(&buf, old_len)?;
+                f.data.write_at(&buf, old_len)?;
             } else {
                 // Cut whatever lies past the end, so the gap is a hole of zeros.
-                ext.data.set_len(old_len)?;
-                ext.data.write_at(data, offset)?;
+                f.data.set_len(old_len)?;
+                f.data.write_at(data, offset)?;
             }
         } else {
-            ext.data.write_at(data, offset)?;
+            f.data.write_at(data, offset)?;
         }
-        ext.crc.write_at(&records, record_at(first))?;
+        f.crc.write_at(&records, record_at(first))?;
 
         for (i, block) in blocks.into_iter().enumerate() {
             let b = first as usize + i;
@@ -1051,7 +1151,7 @@ impl ExtentStore {
 
     /// Shrinks to `len < st.len`, durably: the new end record and a header saying `len` are fsynced
     /// before the files are cut, and the cut is fsynced before new writes can refill the range.
-    fn truncate_locked(&self, ext: &Extent, st: &mut State, len: u64) -> Result<(), StoreError> {
+    fn truncate_locked(&self, f: &Files, st: &mut State, len: u64) -> Result<(), StoreError> {
         let bs = self.bs;
         let k = len / bs;
         let p = len % bs;
@@ -1061,7 +1161,7 @@ impl ExtentStore {
             let old = st.blocks[k as usize];
             let old_blen = (st.len - k * bs).min(bs);
             let mut buf = vec![0u8; old_blen as usize];
-            let verified = self.read_block(ext, &mut buf, k * bs, old)?;
+            let verified = self.read_block(f, &mut buf, k * bs, old)?;
             let crc = crc32c(&buf[..p as usize]);
             // A block that failed keeps a CRC that cannot match, so recovery does not bless it.
             Some(if verified {
@@ -1077,9 +1177,9 @@ impl ExtentStore {
         // verifies the new last block, and records past `len` are older than the header, which
         // recovery ignores.
         let tail_crc = tail.map_or(0, |b| b.crc);
-        let generation = self.write_header(ext, st, len, tail_crc)?;
-        self.fsync_file(&*ext.data)?;
-        self.fsync_file(&*ext.crc)?;
+        let generation = self.write_header(f, st, len, tail_crc)?;
+        self.fsync_file(&*f.data)?;
+        self.fsync_file(&*f.crc)?;
         let nblocks = len.div_ceil(bs);
         st.len = len;
         st.blocks.truncate(nblocks as usize);
@@ -1089,13 +1189,13 @@ impl ExtentStore {
         if self.opts.sync {
             Self::header_durable(st, generation);
         }
-        ext.data.set_len(len)?;
-        ext.crc.set_len(record_at(nblocks))?;
+        f.data.set_len(len)?;
+        f.crc.set_len(record_at(nblocks))?;
         // The other slot still says the old, longer length; recovery may fall back to it (when a
         // later in-place write is torn) and must not find the dropped bytes promised there.
-        let generation = self.write_header(ext, st, len, tail_crc)?;
-        self.fsync_file(&*ext.data)?;
-        self.fsync_file(&*ext.crc)?;
+        let generation = self.write_header(f, st, len, tail_crc)?;
+        self.fsync_file(&*f.data)?;
+        self.fsync_file(&*f.crc)?;
         if self.opts.sync {
             Self::header_durable(st, generation);
         }
@@ -1103,8 +1203,11 @@ impl ExtentStore {
     }
 
     /// One group-commit round: for every extent written since the last round, a commit header for
-    /// its current length, then fsync of its data and crc files; then the directory if files came or
-    /// went. Any error fails the store (what reached the disk is unknown).
+    /// its current length, then fsync of its data and crc files (reopening them if the cache closed
+    /// them since the write: an fsync through any descriptor flushes the file); then the directory if
+    /// files came or went. An IO error fails the store (what reached the disk is unknown). Running
+    /// out of descriptors does not: nothing was written for the extents not synced yet, so they go
+    /// back into the dirty set (with the directory) for the next round.
     fn round(&self) -> Result<(), StoreError> {
         let (extents, dir) = {
             let mut d = lock(&self.dirty);
@@ -1113,22 +1216,60 @@ impl ExtentStore {
             }
             (std::mem::take(&mut d.extents), std::mem::take(&mut d.dir))
         };
+        let extents: Vec<Arc<Extent>> = extents.into_values().collect();
         let mut again = Vec::new();
-        for ext in extents.into_values() {
-            let generation = {
+        let mut done = 0;
+        let result = self.sync_extents(&extents, &mut done, &mut again);
+        let result = result.and_then(|()| {
+            if dir {
+                self.disk.sync_dir().map_err(cache::open_error)?;
+            }
+            Ok(())
+        });
+        if result.is_err() {
+            // Only a transient error leaves the store working; put back what this round did not
+            // finish (harmless after other errors: the store refuses work anyway).
+            if dir {
+                lock(&self.dirty).dir = true;
+            }
+            again.extend(extents[done..].iter().cloned());
+        }
+        for ext in &again {
+            self.mark_dirty(ext);
+        }
+        result
+    }
+
+    /// The extents' part of a round; `done` counts the extents finished (synced or skipped).
+    fn sync_extents(
+        &self,
+        extents: &[Arc<Extent>],
+        done: &mut usize,
+        again: &mut Vec<Arc<Extent>>,
+    ) -> Result<(), StoreError> {
+        for ext in extents {
+            let (f, generation) = {
                 let mut st = write(&ext.state);
                 if st.deleted {
+                    *done += 1;
                     continue;
                 }
+                let f = self.files(ext.id, Open::Existing)?;
                 let len = st.len;
                 let tail_crc = match (len % self.bs, st.blocks.last()) {
                     (0, _) | (_, None) => 0,
                     (_, Some(b)) => b.crc,
                 };
-                self.write_header(&ext, &mut st, len, tail_crc)?
+                let generation = self.write_header(&f, &mut st, len, tail_crc)?;
+                (f, generation)
             };
-            ext.data.sync_data()?;
-            ext.crc.sync_data()?;
+            // From here on the extent is not put back if the round fails: only an IO error can
+            // follow, and that fails the store.
+            *done += 1;
+            f.syncing();
+            f.data.sync_data()?;
+            f.crc.sync_data()?;
+            drop(f);
             let mut st = write(&ext.state);
             Self::header_durable(&mut st, generation);
             // Recovery reads every block between the two headers' lengths (the newer header's round
@@ -1139,22 +1280,14 @@ impl ExtentStore {
                 again.push(ext.clone());
             }
         }
-        if dir {
-            self.disk.sync_dir()?;
-        }
-        for ext in &again {
-            self.mark_dirty(ext);
-        }
         Ok(())
     }
 }
 
 impl Extent {
-    fn new(id: ExtentId, data: Arc<dyn DiskFile>, crc: Arc<dyn DiskFile>, state: State) -> Self {
+    fn new(id: ExtentId, state: State) -> Self {
         Self {
             id,
-            data,
-            crc,
             dirty: AtomicBool::new(false),
             state: RwLock::new(state),
         }
