@@ -38,6 +38,9 @@ pub enum DataCallError {
     NoWritablePartition,
     #[error("data node returned {got} bytes, {want} were asked for")]
     ShortRead { want: u32, got: usize },
+    /// A stream whose earlier call failed or was cancelled half way; its offsets are not known.
+    #[error("the write stream is broken by an earlier failed or cancelled call")]
+    BrokenStream,
 }
 
 impl DataCallError {
@@ -207,6 +210,11 @@ struct Packet {
 /// Writes one file's bytes sequentially: 128 KiB appends with up to `inflight` outstanding, new
 /// extents as needed, and a move to another partition (rewriting every unacknowledged packet) when
 /// one fails. The acknowledged pieces come back as extent keys.
+///
+/// A `write` or `flush` that fails, or whose future is dropped before it finishes, breaks the
+/// stream: every later call returns [`DataCallError::BrokenStream`] (its bytes may be in flight or
+/// lost, so no later byte can be placed after them). Callers that must survive cancellation run the
+/// stream on a task of its own.
 pub struct SeqWriter {
     vol: Arc<NetVolume>,
     inflight: usize,
@@ -219,6 +227,8 @@ pub struct SeqWriter {
     failed: Vec<PartitionId>,
     /// Attempts left to move to another partition.
     moves_left: u32,
+    /// A call is under way, or one failed or was cancelled (see the type's docs).
+    busy: bool,
 }
 
 impl std::fmt::Debug for SeqWriter {
@@ -245,7 +255,25 @@ impl SeqWriter {
             keys: Vec::new(),
             failed: Vec::new(),
             moves_left: 8,
+            busy: false,
         }
+    }
+
+    /// Marks a call under way; fails if an earlier one never finished well.
+    fn enter(&mut self) -> Result<(), DataCallError> {
+        if self.busy {
+            return Err(DataCallError::BrokenStream);
+        }
+        self.busy = true;
+        Ok(())
+    }
+
+    /// Ends a call: only a success leaves the stream usable.
+    fn leave<T>(&mut self, r: Result<T, DataCallError>) -> Result<T, DataCallError> {
+        if r.is_ok() {
+            self.busy = false;
+        }
+        r
     }
 
     async fn next_extent(&mut self) -> Result<(PartitionId, ExtentId, u64), DataCallError> {
@@ -273,7 +301,13 @@ impl SeqWriter {
     }
 
     /// Queues `data` (any length) after what was written so far.
-    pub async fn write(&mut self, mut data: Bytes) -> Result<(), DataCallError> {
+    pub async fn write(&mut self, data: Bytes) -> Result<(), DataCallError> {
+        self.enter()?;
+        let r = self.write_inner(data).await;
+        self.leave(r)
+    }
+
+    async fn write_inner(&mut self, mut data: Bytes) -> Result<(), DataCallError> {
         while !data.is_empty() {
             let (p, e, off) = match self.cur {
                 Some(c) if c.2 < MAX_EXTENT => c,
@@ -351,7 +385,7 @@ impl SeqWriter {
                 let resume = redo[0].0;
                 self.file_offset = resume;
                 for (_, d) in redo {
-                    Box::pin(self.write(d)).await?;
+                    Box::pin(self.write_inner(d)).await?;
                 }
                 Ok(())
             }
@@ -385,6 +419,12 @@ impl SeqWriter {
 
     /// Waits until every packet written so far is acknowledged.
     pub async fn flush(&mut self) -> Result<(), DataCallError> {
+        self.enter()?;
+        let r = self.settle_all().await;
+        self.leave(r)
+    }
+
+    async fn settle_all(&mut self) -> Result<(), DataCallError> {
         while !self.pending.is_empty() {
             self.settle_one().await?;
         }
@@ -398,9 +438,7 @@ impl SeqWriter {
 
     /// Waits for every packet and returns the extent keys of everything written.
     pub async fn finish(mut self) -> Result<Vec<ExtentKey>, DataCallError> {
-        while !self.pending.is_empty() {
-            self.settle_one().await?;
-        }
+        self.flush().await?;
         Ok(self.keys)
     }
 }

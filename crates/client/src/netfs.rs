@@ -70,8 +70,19 @@ impl Default for NetFsConfig {
 }
 
 /// The network client of one volume.
-#[derive(Debug)]
+///
+/// **Cancel safety.** Every call that changes this client's open-file state or takes more than
+/// one step on the meta nodes (writes, flushes, opens, creates, renames, …) runs to completion on
+/// its own task: dropping its future (a caller's timeout, a `select!`) detaches the call rather
+/// than cutting it between two awaits. A write cut half way would leave the run's byte count and
+/// the stream's offset apart, and the next flush would commit bytes at the wrong offsets.
+#[derive(Debug, Clone)]
 pub struct NetFs {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
     vol: Arc<NetVolume>,
     meta: MetaFs<Arc<NetVolume>>,
     cfg: NetFsConfig,
@@ -145,24 +156,42 @@ impl NetFs {
 
     pub fn with_config(vol: Arc<NetVolume>, cfg: NetFsConfig) -> Self {
         Self {
-            meta: MetaFs::new(vol.clone()),
-            vol,
-            cfg,
-            next_fh: AtomicU64::new(1),
-            handles: Mutex::default(),
-            files: Mutex::default(),
+            inner: Arc::new(Inner {
+                meta: MetaFs::new(vol.clone()),
+                vol,
+                cfg,
+                next_fh: AtomicU64::new(1),
+                handles: Mutex::default(),
+                files: Mutex::default(),
+            }),
         }
     }
 
     /// The metadata workflows underneath.
     pub fn meta(&self) -> &MetaFs<Arc<NetVolume>> {
-        &self.meta
+        &self.inner.meta
     }
 
     pub fn volume(&self) -> &Arc<NetVolume> {
-        &self.vol
+        &self.inner.vol
     }
 
+    /// Runs `op` on its own task and waits for it; dropping the returned future detaches the
+    /// task, which still runs to the end (see the cancel safety note on [`NetFs`]).
+    async fn detached<T, Fut>(&self, op: impl FnOnce(Arc<Inner>) -> Fut) -> FsResult<T>
+    where
+        T: Send + 'static,
+        Fut: Future<Output = FsResult<T>> + Send + 'static,
+    {
+        tokio::spawn(op(self.inner.clone())).await.map_err(|e| {
+            FsError::Unavailable(CallError::Unknown(format!(
+                "a file system task failed: {e}"
+            )))
+        })?
+    }
+}
+
+impl Inner {
     fn handle(&self, fh: Fh) -> FsResult<Handle> {
         self.handles
             .lock()
@@ -482,7 +511,7 @@ impl NetFs {
     }
 }
 
-impl FileSystem for NetFs {
+impl Inner {
     async fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
         Ok(self.overlay(self.meta.lookup(parent, name).await?).await)
     }
@@ -745,10 +774,6 @@ impl FileSystem for NetFs {
         self.flush_reporting(&h.file, &mut st).await
     }
 
-    async fn fsync(&self, fh: Fh) -> FsResult<()> {
-        self.flush(fh).await
-    }
-
     async fn release(&self, fh: Fh) -> FsResult<()> {
         let h = self.handle(fh)?;
         let r = {
@@ -811,7 +836,7 @@ impl FileSystem for NetFs {
     }
 }
 
-impl NetFs {
+impl Inner {
     /// Appends `data` at `off`, which is the end of the run or (with no run) at or past the end
     /// of the committed file.
     async fn extend_run(&self, st: &mut FileState, off: u64, data: Bytes) -> FsResult<()> {
@@ -852,5 +877,147 @@ impl NetFs {
             }
         }
         Ok(())
+    }
+}
+
+/// Calls that only read, or that are one meta node request, run on the caller's task; the rest
+/// are [`NetFs::detached`].
+impl FileSystem for NetFs {
+    async fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
+        self.inner.lookup(parent, name).await
+    }
+
+    async fn getattr(&self, ino: Ino) -> FsResult<Attr> {
+        self.inner.getattr(ino).await
+    }
+
+    async fn setattr(&self, ino: Ino, set: SetAttr) -> FsResult<Attr> {
+        self.detached(move |i| async move { i.setattr(ino, set).await })
+            .await
+    }
+
+    async fn create(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        mode: u32,
+        caller: Caller,
+        flags: OpenFlags,
+    ) -> FsResult<(Attr, Fh)> {
+        let name = name.to_vec();
+        self.detached(move |i| async move { i.create(parent, &name, mode, caller, flags).await })
+            .await
+    }
+
+    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, caller: Caller) -> FsResult<Attr> {
+        let name = name.to_vec();
+        self.detached(move |i| async move { i.mkdir(parent, &name, mode, caller).await })
+            .await
+    }
+
+    async fn symlink(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        target: &[u8],
+        caller: Caller,
+    ) -> FsResult<Attr> {
+        let (name, target) = (name.to_vec(), target.to_vec());
+        self.detached(move |i| async move { i.symlink(parent, &name, &target, caller).await })
+            .await
+    }
+
+    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
+        let new_name = new_name.to_vec();
+        self.detached(move |i| async move { i.link(ino, new_parent, &new_name).await })
+            .await
+    }
+
+    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        let name = name.to_vec();
+        self.detached(move |i| async move { i.unlink(parent, &name).await })
+            .await
+    }
+
+    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        let name = name.to_vec();
+        self.detached(move |i| async move { i.rmdir(parent, &name).await })
+            .await
+    }
+
+    async fn rename(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        new_parent: Ino,
+        new_name: &[u8],
+    ) -> FsResult<()> {
+        let (name, new_name) = (name.to_vec(), new_name.to_vec());
+        self.detached(move |i| async move { i.rename(parent, &name, new_parent, &new_name).await })
+            .await
+    }
+
+    async fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {
+        self.inner.readlink(ino).await
+    }
+
+    async fn readdir(
+        &self,
+        dir: Ino,
+        after: Option<Vec<u8>>,
+        limit: u32,
+    ) -> FsResult<Vec<DirEntryPlus>> {
+        self.inner.readdir(dir, after, limit).await
+    }
+
+    async fn open(&self, ino: Ino, flags: OpenFlags) -> FsResult<Fh> {
+        self.detached(move |i| async move { i.open(ino, flags).await })
+            .await
+    }
+
+    async fn read(&self, fh: Fh, offset: u64, len: u32) -> FsResult<Bytes> {
+        // Detached too: a read may commit the run it overlaps and fills the read-ahead window.
+        self.detached(move |i| async move { i.read(fh, offset, len).await })
+            .await
+    }
+
+    async fn write(&self, fh: Fh, offset: u64, data: Bytes) -> FsResult<u32> {
+        self.detached(move |i| async move { i.write(fh, offset, data).await })
+            .await
+    }
+
+    async fn flush(&self, fh: Fh) -> FsResult<()> {
+        self.detached(move |i| async move { i.flush(fh).await })
+            .await
+    }
+
+    async fn fsync(&self, fh: Fh) -> FsResult<()> {
+        self.detached(move |i| async move { i.flush(fh).await })
+            .await
+    }
+
+    async fn release(&self, fh: Fh) -> FsResult<()> {
+        self.detached(move |i| async move { i.release(fh).await })
+            .await
+    }
+
+    async fn statfs(&self) -> FsResult<StatFs> {
+        self.inner.statfs().await
+    }
+
+    async fn getxattr(&self, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
+        self.inner.getxattr(ino, name).await
+    }
+
+    async fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], mode: XattrMode) -> FsResult<()> {
+        self.inner.setxattr(ino, name, value, mode).await
+    }
+
+    async fn listxattr(&self, ino: Ino) -> FsResult<Vec<Vec<u8>>> {
+        self.inner.listxattr(ino).await
+    }
+
+    async fn removexattr(&self, ino: Ino, name: &[u8]) -> FsResult<()> {
+        self.inner.removexattr(ino, name).await
     }
 }

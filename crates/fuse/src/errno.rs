@@ -33,9 +33,10 @@ pub fn errno(e: &FsError) -> i32 {
         FsError::Unavailable(_) => libc::EIO,
         FsError::Data(d) => match d {
             DataCallError::NoWritablePartition => libc::ENOSPC,
-            DataCallError::Data(_) | DataCallError::Call(_) | DataCallError::ShortRead { .. } => {
-                libc::EIO
-            }
+            DataCallError::Data(_)
+            | DataCallError::Call(_)
+            | DataCallError::ShortRead { .. }
+            | DataCallError::BrokenStream => libc::EIO,
         },
         FsError::BadHandle(_) | FsError::NotOpenFor(_) => libc::EBADF,
         FsError::WriteFailed(_) => libc::EIO,

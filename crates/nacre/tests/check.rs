@@ -82,7 +82,6 @@ fn kill_data_nodes() {
 }
 
 #[test]
-#[ignore = "finds an open bug: under load, a file acknowledged empty read back with another file's bytes (docs/reliability.md, Known gaps); run with --ignored"]
 fn kill_meta_nodes() {
     let s = schedule("kill-meta", 16);
     assert!(faults(&s, "kill-meta") >= 2, "{s}");
@@ -100,7 +99,6 @@ fn kill_the_master_leader() {
 }
 
 #[test]
-#[ignore = "finds an open bug: under load, a file acknowledged empty read back with another file's bytes (docs/reliability.md, Known gaps); run with --ignored"]
 fn network_partitions() {
     let s = schedule("partition", 16);
     assert!(faults(&s, "partition") >= 2, "{s}");
