@@ -58,6 +58,13 @@ pub trait DiskFile: Send + Sync + std::fmt::Debug {
     fn sync_data(&self) -> io::Result<()>;
     /// Deallocates `[off, off + len)`: it reads back as zeros and the file size does not change.
     fn punch_hole(&self, off: u64, len: u64) -> io::Result<()>;
+    /// Asks the OS to drop the file's clean cached pages, so that later reads come from the device.
+    /// After a failed fsync, pages whose writeback failed may stay cached, marked clean, with bytes
+    /// the device never got; the store's reopen drops them before recovery reads the file. Best
+    /// effort (dirty pages stay); a no-op where there is no such cache.
+    fn drop_cache(&self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Rejects names that are not a single path component.
@@ -217,6 +224,15 @@ impl DiskFile for RealFile {
             len,
         )?)
     }
+
+    fn drop_cache(&self) -> io::Result<()> {
+        Ok(rustix::fs::fadvise(
+            &self.file,
+            0,
+            None,
+            rustix::fs::Advice::DontNeed,
+        )?)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -274,6 +290,39 @@ enum Change {
     Write { off: u64, data: Vec<u8> },
     SetLen(u64),
     Punch { off: u64, len: u64 },
+}
+
+impl InodeState {
+    /// The content a crash (or a failed writeback) may leave: the synced content, plus (given a
+    /// generator) each later change dropped, applied or torn.
+    fn survivor(&self, rng: Option<&mut Rng>) -> Vec<u8> {
+        let mut data = self.synced.clone();
+        let Some(rng) = rng else {
+            return data;
+        };
+        for change in &self.pending {
+            match rng.below(4) {
+                0 => {}
+                1 | 2 => change.apply(&mut data),
+                _ => match change {
+                    Change::Write { off, data: bytes } if bytes.len() > SECTOR => {
+                        for (i, sector) in bytes.chunks(SECTOR).enumerate() {
+                            if rng.below(2) == 0 {
+                                write_into(&mut data, off + (i * SECTOR) as u64, sector);
+                            }
+                        }
+                    }
+                    Change::Write { off, data: bytes } => {
+                        let keep = to_usize(rng.below(bytes.len() as u64 + 1));
+                        write_into(&mut data, *off, &bytes[..keep]);
+                    }
+                    // Length changes and punches are metadata: all or nothing.
+                    other => other.apply(&mut data),
+                },
+            }
+        }
+        data
+    }
 }
 
 /// Sector size used to tear large unsynced writes in a crash image.
@@ -347,30 +396,7 @@ impl MemDisk {
         let mut files = BTreeMap::new();
         for (name, inode) in &dir.durable {
             let st = inode.state.read().unwrap_or_else(PoisonError::into_inner);
-            let mut data = st.synced.clone();
-            if let Some(rng) = rng.as_mut() {
-                for change in &st.pending {
-                    match rng.below(4) {
-                        0 => {}
-                        1 | 2 => change.apply(&mut data),
-                        _ => match change {
-                            Change::Write { off, data: bytes } if bytes.len() > SECTOR => {
-                                for (i, sector) in bytes.chunks(SECTOR).enumerate() {
-                                    if rng.below(2) == 0 {
-                                        write_into(&mut data, off + (i * SECTOR) as u64, sector);
-                                    }
-                                }
-                            }
-                            Change::Write { off, data: bytes } => {
-                                let keep = to_usize(rng.below(bytes.len() as u64 + 1));
-                                write_into(&mut data, *off, &bytes[..keep]);
-                            }
-                            // Length changes and punches are metadata: all or nothing.
-                            other => other.apply(&mut data),
-                        },
-                    }
-                }
-            }
+            let data = st.survivor(rng.as_mut());
             let inode = Arc::new(MemInode {
                 state: RwLock::new(InodeState {
                     synced: data.clone(),
@@ -386,6 +412,29 @@ impl MemDisk {
                 durable: files,
             })),
             handles: Arc::default(),
+        }
+    }
+
+    /// What a failed writeback may leave behind, in place: every file (by its current names)
+    /// becomes its content as of its last `sync_data` plus a subset of the changes since, each
+    /// whole or torn, chosen from `seed` as in [`MemDisk::crash_torn`]; that is now its synced
+    /// content. Names and open handles stay. Models the kernel dropping dirty pages whose writeback
+    /// failed (or having written part of them) without a crash, so that a store can be reopened on
+    /// the same disk.
+    pub fn lose_unsynced(&self, seed: u64) {
+        let mut rng = Rng(seed);
+        let dir = lock(&self.dir);
+        let mut seen = std::collections::BTreeSet::new();
+        for inode in dir.live.values() {
+            // A file renamed over another may show under one name only, but never twice.
+            if !seen.insert(Arc::as_ptr(inode)) {
+                continue;
+            }
+            let mut st = inode.state.write().unwrap_or_else(PoisonError::into_inner);
+            let data = st.survivor(Some(&mut rng));
+            st.synced = data.clone();
+            st.data = data;
+            st.pending.clear();
         }
     }
 
@@ -643,6 +692,8 @@ struct Faults {
     full: AtomicBool,
     /// Opening files fails with `EMFILE` (see [`FaultyDisk::set_out_of_fds`]).
     no_fds: AtomicBool,
+    /// Every fsync fails (see [`FaultyDisk::set_fail_sync`]).
+    fail_sync: AtomicBool,
     ops: AtomicU64,
     /// `u64::MAX` = never.
     fail_after: AtomicU64,
@@ -666,6 +717,14 @@ impl Faults {
             Verdict::First
         } else {
             Verdict::Fail
+        }
+    }
+
+    fn check_sync(&self) -> io::Result<()> {
+        if self.fail_sync.load(Ordering::SeqCst) {
+            Err(injected())
+        } else {
+            Ok(())
         }
     }
 
@@ -693,6 +752,7 @@ impl FaultyDisk {
             faults: Arc::new(Faults {
                 full: AtomicBool::new(false),
                 no_fds: AtomicBool::new(false),
+                fail_sync: AtomicBool::new(false),
                 ops: AtomicU64::new(0),
                 fail_after: AtomicU64::new(plan.fail_after.unwrap_or(u64::MAX)),
                 tear: plan.tear,
@@ -716,6 +776,13 @@ impl FaultyDisk {
     /// nothing; handles already open keep working.
     pub fn set_out_of_fds(&self, on: bool) {
         self.faults.no_fds.store(on, Ordering::SeqCst);
+    }
+
+    /// Failing fsyncs: while on, every `sync_data` and `sync_dir` fails (an injected error, as
+    /// `EIO` from a failed writeback) and syncs nothing; everything else works. What the kernel
+    /// does with the unsynced pages meanwhile is up to the test ([`MemDisk::lose_unsynced`]).
+    pub fn set_fail_sync(&self, on: bool) {
+        self.faults.fail_sync.store(on, Ordering::SeqCst);
     }
 
     fn check_fds(&self) -> io::Result<()> {
@@ -771,6 +838,7 @@ impl Disk for FaultyDisk {
 
     fn sync_dir(&self) -> io::Result<()> {
         self.check_fds()?;
+        self.faults.check_sync()?;
         self.faults.check()?;
         self.inner.sync_dir()
     }
@@ -820,6 +888,7 @@ impl DiskFile for FaultyFile {
     }
 
     fn sync_data(&self) -> io::Result<()> {
+        self.faults.check_sync()?;
         self.faults.check()?;
         self.inner.sync_data()
     }
@@ -827,6 +896,10 @@ impl DiskFile for FaultyFile {
     fn punch_hole(&self, off: u64, len: u64) -> io::Result<()> {
         self.faults.check()?;
         self.inner.punch_hole(off, len)
+    }
+
+    fn drop_cache(&self) -> io::Result<()> {
+        self.inner.drop_cache()
     }
 }
 
@@ -909,6 +982,54 @@ mod tests {
         f.sync_data().unwrap();
         disk.set_out_of_fds(false);
         assert_eq!(disk.list().unwrap(), ["f"]);
+    }
+
+    /// What a failed writeback leaves, in place: the synced content plus any subset of the later
+    /// changes (whole or torn); names and handles stay.
+    #[test]
+    fn lose_unsynced_keeps_synced_content_and_names() {
+        let mut saw = std::collections::BTreeSet::new();
+        for seed in 0..64 {
+            let disk = MemDisk::new();
+            let a = disk.open("a").unwrap();
+            a.write_at(&[1; 100], 0).unwrap();
+            a.sync_data().unwrap();
+            a.write_at(&[2; 2000], 50).unwrap();
+            let b = disk.open("b").unwrap(); // its name and content were never synced
+            b.write_at(b"unsynced", 0).unwrap();
+            disk.lose_unsynced(seed);
+            let got = disk.read_file("a").unwrap();
+            assert!((100..=2050).contains(&got.len()));
+            assert!(got[..50].iter().all(|&x| x == 1));
+            assert!(got[50..].iter().all(|&x| x == 1 || x == 2 || x == 0));
+            saw.insert(got.len());
+            assert_eq!(a.len().unwrap(), got.len() as u64, "the handle works");
+            let b_got = disk.read_file("b").unwrap();
+            assert!(b"unsynced".starts_with(&b_got[..]) || b_got.iter().all(|&x| x == 0));
+            assert_eq!(disk.list().unwrap().len(), 2, "names stay");
+            disk.sync_dir().unwrap();
+            assert_eq!(disk.crash().read_file("a").unwrap(), got, "now durable");
+        }
+        assert!(
+            saw.len() > 1,
+            "some seeds drop the write, some keep it: {saw:?}"
+        );
+    }
+
+    #[test]
+    fn faulty_disk_fails_fsyncs_only() {
+        let mem = MemDisk::new();
+        let disk = FaultyDisk::new(Arc::new(mem.clone()), FaultPlan::default());
+        let f = disk.open("f").unwrap();
+        disk.set_fail_sync(true);
+        f.write_at(b"data", 0).unwrap();
+        assert!(f.sync_data().is_err() && disk.sync_dir().is_err());
+        assert_eq!(f.len().unwrap(), 4);
+        assert_eq!(mem.crash().read_file("f"), None, "nothing synced");
+        disk.set_fail_sync(false);
+        f.sync_data().unwrap();
+        disk.sync_dir().unwrap();
+        assert_eq!(mem.crash().read_file("f").unwrap(), b"data");
     }
 
     #[test]

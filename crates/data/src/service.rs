@@ -15,9 +15,13 @@
 //! A replica that fails a packet makes the partition read-only (reported to the master as `full`, so
 //! clients write elsewhere) until every follower again holds every committed byte: followers repair
 //! themselves by pulling missing blocks from the leader, throttled.
+//!
+//! A store that failed an IO refuses work until reopened: the duty round reopens it, a leader first
+//! handing leadership over, and the replica then compares every extent with the leader's copy
+//! (`DataNode::revive_store`, docs/data-store.md "Reopening a failed store").
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -33,7 +37,7 @@ use nacre_raft::{RaftError, RaftHandle, StoreConfig};
 use nacre_types::{ErrorCode, ExtentId, NodeId, PartitionId};
 use tokio::sync::watch;
 
-use crate::io::FileDisk;
+use crate::io::{Disk, FileDisk};
 use crate::rpc::*;
 use crate::sm::{DataCommand, DataSm, SmShared, store_error};
 use crate::store::{ExtentStore, StoreError, StoreOptions, TINY_EXTENTS};
@@ -58,6 +62,22 @@ pub struct DataNodeConfig {
     pub replicate_stall_limit: Duration,
     /// Bytes per second a repair may copy (per node), so foreground IO keeps the bandwidth.
     pub repair_rate: u64,
+    /// Wraps each partition's disk (its directory, the `FileDisk`) before its store opens it:
+    /// tests inject faults with it. `None`: the `FileDisk` itself.
+    pub wrap_disk: Option<WrapDisk>,
+}
+
+/// Given a partition's directory and disk, the disk its store uses.
+pub type WrapDiskFn = dyn Fn(&Path, Arc<dyn Disk>) -> Arc<dyn Disk> + Send + Sync;
+
+/// A function wrapping a partition's disk ([`DataNodeConfig::wrap_disk`]).
+#[derive(Clone)]
+pub struct WrapDisk(pub Arc<WrapDiskFn>);
+
+impl std::fmt::Debug for WrapDisk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WrapDisk")
+    }
 }
 
 impl DataNodeConfig {
@@ -78,6 +98,7 @@ impl DataNodeConfig {
             replicate_timeout: Duration::from_secs(5),
             replicate_stall_limit: Duration::from_secs(60),
             repair_rate: 64 << 20,
+            wrap_disk: None,
         }
     }
 }
@@ -133,6 +154,8 @@ struct Part {
     ops: AtomicU64,
     bytes: AtomicU64,
     repairing: tokio::sync::Mutex<()>,
+    /// Leadership hand-offs asked because the store failed (to pick the follower).
+    handoffs: AtomicU64,
 }
 
 impl Part {
@@ -303,9 +326,11 @@ impl DataNode {
         }
         let dir = self.part_dir(spec.id);
         let cfg = self.inner.config.store.clone();
+        let wrap = self.inner.config.wrap_disk.clone();
         let store = tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&dir).map_err(err_str)?;
-            let disk = Arc::new(FileDisk::new(&dir).map_err(err_str)?);
+            let disk: Arc<dyn Disk> = Arc::new(FileDisk::new(&dir).map_err(err_str)?);
+            let disk = wrap.map_or(disk.clone(), |w| (w.0)(&dir, disk));
             ExtentStore::open(disk, cfg).map_err(err_str)
         })
         .await
@@ -315,6 +340,11 @@ impl DataNode {
         }
         let store = Arc::new(store);
         let shared = Arc::new(SmShared::default());
+        // Blocks recovery kept although they fail their CRC: compared with the leader's copy at the
+        // next repair (a leader repairs them when a read finds them).
+        if let Ok(mut s) = shared.suspect.lock() {
+            s.extend(store.recovery_bad_blocks().iter().map(|(e, _)| *e));
+        }
         let voters: Vec<u64> = peers.keys().copied().collect();
         let sm = DataSm::new(store.clone(), shared.clone());
         match raft.add_group(spec.id.0, &voters, sm).await {
@@ -335,6 +365,7 @@ impl DataNode {
             ops: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
             repairing: tokio::sync::Mutex::new(()),
+            handoffs: AtomicU64::new(0),
         });
         if let Ok(mut parts) = self.inner.parts.lock() {
             parts.insert(spec.id, part);
@@ -373,7 +404,11 @@ impl DataNode {
             Err(_) => return,
         };
         for part in &parts {
-            match self.leader_term(part).await {
+            let lead = self.leader_term(part).await;
+            if part.store.is_failed() && !self.revive_store(part, &lead).await {
+                continue;
+            }
+            match lead {
                 Ok(Some(term)) => {
                     if let Err(e) = self.ensure_aligned(part, term).await {
                         tracing::debug!(partition = %part.id, error = %e, "alignment failed");
@@ -396,6 +431,67 @@ impl DataNode {
             }
         }
         self.refresh_reports(&parts).await;
+    }
+
+    /// A store that failed an IO refuses all work until reopened (docs/data-store.md, "Failure").
+    /// Reopening recovers from what is on disk, which may lack what was not synced before the
+    /// failure, and this replica also missed the Raft entries it could not apply meanwhile: only
+    /// another replica's copy fills that in. So a leader first hands leadership to a follower (it
+    /// repairs nothing itself, and must not serve reads from such a copy); a follower, or a lone
+    /// replica, reopens the store, forgets its append tracks (as a restart does) and has every
+    /// extent compared with the leader's at its next repair. One attempt per call; returns whether
+    /// the store works now.
+    async fn revive_store(&self, part: &Part, lead: &Result<Option<u64>, RaftError>) -> bool {
+        let (Ok(leading), Ok(raft)) = (lead.as_ref().map(Option::is_some), self.raft()) else {
+            return false;
+        };
+        let followers = part.followers(raft.id());
+        if leading && !followers.is_empty() {
+            // The same follower for a few rounds (asking another aborts a hand-off in progress),
+            // then the next one, in case that one is down.
+            let n = part.handoffs.fetch_add(1, Ordering::Relaxed) as usize;
+            let to = followers[n / 4 % followers.len()].node.0;
+            let r = raft.transfer_leader(part.id.0, to).await;
+            tracing::warn!(partition = %part.id, to, result = ?r, "extent store failed; handing leadership over before reopening it");
+            return false;
+        }
+        // A repair in flight would mix what it read before the reopen with what it writes after.
+        let Ok(_repair) = part.repairing.try_lock() else {
+            return false;
+        };
+        // Another duty round (they may overlap) brought it back meanwhile: the tracks are in use.
+        if !part.store.is_failed() {
+            return true;
+        }
+        // Forgotten while the store still refuses work, so no track is built from the old lengths;
+        // a packet that took one earlier fails its `sync_since`.
+        if let Ok(mut t) = part.tracks.lock() {
+            t.clear();
+        }
+        let store = part.store.clone();
+        match tokio::task::spawn_blocking(move || store.reopen()).await {
+            Ok(Ok(())) => {
+                part.shared.suspect_all.store(true, Ordering::Release);
+                if let Ok(mut t) = part.aligned_term.lock() {
+                    *t = None;
+                }
+                tracing::info!(
+                    partition = %part.id,
+                    trimmed = ?part.store.recovery_report(),
+                    bad_blocks = part.store.recovery_bad_blocks().len(),
+                    "extent store reopened; every extent will be compared with the leader's"
+                );
+                true
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(partition = %part.id, error = %e, "extent store failed and cannot be reopened yet");
+                false
+            }
+            Err(e) => {
+                tracing::warn!(partition = %part.id, error = %e, "extent store reopen did not finish");
+                false
+            }
+        }
     }
 
     /// `Some(term)` if this node leads the partition's group.
@@ -865,9 +961,11 @@ impl DataNode {
         part.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
-    async fn sync_store(store: &Arc<ExtentStore>) -> Result<(), DataError> {
+    /// Syncs writes made since the store's `epoch` (taken before them): fails if a reopen came
+    /// between, since it may have lost them.
+    async fn sync_store(store: &Arc<ExtentStore>, epoch: u64) -> Result<(), DataError> {
         let store = store.clone();
-        off_worker(move || store.sync().map_err(store_error)).await
+        off_worker(move || store.sync_since(epoch).map_err(store_error)).await
     }
 
     /// The append state of an extent on the leader. An extent this replica does not know may have
@@ -886,12 +984,14 @@ impl DataNode {
         }
     }
 
-    /// Sends a packet to every follower and syncs it locally; all must succeed.
+    /// Sends a packet to every follower and syncs it locally (written at store `epoch`); all must
+    /// succeed.
     async fn replicate(
         &self,
         part: &Part,
         extent: ExtentId,
         offset: u64,
+        epoch: u64,
         committed: u64,
         data: &Payload,
     ) -> Result<(), DataError> {
@@ -917,7 +1017,7 @@ impl DataNode {
                     .map_err(|e| format!("{}: {e}", r.addr))
             });
         }
-        let (local, remote) = tokio::join!(Self::sync_store(&part.store), sends.join_all());
+        let (local, remote) = tokio::join!(Self::sync_store(&part.store, epoch), sends.join_all());
         let mut failed: Vec<String> = remote.into_iter().filter_map(Result::err).collect();
         if let Err(e) = local {
             failed.push(format!("local disk: {e}"));
@@ -964,6 +1064,7 @@ impl DataNode {
                 committed: track.committed(),
             });
         }
+        let epoch = part.store.epoch();
         let committed_before = {
             let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
             let (extent, offset) = (req.extent, req.offset);
@@ -989,7 +1090,7 @@ impl DataNode {
             .await
             .inspect_err(|e| degrade_if_full(part, e))?
         };
-        self.replicate(part, req.extent, req.offset, committed_before, &data)
+        self.replicate(part, req.extent, req.offset, epoch, committed_before, &data)
             .await?;
         // Commit in offset order: the previous packet must be committed first.
         let mut c = track.committed.subscribe();
@@ -1055,6 +1156,7 @@ impl DataNode {
             Err(e) => return Err(e),
         };
         let len = data.bytes.len() as u64;
+        let epoch = part.store.epoch();
         let (offset, committed_before) = {
             let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
             off_worker(move || {
@@ -1070,7 +1172,7 @@ impl DataNode {
             .await
             .inspect_err(|e| degrade_if_full(part, e))?
         };
-        self.replicate(part, extent, offset, committed_before, data)
+        self.replicate(part, extent, offset, epoch, committed_before, data)
             .await?;
         track.commit(offset + len);
         self.count(part, data.bytes.len());
@@ -1089,6 +1191,7 @@ impl DataNode {
         data: Payload,
     ) -> Result<(), DataError> {
         check_packet(&data)?;
+        let epoch = part.store.epoch();
         let tiny = ExtentStore::is_tiny(req.extent);
         let track = match part.track_with(req.extent, false) {
             Ok(t) => t,
@@ -1151,7 +1254,7 @@ impl DataNode {
             Ok(())
         })
         .await?;
-        Self::sync_store(&part.store).await
+        Self::sync_store(&part.store, epoch).await
     }
 
     async fn overwrite(

@@ -13,14 +13,25 @@
 //! - a leader crash in the middle of pipelined appends, and a new leader whose own copy has an
 //!   unacknowledged tail: nothing acknowledged is lost, appends go on at the committed offset.
 //! - releases: deleted extents are gone on every replica, punched tiny ranges read as zeros.
+//! - a replica whose extent store failed an IO (injected through its disk): the duty round reopens
+//!   it (a leader first hands leadership over), repair compares every extent with the leader's and
+//!   fills in what it lacks (a cut tail, an overwrite it could not apply), and the partition takes
+//!   appends again.
 //!
 //! Scenarios run one at a time ([`common::SERIAL`]); every wait has a deadline.
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
 use common::*;
 use nacre_data::DataError;
+use nacre_data::io::{Disk, FaultPlan, FaultyDisk};
+use nacre_data::rpc::{Read, ReadRequest};
+use nacre_data::service::WrapDisk;
 use nacre_types::ExtentId;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -617,5 +628,158 @@ async fn releases_delete_extents_and_punch_tiny_ranges_on_every_replica() {
         c.wait_replica(i, keep, &kept, true).await;
     }
     assert_eq!(api.read_all(keep, 0, kept.len() as u64).await, kept);
+    c.shutdown().await;
+}
+
+/// The faulty disk of every partition store the nodes opened, by directory.
+static DISKS: Mutex<Vec<(PathBuf, FaultyDisk)>> = Mutex::new(Vec::new());
+
+/// A node configuration whose partition stores run on [`FaultyDisk`]s the test can reach.
+fn faulty_disks(cfg: &mut nacre_data::DataNodeConfig) {
+    cfg.wrap_disk = Some(WrapDisk(Arc::new(|dir: &Path, disk: Arc<dyn Disk>| {
+        let faulty = FaultyDisk::new(disk, FaultPlan::default());
+        DISKS
+            .lock()
+            .unwrap()
+            .push((dir.to_path_buf(), faulty.clone()));
+        Arc::new(faulty) as Arc<dyn Disk>
+    })));
+}
+
+/// The disk of node `i`'s store of the partition.
+fn disk_of(c: &Cluster, i: usize) -> FaultyDisk {
+    let dir = c
+        .root
+        .path()
+        .join(Cluster::host(i))
+        .join("extents")
+        .join(PID.0.to_string());
+    let disks = DISKS.lock().unwrap();
+    disks
+        .iter()
+        .rev()
+        .find(|(d, _)| *d == dir)
+        .map(|(_, f)| f.clone())
+        .unwrap()
+}
+
+/// Node `i`'s store refuses work: a fetch from it fails (not just an empty answer).
+async fn assert_store_failed(api: &Api, i: usize, e: ExtentId) {
+    match api.fetch_all(i, e).await.unwrap() {
+        Err(DataError::Io(m)) => assert!(m.contains("failed an IO"), "{m}"),
+        other => panic!("node {i}'s store should refuse work: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_whose_store_failed_is_reopened_and_repaired() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::start_with(8, faulty_disks).await;
+    let api = c.api.clone();
+    let l = api.leader().await;
+    let f = (l + 1) % 3;
+    let e = api.create().await.unwrap().unwrap();
+    let mut model = Vec::new();
+    fill(&api, e, &mut model, 130, 4, 9000).await; // 36 000 bytes: 8 full blocks and a partial one
+    c.wait_replica(f, e, &model, true).await;
+
+    // The follower's disk fails every IO: the next packet fails its store, and the partition
+    // turns read-only. Its duty rounds try to reopen the store and cannot.
+    let disk = disk_of(&c, f);
+    disk.fail_after_more(Some(0));
+    match api
+        .append(e, model.len() as u64, &pattern(131, 5000))
+        .await
+        .unwrap()
+    {
+        Err(DataError::ReadOnly(_)) => {}
+        other => panic!("expected ReadOnly, got {other:?}"),
+    }
+    assert_store_failed(&api, f, e).await;
+    // An overwrite commits through Raft (a majority) and cannot be applied on the follower.
+    let ow = pattern(132, 6000);
+    api.overwrite(e, 2000, &ow).await.unwrap().unwrap();
+    model[2000..8000].copy_from_slice(&ow);
+    // And its file lost its end, as a failed writeback can leave it.
+    truncate(&c.data_file(f, e), 10_000);
+    assert_store_failed(&api, f, e).await;
+
+    // The disk works again: a duty round reopens the store (recovery cuts the extent to its two
+    // whole blocks), the repair compares every extent with the leader's copy (bringing the
+    // overwrite) and copies what is missing, and the leader, re-checking, takes appends again.
+    disk.fail_after_more(None);
+    c.wait_writable(l).await;
+    c.wait_replica(f, e, &model, false).await;
+    let whole = model.len() / BS as usize;
+    assert_eq!(
+        api.block_crcs(f, e).await.unwrap().unwrap()[..whole],
+        api.block_crcs(l, e).await.unwrap().unwrap()[..whole]
+    );
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+    // The client moves on to a new extent; the reopened follower takes its packets.
+    let e2 = api.create().await.unwrap().unwrap();
+    let mut model2 = Vec::new();
+    fill(&api, e2, &mut model2, 133, 3, 7000).await;
+    let w = api.write_tiny(b"small").await.unwrap().unwrap();
+    for i in 0..3 {
+        c.wait_replica(i, e2, &model2, true).await;
+    }
+    assert_eq!(api.local_len(f, w.extent).await, w.committed);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_store_failed_hands_over_then_is_reopened_and_repaired() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::start_with(9, faulty_disks).await;
+    let api = c.api.clone();
+    let old = api.leader().await;
+    let e = api.create().await.unwrap().unwrap();
+    let mut model = Vec::new();
+    fill(&api, e, &mut model, 140, 3, 9000).await;
+
+    // The leader's disk fails every IO: its own write of the next packet fails its store.
+    let disk = disk_of(&c, old);
+    disk.fail_after_more(Some(0));
+    match api
+        .append(e, model.len() as u64, &pattern(141, 5000))
+        .await
+        .unwrap()
+    {
+        Err(_) => {}
+        Ok(w) => panic!("the leader's disk fails, yet the append was acknowledged: {w:?}"),
+    }
+    // Its duty round hands leadership to a follower (a read of a missing extent is answered
+    // `NotFound` only by an aligned leader).
+    let req = ReadRequest {
+        partition: PID,
+        extent: ExtentId(u64::MAX),
+        offset: 0,
+        len: 1,
+    };
+    let l = eventually("another leader", || async {
+        let (r, _, i) = api.call::<Read>(&req, &Bytes::new(), true).await.ok()?;
+        (i != old && matches!(r, Err(DataError::NotFound(_)))).then_some(i)
+    })
+    .await;
+    assert_store_failed(&api, old, e).await;
+    // An overwrite the old leader cannot apply.
+    let ow = pattern(142, 3000);
+    api.overwrite(e, 10_000, &ow).await.unwrap().unwrap();
+    model[10_000..13_000].copy_from_slice(&ow);
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+    // And an extent it cannot create (its Raft state machine still counts the id).
+    let e2 = api.create().await.unwrap().unwrap();
+
+    // The disk works again: the old leader, now a follower, reopens its store and repairs it.
+    disk.fail_after_more(None);
+    c.wait_writable(l).await;
+    c.wait_replica(old, e, &model, false).await;
+    let mut model2 = Vec::new();
+    fill(&api, e2, &mut model2, 143, 3, 7000).await;
+    for i in 0..3 {
+        c.wait_replica(i, e2, &model2, true).await;
+    }
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
     c.shutdown().await;
 }

@@ -1610,3 +1610,544 @@ fn file_disk_descriptors_stay_bounded() {
     drop(s);
     assert_eq!(fds_under(dir.path()), before);
 }
+
+// -------------------------------------------------------------------------------------------------
+// Reopening a failed store (docs/data-store.md, "Failure")
+
+/// Every call that uses the store's state refuses a failed store.
+fn assert_refuses(store: &ExtentStore) {
+    let (e, t) = (NORMAL[0], TINY[0]);
+    let results = [
+        store.create(NORMAL[2]),
+        store.write(t, 0, b"x"),
+        store.truncate(e, 0),
+        store.read(e, 0, 1).map(drop),
+        store.len(e).map(drop),
+        store.block_crcs(e).map(drop),
+        store.repair_block(e, 0, b"x"),
+        store.punch(t, 0, 1),
+        store.delete(e),
+        store.sync(),
+        store.sync_since(store.epoch()),
+    ];
+    for (i, r) in results.into_iter().enumerate() {
+        assert!(matches!(r, Err(StoreError::Failed)), "call {i}: {r:?}");
+    }
+}
+
+/// An fsync fails: the store refuses everything until reopened. The reopen (on the same disk, whose
+/// unsynced changes a failed writeback kept, lost or tore) keeps everything synced, keeps each
+/// unsynced append whole or trims it (reads verify: never garbage), reports the cut, and the store
+/// works again. `sync_since` an epoch from before the reopen fails: the writes it covered may be
+/// gone.
+#[test]
+fn reopen_recovers_a_store_whose_fsync_failed() {
+    let (e, t) = (NORMAL[0], TINY[0]);
+    let synced: Vec<u8> = (0..300u32).map(|i| i as u8).collect();
+    let appended: Vec<u8> = (0..500u32).map(|i| (i * 7) as u8).collect();
+    let mut model_e = synced.clone();
+    model_e.extend_from_slice(&appended);
+    let mut model_t = vec![2u8; 100];
+    model_t.resize(128, 0);
+    model_t.extend_from_slice(&[3; 64]);
+    let mut lens = BTreeSet::new();
+    for seed in 0..40 {
+        let mem = MemDisk::new();
+        let faulty = FaultyDisk::new(Arc::new(mem.clone()), FaultPlan::default());
+        let store = ExtentStore::open(Arc::new(faulty.clone()), opts()).unwrap();
+        store.create(e).unwrap();
+        store.write(e, 0, &synced).unwrap();
+        store.write(t, 0, &[2; 100]).unwrap();
+        store.sync().unwrap();
+        let epoch = store.epoch();
+        store.write(e, 300, &appended).unwrap();
+        store.write(t, 128, &[3; 64]).unwrap();
+
+        faulty.set_fail_sync(true);
+        assert!(matches!(store.sync(), Err(StoreError::Io(_))));
+        assert!(store.is_failed());
+        assert_refuses(&store);
+        // A reopen of a store that did not fail does nothing; of a failed one while the fsyncs
+        // still fail, it works if recovery needs none (nothing to cut) — not tested here.
+        mem.lose_unsynced(seed);
+        faulty.set_fail_sync(false);
+        let found = data_lens(&mem);
+        store.reopen().unwrap();
+        assert!(!store.is_failed());
+        assert_eq!(store.epoch(), epoch + 1);
+
+        assert_eq!(
+            store.read(e, 0, 300).unwrap()[..],
+            synced[..],
+            "seed {seed}"
+        );
+        assert_eq!(store.read(t, 0, 100).unwrap()[..], model_t[..100]);
+        let len = store.len(e).unwrap();
+        assert!((300..=800).contains(&len), "seed {seed}: {len}");
+        assert_eq!(
+            store.read(e, 0, len as u32).unwrap()[..],
+            model_e[..len as usize]
+        );
+        let len_t = store.len(t).unwrap();
+        assert!((100..=192).contains(&len_t), "seed {seed}: {len_t}");
+        assert_eq!(
+            store.read(t, 0, len_t as u32).unwrap()[..],
+            model_t[..len_t as usize]
+        );
+        for tr in store.recovery_report() {
+            assert_eq!(tr.old_len, found[&tr.extent]);
+            assert_eq!(tr.new_len, store.len(tr.extent).unwrap());
+        }
+        let trimmed: BTreeSet<ExtentId> =
+            store.recovery_report().iter().map(|t| t.extent).collect();
+        for (id, l) in [(e, len), (t, len_t)] {
+            assert_eq!(trimmed.contains(&id), found[&id] != l, "seed {seed} {id}");
+        }
+        assert!(store.recovery_bad_blocks().is_empty(), "appends only");
+        lens.insert(len);
+
+        assert!(matches!(store.sync_since(epoch), Err(StoreError::Failed)));
+        assert!(
+            !store.is_failed(),
+            "an old epoch fails the call, not the store"
+        );
+        // A reopen of a store that works is a no-op.
+        store.reopen().unwrap();
+        assert_eq!(store.epoch(), epoch + 1);
+        let epoch = store.epoch();
+        store.write(e, len, b"after").unwrap();
+        store.write(t, len_t, b"tiny").unwrap();
+        store.sync_since(epoch).unwrap();
+        drop(store);
+        let s = open(&mem.crash());
+        assert!(s.recovery_report().is_empty());
+        let mut want = model_e[..len as usize].to_vec();
+        want.extend_from_slice(b"after");
+        assert_eq!(s.read(e, 0, want.len() as u32).unwrap()[..], want[..]);
+        assert_eq!(s.len(t).unwrap(), len_t + 4);
+    }
+    assert!(
+        lens.len() > 2,
+        "some seeds keep, cut or tear the append: {lens:?}"
+    );
+}
+
+/// A reopen while the disk still fails (at every step of it) fails and leaves the store failed
+/// (refusing everything), and can be tried again; once the disk works, it succeeds, with what was
+/// synced intact. Recovery that must cut a torn tail needs an fsync: it fails while fsyncs do.
+#[test]
+fn reopen_fails_while_the_disk_does_and_works_once_it_recovers() {
+    let e = NORMAL[0];
+    let mem = MemDisk::new();
+    let faulty = FaultyDisk::new(Arc::new(mem.clone()), FaultPlan::default());
+    let store = ExtentStore::open(Arc::new(faulty.clone()), opts()).unwrap();
+    let synced = vec![1u8; 300];
+    store.create(e).unwrap();
+    store.create(NORMAL[1]).unwrap();
+    store.write(e, 0, &synced).unwrap();
+    store.write(NORMAL[1], 0, &[5; 200]).unwrap();
+    store.write(TINY[0], 0, &[6; 70]).unwrap();
+    store.sync().unwrap();
+    store.write(e, 300, &[2; 500]).unwrap();
+
+    faulty.set_fail_sync(true);
+    assert!(matches!(store.sync(), Err(StoreError::Io(_))));
+    // The append's last block is damaged: recovery must cut it, and fsync the cut.
+    mem.corrupt(&data_name(e), 790).unwrap();
+    assert!(matches!(store.reopen(), Err(StoreError::Io(_))));
+    assert!(store.is_failed());
+    assert_refuses(&store);
+
+    // Everything fails: the reopen fails at its first step.
+    faulty.set_fail_sync(false);
+    faulty.fail_after_more(Some(0));
+    assert!(matches!(store.reopen(), Err(StoreError::Io(_))));
+    assert_refuses(&store);
+    // The disk fails after n more operations, for every n until a reopen gets through.
+    let mut n = 0;
+    loop {
+        faulty.fail_after_more(Some(n));
+        match store.reopen() {
+            Ok(()) => break,
+            Err(StoreError::Io(_)) => {
+                assert!(store.is_failed(), "n={n}");
+                assert_refuses(&store);
+            }
+            Err(e) => panic!("n={n}: {e}"),
+        }
+        n += 1;
+        assert!(n < 1000, "the reopen never got through");
+    }
+    faulty.fail_after_more(None);
+    assert!(n > 5, "the reopen took only {n} operations");
+    assert!(!store.is_failed());
+    assert_eq!(store.epoch(), 1, "failed reopens do not count");
+    let len = store.len(e).unwrap();
+    assert!((300..790).contains(&len), "{len}");
+    let mut want = synced.clone();
+    want.resize(len as usize, 2);
+    assert_eq!(store.read(e, 0, len as u32).unwrap()[..], want[..]);
+    assert_eq!(store.read(NORMAL[1], 0, 200).unwrap()[..], [5; 200][..]);
+    assert_eq!(store.read(TINY[0], 0, 70).unwrap()[..], [6; 70][..]);
+    store.write(e, len, b"works").unwrap();
+    store.sync().unwrap();
+    drop(store);
+    let s = open(&mem.crash());
+    want.extend_from_slice(b"works");
+    assert_eq!(s.read(e, 0, want.len() as u32).unwrap()[..], want[..]);
+}
+
+/// Runs `ops` with every fsync failing from op `fail_at` on (and a write and a sync at the end, so
+/// the store fails), lets the failed writeback keep, lose or tear each unsynced change (`seed`),
+/// reopens, and checks the result as for a crash. Then the store keeps working: after cutting
+/// extents at their first block a torn in-place change left unreadable, a second workload matches
+/// the model, and so does a clean open afterwards.
+fn check_reopen_after_failed_fsync(
+    ops: &[Op],
+    fail_at: usize,
+    seed: u64,
+    more: &[Op],
+    opts: &StoreOptions,
+) {
+    let mem = MemDisk::new();
+    let faulty = FaultyDisk::new(Arc::new(mem.clone()), FaultPlan::default());
+    let store = ExtentStore::open(Arc::new(faulty.clone()), opts.clone()).unwrap();
+    let mut sim = Sim::default();
+    let fail_at = fail_at % (ops.len() + 1);
+    let tail = [Op::TinyWrite(1, 0, vec![42]), Op::Sync];
+    for (i, op) in ops.iter().chain(&tail).enumerate() {
+        if i == fail_at {
+            faulty.set_fail_sync(true);
+        }
+        match sim.step(&store, op) {
+            Ok(()) | Err(StoreError::Failed) => {}
+            Err(StoreError::Io(_)) => assert!(i >= fail_at, "op {i} {op:?}"),
+            Err(e) => panic!("op {i} {op:?}: {e}"),
+        }
+    }
+    assert!(store.is_failed());
+    assert_refuses(&store);
+    mem.lose_unsynced(seed);
+    faulty.set_fail_sync(false);
+    let found = data_lens(&mem);
+    store.reopen().unwrap();
+    sim.check_recovered(&store, &found);
+
+    // Cut every extent at its first unreadable block, then go on from what the store holds.
+    let bs = u64::from(BS);
+    let mut model = BTreeMap::new();
+    for (id, len) in store.extents() {
+        let mut good = Vec::new();
+        for b in 0..len.div_ceil(bs) {
+            let n = (len - b * bs).min(bs);
+            match store.read(id, b * bs, n as u32) {
+                Ok(bytes) => good.extend_from_slice(&bytes),
+                Err(StoreError::Corrupt { .. }) => break,
+                Err(e) => panic!("{id} block {b}: {e}"),
+            }
+        }
+        if (good.len() as u64) < len {
+            store.truncate(id, good.len() as u64).unwrap();
+        }
+        model.insert(id, good);
+    }
+    store.sync().unwrap();
+    let mut sim = Sim {
+        synced: model.clone(),
+        dir_synced: model.keys().copied().collect(),
+        history: model.iter().map(|(id, v)| (*id, vec![v.clone()])).collect(),
+        model,
+        ..Sim::default()
+    };
+    for op in more {
+        sim.step(&store, op).unwrap();
+    }
+    sim.check_exact(&store);
+    store.sync().unwrap();
+    drop(store);
+    let store = ExtentStore::open(Arc::new(mem), opts.clone()).unwrap();
+    assert!(store.recovery_report().is_empty());
+    sim.check_exact(&store);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// Random workloads whose fsyncs start failing at a random point: see
+    /// [`check_reopen_after_failed_fsync`].
+    #[test]
+    fn reopen_after_a_failed_fsync_recovers_like_a_crash(
+        ops in prop::collection::vec(op(), 1..40),
+        fail_at in any::<usize>(),
+        seed in any::<u64>(),
+        more in prop::collection::vec(op(), 1..30),
+    ) {
+        check_reopen_after_failed_fsync(&ops, fail_at, seed, &more, &opts());
+    }
+
+    /// The same with one extent's files open at a time (an open that closes unsynced files fsyncs
+    /// them, so reads fail the store too).
+    #[test]
+    fn reopen_after_a_failed_fsync_with_evicted_files(
+        ops in prop::collection::vec(op(), 1..40),
+        fail_at in any::<usize>(),
+        seed in any::<u64>(),
+        more in prop::collection::vec(op(), 1..30),
+    ) {
+        check_reopen_after_failed_fsync(&ops, fail_at, seed, &more, &capped(1));
+    }
+}
+
+/// Receives a thread's result, failing (instead of hanging) if it does not come: a deadlock.
+fn within<T>(rx: &std::sync::mpsc::Receiver<T>, what: &str) -> T {
+    rx.recv_timeout(Duration::from_secs(30))
+        .unwrap_or_else(|_| panic!("{what}: no answer within 30 s (a deadlock?)"))
+}
+
+/// Runs `f` on a thread; its result comes on the returned channel.
+fn spawn<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> std::sync::mpsc::Receiver<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx
+}
+
+/// A reopen waits for the calls in flight — a group-commit round blocked in an fsync and a caller
+/// waiting for the next round — while new calls are refused at once; the round, which the store's
+/// failure overtook, ends with an error for both callers, and then the reopen runs.
+#[test]
+fn reopen_waits_for_calls_in_flight_and_refuses_new_ones() {
+    let mem = MemDisk::new();
+    let gate = Arc::new(Gate::default());
+    let gated = GateDisk {
+        inner: mem.clone(),
+        gate: gate.clone(),
+    };
+    let faulty = FaultyDisk::new(Arc::new(gated), FaultPlan::default());
+    let store = Arc::new(ExtentStore::open(Arc::new(faulty.clone()), opts()).unwrap());
+    for id in NORMAL {
+        store.create(id).unwrap();
+        store.write(id, 0, &[1; 100]).unwrap();
+    }
+    store.sync().unwrap();
+    let calls = store.sync_stats().calls;
+
+    gate.set(true);
+    // A runs a round and blocks in its first fsync; B waits for the next round.
+    let a = {
+        let s = store.clone();
+        spawn(move || {
+            s.write(NORMAL[0], 100, b"a").unwrap();
+            s.sync()
+        })
+    };
+    gate.wait_for_waiters(1);
+    let b = {
+        let s = store.clone();
+        spawn(move || {
+            s.write(NORMAL[1], 100, b"b").unwrap();
+            s.sync()
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while store.sync_stats().calls < calls + 2 {
+        assert!(Instant::now() < deadline, "B never called sync");
+        std::thread::yield_now();
+    }
+    // A truncate's fsync fails: the store fails while A and B are inside.
+    faulty.set_fail_sync(true);
+    assert!(matches!(
+        store.truncate(NORMAL[2], 50),
+        Err(StoreError::Io(_))
+    ));
+    faulty.set_fail_sync(false);
+    assert!(store.is_failed());
+    let reopen = {
+        let s = store.clone();
+        spawn(move || s.reopen())
+    };
+    // New calls are refused at once, never blocked behind the reopen.
+    for _ in 0..100 {
+        assert!(matches!(store.len(NORMAL[0]), Err(StoreError::Failed)));
+        assert!(matches!(store.sync(), Err(StoreError::Failed)));
+    }
+    assert!(store.is_failed(), "the reopen waits for A and B");
+    gate.set(false);
+    assert!(matches!(within(&a, "A"), Err(StoreError::Failed)));
+    assert!(matches!(within(&b, "B"), Err(StoreError::Failed)));
+    within(&reopen, "the reopen").unwrap();
+    assert!(!store.is_failed());
+    // Nothing was lost on this disk (its writeback did not fail): the reopen finds it all.
+    assert_eq!(store.read(NORMAL[0], 0, 101).unwrap()[100], b'a');
+    assert_eq!(store.read(NORMAL[1], 0, 101).unwrap()[100], b'b');
+    // The failed truncate left the old length or the new one (its first header landed).
+    let len = store.len(NORMAL[2]).unwrap();
+    assert!(len == 50 || len == 100, "{len}");
+    assert_eq!(
+        store.read(NORMAL[2], 0, len as u32).unwrap()[..],
+        [1; 100][..len as usize]
+    );
+    store.write(NORMAL[2], len, b"c").unwrap();
+    store.sync().unwrap();
+}
+
+/// Threads append, sync (`sync_since`) and read their own extents while the store fails and is
+/// reopened five times, each time losing or tearing some unsynced writes: no panic, no deadlock,
+/// every call either works or returns an error, no sync claims a write the reopen lost, and at the
+/// end every extent holds exactly what its thread's model says (also after a crash).
+#[test]
+fn calls_on_other_threads_while_the_store_fails_and_is_reopened() {
+    const THREADS: u64 = 4;
+    let mem = MemDisk::new();
+    let faulty = FaultyDisk::new(Arc::new(mem.clone()), FaultPlan::default());
+    let store = Arc::new(ExtentStore::open(Arc::new(faulty.clone()), capped(3)).unwrap());
+    let ids: Vec<ExtentId> = (0..THREADS).map(|t| ExtentId(1024 + t)).collect();
+    for &id in &ids {
+        store.create(id).unwrap();
+    }
+    store.sync().unwrap();
+    let progress = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let threads: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(t, &id)| {
+            let (s, progress, stop) = (store.clone(), progress.clone(), stop.clone());
+            spawn(move || {
+                let mut rng = Rng(t as u64);
+                let mut model: Vec<u8> = Vec::new();
+                let mut synced = 0u64;
+                let mut epoch = s.epoch();
+                // After an error: wait for the store to work, then learn what it kept.
+                let resync = |model: &mut Vec<u8>, synced: u64, epoch: &mut u64| loop {
+                    assert!(Instant::now() < deadline, "{id}: the store never came back");
+                    *epoch = s.epoch();
+                    let len = match s.len(id) {
+                        Ok(len) => len,
+                        Err(StoreError::Failed) => {
+                            std::thread::yield_now();
+                            continue;
+                        }
+                        Err(e) => panic!("{id}: {e}"),
+                    };
+                    assert!(len >= synced, "{id}: {len} bytes, {synced} were synced");
+                    assert!(len <= model.len() as u64, "{id}: {len} > {}", model.len());
+                    match s.read(id, 0, len as u32) {
+                        Ok(b) => assert_eq!(b[..], model[..len as usize], "{id}"),
+                        // Io: the read's open closed other unsynced files, and their fsync failed.
+                        Err(StoreError::Failed | StoreError::Io(_)) => continue,
+                        Err(e) => panic!("{id}: {e}"),
+                    }
+                    if s.epoch() == *epoch {
+                        model.truncate(len as usize);
+                        return;
+                    }
+                };
+                let mut i = 0u64;
+                while !stop.load(Ordering::SeqCst) || i < 20 {
+                    i += 1;
+                    assert!(Instant::now() < deadline, "{id}: still running");
+                    let n = 1 + rng.below(90) as usize;
+                    let d = rng.bytes(n);
+                    let at = model.len() as u64;
+                    match s.write(id, at, &d) {
+                        Ok(()) => model.extend_from_slice(&d),
+                        Err(StoreError::Failed | StoreError::Io(_)) => {
+                            resync(&mut model, synced, &mut epoch);
+                            continue;
+                        }
+                        Err(e) => panic!("{id}: {e}"),
+                    }
+                    match s.sync_since(epoch) {
+                        Ok(()) => synced = model.len() as u64,
+                        Err(StoreError::Failed | StoreError::Io(_)) => {
+                            resync(&mut model, synced, &mut epoch);
+                            continue;
+                        }
+                        Err(e) => panic!("{id}: {e}"),
+                    }
+                    let off = rng.below(model.len() as u64);
+                    match s.read(id, off, (model.len() as u64 - off) as u32) {
+                        Ok(b) => assert_eq!(b[..], model[off as usize..], "{id}"),
+                        Err(StoreError::Failed | StoreError::Io(_)) => {
+                            resync(&mut model, synced, &mut epoch);
+                            continue;
+                        }
+                        Err(e) => panic!("{id}: {e}"),
+                    }
+                    progress.fetch_add(1, Ordering::SeqCst);
+                }
+                // Leave the extent synced, as the model says.
+                loop {
+                    match s.sync_since(epoch) {
+                        Ok(()) => return (id, model),
+                        Err(_) => resync(&mut model, synced, &mut epoch),
+                    }
+                }
+            })
+        })
+        .collect();
+    let wait_progress = |n: u64| {
+        let want = progress.load(Ordering::SeqCst) + n;
+        while progress.load(Ordering::SeqCst) < want {
+            assert!(Instant::now() < deadline, "no progress");
+            std::thread::yield_now();
+        }
+    };
+    for round in 0..5 {
+        wait_progress(30);
+        faulty.set_fail_sync(true);
+        while !store.is_failed() {
+            assert!(Instant::now() < deadline, "no sync failed");
+            std::thread::yield_now();
+        }
+        mem.lose_unsynced(round);
+        faulty.set_fail_sync(false);
+        store.reopen().unwrap();
+    }
+    wait_progress(30);
+    stop.store(true, Ordering::SeqCst);
+    let models: Vec<(ExtentId, Vec<u8>)> = threads
+        .iter()
+        .map(|rx| within(rx, "a worker thread"))
+        .collect();
+    assert_eq!(store.epoch(), 5);
+    let model: BTreeMap<ExtentId, Vec<u8>> = models.into_iter().collect();
+    check_model(&store, &model);
+    drop(store);
+    check_model(&open(&mem.crash()), &model);
+}
+
+/// On real files (where a reopen also drops the files' cached pages): a failed fsync, a reopen, and
+/// everything written (the page cache kept it: the writeback did not really fail) reads back.
+#[test]
+fn file_disk_reopen_after_a_failed_fsync() {
+    let dir = tempfile::tempdir().unwrap();
+    let faulty = FaultyDisk::new(
+        Arc::new(FileDisk::new(dir.path()).unwrap()),
+        FaultPlan::default(),
+    );
+    let s = ExtentStore::open(Arc::new(faulty.clone()), opts()).unwrap();
+    let e = NORMAL[0];
+    s.create(e).unwrap();
+    s.write(e, 0, &[1; 1000]).unwrap();
+    s.sync().unwrap();
+    s.write(e, 1000, &[2; 1000]).unwrap();
+    faulty.set_fail_sync(true);
+    assert!(matches!(s.sync(), Err(StoreError::Io(_))));
+    faulty.set_fail_sync(false);
+    s.reopen().unwrap();
+    let mut want = vec![1u8; 1000];
+    want.resize(2000, 2);
+    assert_eq!(s.read(e, 0, 2000).unwrap()[..], want[..]);
+    assert!(s.recovery_report().is_empty());
+    s.write(e, 2000, b"more").unwrap();
+    s.sync().unwrap();
+    drop(s);
+    let s = ExtentStore::open(Arc::new(FileDisk::new(dir.path()).unwrap()), opts()).unwrap();
+    assert_eq!(s.len(e).unwrap(), 2004);
+}

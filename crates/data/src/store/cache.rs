@@ -250,6 +250,13 @@ impl FileCache {
         drop(closed);
     }
 
+    /// Lets go of every extent's files, without an fsync: a reopen, after which recovery decides
+    /// what is on disk. They close once no call uses them (none does during a reopen).
+    pub fn clear(&self) {
+        let closed = std::mem::take(&mut *lock(&self.lru));
+        drop(closed);
+    }
+
     /// Extents whose files the cache holds open.
     pub fn len(&self) -> usize {
         lock(&self.lru).entries.len()

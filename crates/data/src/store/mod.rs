@@ -11,6 +11,14 @@
 //! has its own `RwLock`, read-held by reads (so reads of one extent run in parallel) and write-held by
 //! changes. No lock is held across an fsync except in `truncate` and `punch`, whose ordering needs it,
 //! and in a call whose open closes files written since their last fsync (rare: see `cache.rs`).
+//! Besides, every call holds a gate shared for its whole duration, which [`ExtentStore::reopen`]
+//! takes exclusively to replace the state of a failed store.
+//!
+//! Lock order: `reopening` (reopens only), the gate, `namespace`, an extent's state, the cache's
+//! mutex, the extent map, the dirty set. The group commit's `commit` mutex is never held while
+//! another lock is taken; a caller waiting for a round holds only the gate (shared), and the round
+//! it waits for ends once its IO returns, so a reopen waiting for the gate waits for IO, never for
+//! another lock.
 //!
 //! Open files: at most [`StoreOptions::max_open_extents`] extents have their files open (`cache.rs`);
 //! the rest are closed and reopened on demand. Memory (lengths, CRCs) stays resident for every extent.
@@ -20,9 +28,10 @@ mod format;
 mod recovery;
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{
     Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
+    TryLockError,
 };
 
 use bytes::Bytes;
@@ -123,7 +132,9 @@ pub enum StoreError {
     #[error("io error: {0}")]
     Io(#[from] std::io::Error),
     /// An fsync, or the IO of a change, failed earlier: what is on disk is unknown, so the store
-    /// refuses all work until it is reopened (which recovers from what is on disk).
+    /// refuses all work until it is reopened ([`ExtentStore::reopen`], which recovers from what is
+    /// on disk). Also what calls get while a reopen runs, and what [`ExtentStore::sync_since`]
+    /// returns when a reopen came after the caller's writes.
     #[error("the store failed an IO earlier; reopen it")]
     Failed,
     /// A write found the disk full. Nothing changed in memory and what reached the files lies past
@@ -240,6 +251,16 @@ pub struct ExtentStore {
     max_len: u64,
     /// CRC of a block of zeros.
     zero_block_crc: u32,
+    /// Held shared by every call that uses the state below for the whole call, exclusively by
+    /// [`ExtentStore::reopen`] while it replaces that state. Calls only `try_read` it: while a
+    /// reopen runs or waits, they are refused (`Failed`, which the store is) rather than blocked.
+    /// Never taken twice by one call (a waiting reopen would deadlock it): public methods do not
+    /// call each other.
+    gate: RwLock<()>,
+    /// Serializes reopens.
+    reopening: Mutex<()>,
+    /// Reopens so far.
+    epoch: AtomicU64,
     extents: RwLock<HashMap<ExtentId, Arc<Extent>>>,
     /// The extents' open files, bounded.
     cache: FileCache,
@@ -248,9 +269,9 @@ pub struct ExtentStore {
     dirty: Mutex<Dirty>,
     commit: Mutex<Commit>,
     round_done: Condvar,
+    /// Set by an IO error that leaves the files unknown; cleared only by a successful reopen.
     failed: AtomicBool,
-    trimmed: Vec<Trimmed>,
-    bad: Vec<(ExtentId, u64)>,
+    recovery: Mutex<Recovery>,
 }
 
 impl std::fmt::Debug for ExtentStore {
@@ -302,6 +323,94 @@ fn kind(id: ExtentId) -> Result<Kind, StoreError> {
     }
 }
 
+/// What recovery found, at open or at a reopen.
+#[derive(Clone, Debug, Default)]
+struct Recovery {
+    trimmed: Vec<Trimmed>,
+    bad_blocks: Vec<(ExtentId, u64)>,
+}
+
+/// A store's state as recovered from its files.
+struct Loaded {
+    extents: HashMap<ExtentId, Arc<Extent>>,
+    recovery: Recovery,
+    /// Remnants were removed: the next round fsyncs the directory.
+    dir_dirty: bool,
+}
+
+/// Lists the disk's files and recovers every extent (docs/data-store.md, "Recovery"), opening the
+/// files through `cache`. `drop_cache`: first drop the files' cached pages (a reopen after a failed
+/// IO: they may hold bytes the disk does not).
+fn load(
+    disk: &dyn Disk,
+    cache: &FileCache,
+    opts: &StoreOptions,
+    drop_cache: bool,
+) -> Result<Loaded, StoreError> {
+    // (data file, crc file) present
+    let mut found: BTreeMap<ExtentId, (bool, bool)> = BTreeMap::new();
+    for name in disk.list().map_err(cache::open_error)? {
+        match format::parse_name(&name) {
+            Some((id, k)) if kind(id).is_ok() => {
+                let e = found.entry(id).or_default();
+                match k {
+                    format::Kind::Data => e.0 = true,
+                    format::Kind::Crc => e.1 = true,
+                }
+            }
+            _ => tracing::debug!(name, "the extent store ignores a file it does not own"),
+        }
+    }
+    let mut extents = HashMap::new();
+    let mut recovery = Recovery::default();
+    let mut dir_dirty = false;
+    for (id, files) in found {
+        if files != (true, true) {
+            // A create or a delete that was not synced: the extent was never durably there (or
+            // durably gone), so drop the remnant.
+            disk.remove(&data_name(id))?;
+            disk.remove(&crc_name(id))?;
+            dir_dirty = true;
+            tracing::info!(extent = %id, "removed the remnant of an unsynced create or delete");
+            continue;
+        }
+        // Recovery changes files only to cut them, and then fsyncs them.
+        let f = cache.get(id, Open::Existing).map_err(|e| match e {
+            CacheError::Open(e) => cache::open_error(e),
+            CacheError::Sync(e) => StoreError::Io(e),
+        })?;
+        if drop_cache {
+            for file in [&f.data, &f.crc] {
+                // Best effort: pages still dirty stay (a later fsync writes them or fails).
+                if let Err(e) = file.drop_cache() {
+                    tracing::warn!(extent = %id, error = %e, "cannot drop an extent file's cached pages");
+                }
+            }
+        }
+        let r = recovery::recover(id, &*f.data, &*f.crc, opts.block_size, opts.sync)?;
+        if r.len != r.found_len {
+            recovery.trimmed.push(Trimmed {
+                extent: id,
+                old_len: r.found_len,
+                new_len: r.len,
+            });
+        }
+        recovery.bad_blocks.extend(r.bad.iter().map(|&b| (id, b)));
+        let state = State {
+            deleted: false,
+            len: r.len,
+            blocks: r.blocks,
+            hdr: r.cursor,
+        };
+        extents.insert(id, Arc::new(Extent::new(id, state)));
+    }
+    Ok(Loaded {
+        extents,
+        recovery,
+        dir_dirty,
+    })
+}
+
 impl ExtentStore {
     /// Opens the store, recovering every extent: a torn tail (last blocks whose bytes do not match
     /// their persisted CRC, or data past the CRC records) is trimmed to the end of the last verified
@@ -324,87 +433,100 @@ impl ExtentStore {
             usize::try_from(opts.max_open_extents).unwrap_or(usize::MAX),
             opts.sync,
         );
-        // (data file, crc file) present
-        let mut found: BTreeMap<ExtentId, (bool, bool)> = BTreeMap::new();
-        for name in disk.list().map_err(cache::open_error)? {
-            match format::parse_name(&name) {
-                Some((id, k)) if kind(id).is_ok() => {
-                    let e = found.entry(id).or_default();
-                    match k {
-                        format::Kind::Data => e.0 = true,
-                        format::Kind::Crc => e.1 = true,
-                    }
-                }
-                _ => tracing::debug!(name, "the extent store ignores a file it does not own"),
-            }
-        }
-        let mut extents = HashMap::new();
-        let mut trimmed = Vec::new();
-        let mut bad = Vec::new();
-        let mut dir_dirty = false;
-        for (id, files) in found {
-            if files != (true, true) {
-                // A create or a delete that was not synced: the extent was never durably there (or
-                // durably gone), so drop the remnant.
-                disk.remove(&data_name(id))?;
-                disk.remove(&crc_name(id))?;
-                dir_dirty = true;
-                tracing::info!(extent = %id, "removed the remnant of an unsynced create or delete");
-                continue;
-            }
-            // Recovery changes files only to cut them, and then fsyncs them.
-            let f = cache.get(id, Open::Existing).map_err(|e| match e {
-                CacheError::Open(e) => cache::open_error(e),
-                CacheError::Sync(e) => StoreError::Io(e),
-            })?;
-            let r = recovery::recover(id, &*f.data, &*f.crc, opts.block_size, opts.sync)?;
-            if r.len != r.found_len {
-                trimmed.push(Trimmed {
-                    extent: id,
-                    old_len: r.found_len,
-                    new_len: r.len,
-                });
-            }
-            bad.extend(r.bad.iter().map(|&b| (id, b)));
-            let state = State {
-                deleted: false,
-                len: r.len,
-                blocks: r.blocks,
-                hdr: r.cursor,
-            };
-            extents.insert(id, Arc::new(Extent::new(id, state)));
-        }
+        let loaded = load(&*disk, &cache, &opts, false)?;
         Ok(Self {
             disk,
             max_len: bs * MAX_EXTENT_BLOCKS,
             zero_block_crc: crc_zeros(0, bs),
             bs,
             opts,
-            extents: RwLock::new(extents),
+            gate: RwLock::new(()),
+            reopening: Mutex::new(()),
+            epoch: AtomicU64::new(0),
+            extents: RwLock::new(loaded.extents),
             cache,
             namespace: Mutex::new(()),
             dirty: Mutex::new(Dirty {
                 extents: HashMap::new(),
-                dir: dir_dirty,
+                dir: loaded.dir_dirty,
             }),
             commit: Mutex::new(Commit::default()),
             round_done: Condvar::new(),
             failed: AtomicBool::new(false),
-            trimmed,
-            bad,
+            recovery: Mutex::new(loaded.recovery),
         })
     }
 
-    /// Extents whose tail recovery cut at open.
-    pub fn recovery_report(&self) -> &[Trimmed] {
-        &self.trimmed
+    /// Brings a failed store back (docs/data-store.md, "Failure"): runs what [`ExtentStore::open`]
+    /// runs — list the files, recover every extent from what is on disk — on the same disk and
+    /// replaces the whole in-memory state with the result. Every open file is closed first
+    /// (without an fsync) and the files' cached pages are dropped where the disk can
+    /// ([`DiskFile::drop_cache`]), since after a failed fsync the page cache may hold bytes that
+    /// never reached the disk. Writes
+    /// that were not synced before the failure may be gone (trimmed, or their blocks marked bad);
+    /// [`ExtentStore::recovery_report`] and [`ExtentStore::recovery_bad_blocks`] then describe this
+    /// recovery, and [`ExtentStore::epoch`] grows by one.
+    ///
+    /// Waits for the calls in flight to finish; calls that arrive meanwhile are refused with
+    /// `Failed`. If recovery fails (the disk still fails), the store stays failed and this can be
+    /// called again. A store that has not failed is left alone (`Ok`).
+    pub fn reopen(&self) -> Result<(), StoreError> {
+        if !self.is_failed() {
+            return Ok(());
+        }
+        // One reopen at a time, and none on a store another one just brought back: `failed` is
+        // cleared only under this lock.
+        let _one = lock(&self.reopening);
+        if !self.is_failed() {
+            return Ok(());
+        }
+        // Every call holds the gate shared for its whole duration (a `sync` caller waiting for a
+        // round included, and the round's runner, whose round ends once its IO returns): with it
+        // held exclusively, no call is in flight and none can start.
+        let _all = write(&self.gate);
+        self.cache.clear();
+        let loaded = load(&*self.disk, &self.cache, &self.opts, true)?;
+        // Nothing refers to the old extents any more: no call is in flight, and the dirty set
+        // (which held them) is replaced too.
+        *write(&self.extents) = loaded.extents;
+        *lock(&self.dirty) = Dirty {
+            extents: HashMap::new(),
+            dir: loaded.dir_dirty,
+        };
+        tracing::debug!(
+            trimmed = loaded.recovery.trimmed.len(),
+            bad_blocks = loaded.recovery.bad_blocks.len(),
+            "extent store reopened"
+        );
+        *lock(&self.recovery) = loaded.recovery;
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        self.failed.store(false, Ordering::SeqCst);
+        Ok(())
     }
 
-    /// Blocks recovery kept although they fail their CRC (extent, block index): they read as
-    /// `Corrupt` until repaired. Only an in-place change (overwrite, repair) torn by a crash leaves
-    /// these, or damage to the files.
-    pub fn recovery_bad_blocks(&self) -> &[(ExtentId, u64)] {
-        &self.bad
+    /// Whether the store failed an IO and refuses work until [`ExtentStore::reopen`]ed.
+    pub fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    /// How many times the store was reopened. A write is covered by a later `sync` only if no
+    /// reopen came between them (a reopen may lose what was not synced before the failure): a
+    /// caller that must know takes the epoch before its writes and syncs with
+    /// [`ExtentStore::sync_since`].
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    /// Extents whose tail the last recovery (at open, or at the last [`ExtentStore::reopen`]) cut.
+    pub fn recovery_report(&self) -> Vec<Trimmed> {
+        lock(&self.recovery).trimmed.clone()
+    }
+
+    /// Blocks the last recovery (at open, or at the last reopen) kept although they fail their CRC
+    /// (extent, block index): they read as `Corrupt` until repaired. Only an in-place change
+    /// (overwrite, repair) torn by a crash or a failed IO leaves these, or damage to the files.
+    pub fn recovery_bad_blocks(&self) -> Vec<(ExtentId, u64)> {
+        lock(&self.recovery).bad_blocks.clone()
     }
 
     pub fn is_tiny(id: ExtentId) -> bool {
@@ -428,7 +550,7 @@ impl ExtentStore {
     /// Creates an empty normal extent; idempotent (an existing extent is left unchanged). A tiny
     /// extent id makes its file exist. Durable after the next [`ExtentStore::sync`].
     pub fn create(&self, id: ExtentId) -> Result<(), StoreError> {
-        self.check()?;
+        let _gate = self.enter()?;
         self.changing(|| {
             kind(id)?;
             if self.lookup(id).is_none() {
@@ -444,7 +566,7 @@ impl ExtentStore {
     /// overwritten block is re-read and must verify first (else `Corrupt`, nothing written). Not
     /// durable until [`ExtentStore::sync`].
     pub fn write(&self, id: ExtentId, offset: u64, data: &[u8]) -> Result<(), StoreError> {
-        self.check()?;
+        let _gate = self.enter()?;
         self.changing(|| {
             let ext = self.writable(id)?;
             let mut st = write(&ext.state);
@@ -476,7 +598,7 @@ impl ExtentStore {
     /// Shrinks an extent to `len` (drops an unacknowledged tail); `len` past the end is `Invalid`.
     /// Durable when it returns (it fsyncs: a crash must not bring the dropped bytes back).
     pub fn truncate(&self, id: ExtentId, len: u64) -> Result<(), StoreError> {
-        self.check()?;
+        let _gate = self.enter()?;
         self.changing(|| {
             let Some(ext) = self.find(id)? else {
                 return if len == 0 {
@@ -510,7 +632,7 @@ impl ExtentStore {
     /// Reads `len` bytes at `offset`, verifying every block it touches against its CRC (whole blocks
     /// are read and checked; only the asked range is returned). Past the end is `OutOfRange`.
     pub fn read(&self, id: ExtentId, offset: u64, len: u32) -> Result<Bytes, StoreError> {
-        self.check()?;
+        let _gate = self.enter()?;
         let out_of_range = |extent_len| StoreError::OutOfRange {
             extent: id,
             offset,
@@ -564,7 +686,7 @@ impl ExtentStore {
 
     /// Length of an extent (0 for a tiny extent not written yet).
     pub fn len(&self, id: ExtentId) -> Result<u64, StoreError> {
-        self.check()?;
+        let _gate = self.enter()?;
         let Some(ext) = self.find(id)? else {
             return Ok(0);
         };
@@ -578,7 +700,7 @@ impl ExtentStore {
     /// The per-block CRCs, for comparing replicas during repair. A block known bad reports the
     /// complement of its expected CRC, so that it never matches a healthy replica's.
     pub fn block_crcs(&self, id: ExtentId) -> Result<Vec<u32>, StoreError> {
-        self.check()?;
+        let _gate = self.enter()?;
         let Some(ext) = self.find(id)? else {
             return Ok(Vec::new());
         };
@@ -599,7 +721,7 @@ impl ExtentStore {
     /// A shorter last block shrinks the extent (durably, as [`ExtentStore::truncate`]). Never reads
     /// the old bytes, so it fixes a corrupt block. Not durable until [`ExtentStore::sync`].
     pub fn repair_block(&self, id: ExtentId, index: u64, data: &[u8]) -> Result<(), StoreError> {
-        self.check()?;
+        let _gate = self.enter()?;
         self.changing(|| {
             let k = kind(id)?;
             let bs = self.bs;
@@ -650,7 +772,7 @@ impl ExtentStore {
 
     /// Deletes a normal extent (removes its files); idempotent. Durable after the next sync.
     pub fn delete(&self, id: ExtentId) -> Result<(), StoreError> {
-        self.check()?;
+        let _gate = self.enter()?;
         self.changing(|| {
             if kind(id)? == Kind::Tiny {
                 return Err(StoreError::Invalid(format!(
@@ -684,7 +806,7 @@ impl ExtentStore {
     /// any point leaves every block verifiable, punched or not (unless it tears a 32-byte record
     /// write, which a disk with atomic sector writes never does).
     pub fn punch(&self, id: ExtentId, offset: u64, len: u64) -> Result<(), StoreError> {
-        self.check()?;
+        let _gate = self.enter()?;
         self.changing(|| {
             kind(id)?;
             let out_of_range = |extent_len| StoreError::OutOfRange {
@@ -795,7 +917,23 @@ impl ExtentStore {
     /// began. After an IO error in a round (or in any change) the store returns `Failed` for
     /// everything until reopened.
     pub fn sync(&self) -> Result<(), StoreError> {
-        self.check()?;
+        let _gate = self.enter()?;
+        self.sync_entered()
+    }
+
+    /// [`ExtentStore::sync`] for writes made at `epoch` ([`ExtentStore::epoch`], taken before
+    /// them): fails with `Failed` if the store was reopened since, since that may have lost them.
+    pub fn sync_since(&self, epoch: u64) -> Result<(), StoreError> {
+        let _gate = self.enter()?;
+        // Under the gate: no reopen can come between this check and the round.
+        if self.epoch() != epoch {
+            return Err(StoreError::Failed);
+        }
+        self.sync_entered()
+    }
+
+    /// The group commit of [`ExtentStore::sync`], under the gate.
+    fn sync_entered(&self) -> Result<(), StoreError> {
         if !self.opts.sync {
             return Ok(());
         }
@@ -859,6 +997,18 @@ impl ExtentStore {
     }
 
     // ---------------------------------------------------------------------------------------------
+
+    /// Enters a call: holds the gate shared (refused while a reopen runs or waits for it) and
+    /// checks that the store has not failed.
+    fn enter(&self) -> Result<RwLockReadGuard<'_, ()>, StoreError> {
+        let gate = match self.gate.try_read() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => return Err(StoreError::Failed),
+        };
+        self.check()?;
+        Ok(gate)
+    }
 
     fn check(&self) -> Result<(), StoreError> {
         if self.failed.load(Ordering::SeqCst) {
