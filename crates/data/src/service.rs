@@ -373,6 +373,15 @@ impl DataNode {
             Err(_) => return,
         };
         for part in &parts {
+            match part.shared.drop_released(&part.store) {
+                Ok(0) => {}
+                Ok(n) => {
+                    tracing::info!(partition = %part.id, extents = n, "deleted extents the log released (this replica missed the release)")
+                }
+                Err(e) => {
+                    tracing::warn!(partition = %part.id, error = %e, "cannot delete extents the log released")
+                }
+            }
             match self.leader_term(part).await {
                 Ok(Some(term)) => {
                     if let Err(e) = self.ensure_aligned(part, term).await {
