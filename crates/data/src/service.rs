@@ -408,6 +408,15 @@ impl DataNode {
             if part.store.is_failed() && !self.revive_store(part, &lead).await {
                 continue;
             }
+            match part.shared.drop_released(&part.store) {
+                Ok(0) => {}
+                Ok(n) => {
+                    tracing::info!(partition = %part.id, extents = n, "deleted extents the log released (this replica missed the release)")
+                }
+                Err(e) => {
+                    tracing::warn!(partition = %part.id, error = %e, "cannot delete extents the log released")
+                }
+            }
             match lead {
                 Ok(Some(term)) => {
                     if let Err(e) = self.ensure_aligned(part, term).await {

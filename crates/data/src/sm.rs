@@ -52,6 +52,19 @@ pub struct SmShared {
     pub suspect: Mutex<BTreeSet<ExtentId>>,
     /// Every extent is suspect (a snapshot was installed).
     pub suspect_all: std::sync::atomic::AtomicBool,
+    /// The partition's normal extents as the log says (created and not released), whether or
+    /// not this replica's store could apply each entry.
+    pub logical: Mutex<Logical>,
+}
+
+/// The replicated part of a data partition's state: the same on every replica that applied the
+/// same entries, and carried by snapshots.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Logical {
+    /// The id the next `CreateExtent` gets.
+    pub next_extent: u64,
+    /// Normal extents created and not released whole.
+    pub live: BTreeSet<ExtentId>,
 }
 
 impl SmShared {
@@ -64,43 +77,88 @@ impl SmShared {
             s.insert(extent);
         }
     }
+
+    /// Deletes the normal extents `store` holds that the log released: entries this replica
+    /// skipped by installing a snapshot, or could not apply (a failed store). Only ids the log has
+    /// handed out (below `next_extent`), under the lock the state machine takes before it creates
+    /// an extent, so an extent being created is never taken for a released one. Returns how many
+    /// were deleted.
+    pub fn drop_released(&self, store: &ExtentStore) -> Result<usize, StoreError> {
+        let Ok(logical) = self.logical.lock() else {
+            return Ok(0);
+        };
+        let mut dropped = 0;
+        for (extent, _) in store.extents() {
+            if extent.is_normal()
+                && extent.0 < logical.next_extent
+                && !logical.live.contains(&extent)
+            {
+                store.delete(extent)?;
+                if let Ok(mut s) = self.suspect.lock() {
+                    s.remove(&extent);
+                }
+                dropped += 1;
+            }
+        }
+        Ok(dropped)
+    }
+}
+
+/// Snapshots before the live set was kept: only the next extent id.
+#[derive(Debug, Serialize, Deserialize)]
+struct SnapshotV1 {
+    next_extent: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Snapshot {
-    next_extent: u64,
+    /// Tells this format from [`SnapshotV1`] (whose encoding is one varint).
+    version: u8,
+    logical: Logical,
 }
+
+const SNAPSHOT_VERSION: u8 = 2;
 
 /// The state machine of one data partition's Raft group.
 #[derive(Debug)]
 pub struct DataSm {
     pub store: Arc<ExtentStore>,
     pub shared: Arc<SmShared>,
-    next_extent: u64,
 }
 
 impl DataSm {
+    /// Starts from the log's beginning (no extents): a snapshot (at restart, the last local one)
+    /// and the entries after it, replayed, bring the logical state back. Starting from what the
+    /// store holds instead would hand out new ids to replayed creations (and create extents nobody
+    /// uses).
     pub fn new(store: Arc<ExtentStore>, shared: Arc<SmShared>) -> Self {
-        let next_extent = store
-            .extents()
-            .iter()
-            .map(|(id, _)| id.0 + 1)
-            .max()
-            .unwrap_or(FIRST_NORMAL_EXTENT)
-            .max(FIRST_NORMAL_EXTENT);
-        Self {
-            store,
-            shared,
-            next_extent,
+        if let Ok(mut l) = shared.logical.lock() {
+            *l = Logical {
+                next_extent: FIRST_NORMAL_EXTENT,
+                live: BTreeSet::new(),
+            };
         }
+        Self { store, shared }
+    }
+
+    fn logical(&self) -> std::sync::MutexGuard<'_, Logical> {
+        self.shared
+            .logical
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn execute(&mut self, cmd: DataCommand) -> Result<Option<ExtentId>, DataError> {
         match cmd {
             DataCommand::CreateExtent => {
-                let id = ExtentId(self.next_extent);
+                // The id is taken on every replica, whether or not its store can create the
+                // files, so that ids never diverge; the logical lock is held over the create
+                // (see `SmShared::drop_released`).
+                let mut logical = self.logical();
+                let id = ExtentId(logical.next_extent);
+                logical.next_extent += 1;
+                logical.live.insert(id);
                 self.store.create(id).map_err(store_error)?;
-                self.next_extent += 1;
                 Ok(Some(id))
             }
             DataCommand::Overwrite {
@@ -158,6 +216,16 @@ impl DataSm {
                 Ok(None)
             }
             DataCommand::Release { ranges } => {
+                {
+                    // A normal extent released whole (the meta node's offset 0, size u32::MAX)
+                    // is gone from the log's view even if this store fails to delete it.
+                    let mut logical = self.logical();
+                    for (extent, offset, len) in &ranges {
+                        if extent.is_normal() && *offset == 0 && *len >= u64::from(u32::MAX) {
+                            logical.live.remove(extent);
+                        }
+                    }
+                }
                 for (extent, offset, len) in ranges {
                     // A normal extent released from its start to (at least) its end is deleted;
                     // any other range is punched out. Never past the end: the range may not have
@@ -221,17 +289,155 @@ impl StateMachine for DataSm {
             tracing::error!(error = %e, "cannot sync the extent store before a snapshot");
         }
         postcard::to_allocvec(&Snapshot {
-            next_extent: self.next_extent,
+            version: SNAPSHOT_VERSION,
+            logical: self.logical().clone(),
         })
         .unwrap_or_default()
     }
 
     fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
-        let s: Snapshot = postcard::from_bytes(snapshot).map_err(|e| e.to_string())?;
-        self.next_extent = self.next_extent.max(s.next_extent);
+        match postcard::from_bytes::<Snapshot>(snapshot) {
+            Ok(s) if s.version == SNAPSHOT_VERSION => *self.logical() = s.logical,
+            _ => {
+                // An older snapshot: the next id only; what the store holds counts as live.
+                let s: SnapshotV1 = postcard::from_bytes(snapshot).map_err(|e| e.to_string())?;
+                let live = self
+                    .store
+                    .extents()
+                    .into_iter()
+                    .map(|(id, _)| id)
+                    .filter(|id| id.is_normal())
+                    .collect();
+                *self.logical() = Logical {
+                    next_extent: s.next_extent,
+                    live,
+                };
+            }
+        }
         self.shared
             .suspect_all
             .store(true, std::sync::atomic::Ordering::Release);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::io::MemDisk;
+    use crate::store::StoreOptions;
+    use nacre_raft::StateMachine;
+
+    fn store(disk: &MemDisk) -> Arc<ExtentStore> {
+        Arc::new(ExtentStore::open(Arc::new(disk.clone()), StoreOptions::default()).unwrap())
+    }
+
+    fn apply(
+        sm: &mut DataSm,
+        index: u64,
+        cmd: &DataCommand,
+    ) -> Result<Option<ExtentId>, DataError> {
+        let out = sm.apply(index, &postcard::to_allocvec(cmd).unwrap());
+        postcard::from_bytes(&out).unwrap()
+    }
+
+    fn whole(extent: ExtentId) -> DataCommand {
+        DataCommand::Release {
+            ranges: vec![(extent, 0, u64::from(u32::MAX))],
+        }
+    }
+
+    fn normal(store: &ExtentStore) -> Vec<ExtentId> {
+        store
+            .extents()
+            .into_iter()
+            .map(|(e, _)| e)
+            .filter(|e| e.is_normal())
+            .collect()
+    }
+
+    /// A restart without a snapshot replays the whole log: the creations must get the ids they
+    /// got the first time, and make no new extents.
+    #[test]
+    fn replayed_creations_get_their_first_ids() {
+        let disk = MemDisk::new();
+        let st = store(&disk);
+        let mut sm = DataSm::new(st.clone(), Arc::default());
+        let log = [
+            DataCommand::CreateExtent,
+            DataCommand::CreateExtent,
+            whole(ExtentId(1024)),
+        ];
+        let first: Vec<_> = (1..)
+            .zip(&log)
+            .map(|(i, c)| apply(&mut sm, i, c).unwrap())
+            .collect();
+        assert_eq!(first[..2], [Some(ExtentId(1024)), Some(ExtentId(1025))]);
+        st.sync().unwrap();
+        drop(sm);
+        let st = store(&disk);
+        let mut sm = DataSm::new(st.clone(), Arc::default());
+        let again: Vec<_> = (1..)
+            .zip(&log)
+            .map(|(i, c)| apply(&mut sm, i, c).unwrap())
+            .collect();
+        assert_eq!(first, again);
+        assert_eq!(normal(&st), [ExtentId(1025)]);
+    }
+
+    /// A replica that installs a snapshot over a release it never applied deletes the released
+    /// extent; extents the log still has, and ids it has not handed out yet, are kept.
+    #[test]
+    fn releases_missed_under_a_snapshot_are_applied_afterwards() {
+        // The leader: three extents, the middle one released, then a snapshot.
+        let leader = store(&MemDisk::new());
+        let mut lsm = DataSm::new(leader.clone(), Arc::default());
+        for i in 1..=3 {
+            apply(&mut lsm, i, &DataCommand::CreateExtent).unwrap();
+        }
+        apply(&mut lsm, 4, &whole(ExtentId(1025))).unwrap();
+        let snap = lsm.snapshot();
+        assert_eq!(normal(&leader), [ExtentId(1024), ExtentId(1026)]);
+
+        // The follower applied the creations but not the release, and has an extent with an id
+        // the log has not handed out (as if created by a later entry it applied early).
+        let follower = store(&MemDisk::new());
+        let shared = Arc::new(SmShared::default());
+        let mut fsm = DataSm::new(follower.clone(), shared.clone());
+        for i in 1..=3 {
+            apply(&mut fsm, i, &DataCommand::CreateExtent).unwrap();
+        }
+        follower.create(ExtentId(1027)).unwrap();
+        fsm.restore(&snap).unwrap();
+        assert_eq!(shared.drop_released(&follower).unwrap(), 1);
+        assert_eq!(
+            normal(&follower),
+            [ExtentId(1024), ExtentId(1026), ExtentId(1027)]
+        );
+        assert_eq!(shared.drop_released(&follower).unwrap(), 0);
+        // The next creation continues the leader's ids.
+        assert_eq!(
+            apply(&mut fsm, 5, &DataCommand::CreateExtent).unwrap(),
+            Some(ExtentId(1027))
+        );
+    }
+
+    /// Snapshots from before the live set decode: the next id is kept, what the store holds
+    /// counts as live.
+    #[test]
+    fn version_1_snapshots_restore() {
+        let st = store(&MemDisk::new());
+        st.create(ExtentId(1030)).unwrap();
+        let shared = Arc::new(SmShared::default());
+        let mut sm = DataSm::new(st.clone(), shared.clone());
+        let v1 = postcard::to_allocvec(&SnapshotV1 { next_extent: 1031 }).unwrap();
+        sm.restore(&v1).unwrap();
+        assert_eq!(shared.drop_released(&st).unwrap(), 0);
+        assert_eq!(
+            apply(&mut sm, 1, &DataCommand::CreateExtent).unwrap(),
+            Some(ExtentId(1031))
+        );
     }
 }

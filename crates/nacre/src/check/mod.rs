@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
-use nacre_client::{FileSystem, MetaTransport, NetFs, NetVolume};
+use nacre_client::{FileSystem, MetaFs, MetaTransport, NetFs, NetVolume};
 use nacre_master::MasterClient;
 use nacre_master::map::{Command as MapCommand, PartitionStatus};
 use nacre_meta::SetAttr;
@@ -92,6 +92,9 @@ struct RunArgs {
     /// Keep the directory (node logs, data, the acknowledgement log).
     #[arg(long)]
     keep: bool,
+    /// `NACRE_LOG` of the node processes (their logs are in `DIR/logs`).
+    #[arg(long, default_value = "info")]
+    node_log: String,
     /// Never use network namespaces: isolate nodes with SIGSTOP.
     #[arg(long)]
     no_netns: bool,
@@ -209,6 +212,28 @@ struct Summary {
     /// For each path with a finding: its lines of the acknowledgement log (what was acknowledged).
     history: std::collections::BTreeMap<String, Vec<String>>,
     healed_within_ms: Option<u64>,
+    /// Normal extents after the run: on the data nodes' disks, and used by the volume's files.
+    extents: Option<ExtentUse>,
+}
+
+/// How many normal extents (one file each on every replica) the data nodes hold after the run,
+/// against how many the volume's files refer to. The difference is extents no file will ever
+/// read: freed ones not yet released, and ones written by calls that failed before their keys
+/// were committed.
+#[derive(Debug, Serialize)]
+struct ExtentUse {
+    /// Distinct (partition, extent) pairs with files on any data node.
+    on_disk: usize,
+    /// Distinct (partition, extent) pairs the keys of the volume's files name.
+    referenced: usize,
+    /// On disk but named by no key.
+    unreferenced: usize,
+    /// Named by a key but on no data node's disk (must be 0).
+    missing: usize,
+    /// Files walked (hidden ones included).
+    files: usize,
+    /// Their extent keys.
+    keys: usize,
 }
 
 /// What the probes write to: the master's map, a directory on each meta partition, an extent on
@@ -341,7 +366,7 @@ fn run_check(a: RunArgs) -> anyhow::Result<()> {
         exe: std::env::current_exe()?,
         netns,
         small_disk_mib: (small_disk && harness::small_disk_available()).then_some(256),
-        log: "info".into(),
+        log: a.node_log.clone(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -428,6 +453,12 @@ fn print_summary(s: &Summary) {
     match s.healed_within_ms {
         Some(ms) => println!("cluster writable again {ms} ms after the last fault"),
         None => println!("cluster NOT fully writable again after the last fault"),
+    }
+    if let Some(e) = &s.extents {
+        println!(
+            "normal extents: {} on disk, {} used by {} files ({} keys), {} unused, {} missing",
+            e.on_disk, e.referenced, e.files, e.keys, e.unreferenced, e.missing
+        );
     }
     println!("{}", s.report);
     for (path, lines) in &s.history {
@@ -740,7 +771,14 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         failovers.push(f);
     }
     let verify_vol = connect(msgr.client(), &masters).await?;
-    let report = wl.verify(&NetFs::new(verify_vol)).await;
+    let report = wl.verify(&NetFs::new(verify_vol.clone())).await;
+    let extents = match extent_use(h, &verify_vol).await {
+        Ok(e) => Some(e),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not account for the extents");
+            None
+        }
+    };
     let stats = wl.stats().snapshot();
     let history = history(&h.dir().join("acks.jsonl"), &report);
     let mut ms: Vec<u64> = failovers.iter().filter_map(|f| f.ms).collect();
@@ -767,10 +805,83 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         report,
         history,
         healed_within_ms,
+        extents,
     };
     let m = msgr.clone();
     tokio::task::spawn_blocking(move || m.shutdown()).await?;
     Ok((summary, a.json))
+}
+
+/// Walks the volume's tree for the extents its files use, and the data nodes' directories for
+/// the extents they hold (`DIR/extents/PARTITION/ID.data`).
+async fn extent_use(h: &Harness, vol: &Arc<NetVolume>) -> anyhow::Result<ExtentUse> {
+    use std::collections::BTreeSet;
+    let meta = MetaFs::new(vol.clone());
+    let mut used: BTreeSet<(u64, u64)> = BTreeSet::new();
+    let (mut files, mut keys) = (0usize, 0usize);
+    let mut dirs = vec![nacre_meta::ROOT_INO];
+    while let Some(dir) = dirs.pop() {
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let page = meta.readdir(dir, after.as_deref(), 1024).await?;
+            let Some(last) = page.last() else { break };
+            after = Some(last.name.clone());
+            for e in &page {
+                match e.kind {
+                    nacre_meta::FileType::Dir => dirs.push(e.ino),
+                    nacre_meta::FileType::File => {
+                        let (_, ks) = meta.extents(e.ino).await?;
+                        files += 1;
+                        keys += ks.len();
+                        used.extend(
+                            ks.iter()
+                                .filter(|k| k.extent.is_normal())
+                                .map(|k| (k.partition.0, k.extent.0)),
+                        );
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    let mut on_disk: BTreeSet<(u64, u64)> = BTreeSet::new();
+    for n in h.nodes.iter().filter(|n| n.role == Role::Data) {
+        for part in std::fs::read_dir(n.dir.join("extents"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let Some(p) = part
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            for f in std::fs::read_dir(part.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let name = f.file_name();
+                let id = name
+                    .to_str()
+                    .and_then(|s| s.strip_suffix(".data"))
+                    .and_then(|s| s.parse::<u64>().ok());
+                if let Some(id) = id.filter(|&id| ExtentId(id).is_normal()) {
+                    on_disk.insert((p, id));
+                }
+            }
+        }
+    }
+    Ok(ExtentUse {
+        on_disk: on_disk.len(),
+        referenced: used.len(),
+        unreferenced: on_disk.difference(&used).count(),
+        missing: used.difference(&on_disk).count(),
+        files,
+        keys,
+    })
 }
 
 /// The acknowledgement log's lines about each path the report has a finding for (the log
