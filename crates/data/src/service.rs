@@ -1092,7 +1092,7 @@ impl DataNode {
                         committed,
                     });
                 }
-                store.write(extent, offset, &bytes).map_err(store_error)?;
+                store.write(extent, offset, &bytes).map_err(write_error)?;
                 track.next.send_replace(offset + len);
                 Ok(committed)
             })
@@ -1174,7 +1174,7 @@ impl DataNode {
                     .lock()
                     .map_err(|_| DataError::Io("poisoned".into()))?;
                 let offset = (*track.next.borrow()).next_multiple_of(TINY_ALIGN);
-                store.write(extent, offset, &bytes).map_err(store_error)?;
+                store.write(extent, offset, &bytes).map_err(write_error)?;
                 track.next.send_replace(offset + len);
                 Ok((offset, track.committed()))
             })
@@ -1673,6 +1673,18 @@ async fn alive(client: &Client, addr: &str, within: Duration) -> bool {
 }
 
 /// A leader whose own disk is full takes no appends: read-only until a re-check finds room.
+/// What a client is told when this replica's store cannot take an append or a tiny write: a disk
+/// error here is not the client's, and another partition can take the bytes (read-only: write
+/// elsewhere). The partition turns read-only until the store works again.
+fn write_error(e: StoreError) -> DataError {
+    match e {
+        StoreError::Failed | StoreError::Io(_) => {
+            DataError::ReadOnly(format!("this replica's extent store cannot write: {e}"))
+        }
+        other => store_error(other),
+    }
+}
+
 fn degrade_if_full(part: &Part, e: &DataError) {
     if let DataError::ReadOnly(why) = e {
         part.degrade(why.clone());
