@@ -79,16 +79,26 @@ struct Netns {
 }
 
 impl Node {
-    pub fn running(&self) -> bool {
-        self.child.is_some()
-    }
-
     pub fn isolated(&self) -> bool {
         self.isolated
     }
 
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
+    }
+
+    /// Started and not exited (a process that stopped by itself, e.g. on a dead disk, is not).
+    pub fn alive(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// How the process ended, if it was started and has exited by itself.
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 }
 
@@ -317,6 +327,19 @@ impl Harness {
     }
 
     /// Starts node `k`'s process (its log is appended to `logs/NAME.log`).
+    /// What a supervisor (systemd, Kubernetes) does: starts again every node process that exited
+    /// by itself (fail-stop on a dead disk or log). Returns each one's name and exit status.
+    pub fn restart_exited(&mut self) -> anyhow::Result<Vec<(String, String)>> {
+        let mut out = Vec::new();
+        for k in 0..self.nodes.len() {
+            if let Some(status) = self.nodes[k].exited() {
+                self.spawn(k)?;
+                out.push((self.nodes[k].name.clone(), status.to_string()));
+            }
+        }
+        Ok(out)
+    }
+
     pub fn spawn(&mut self, k: usize) -> anyhow::Result<()> {
         let exe = self.cfg.exe.clone();
         let log_path = self.log_path(k);

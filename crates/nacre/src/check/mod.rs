@@ -365,7 +365,9 @@ fn run_check(a: RunArgs) -> anyhow::Result<()> {
         dir: std::fs::canonicalize(".")?.join(&a.dir),
         exe: std::env::current_exe()?,
         netns,
-        small_disk_mib: (small_disk && harness::small_disk_available()).then_some(256),
+        // Room for what a 30-minute run writes (about 300 MB per data node): the fault fills it
+        // to the last byte anyway.
+        small_disk_mib: (small_disk && harness::small_disk_available()).then_some(1024),
         log: a.node_log.clone(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -657,6 +659,9 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     let mut freed = false;
     while start.elapsed() < a.duration {
         tokio::time::sleep(a.interval / 2).await;
+        for (node, status) in h.restart_exited()? {
+            faults.push(fault(start, "supervisor-restart", &node, status));
+        }
         if h.has_small_disk() && !freed && start.elapsed() >= free_at {
             h.free_disk()?;
             freed = true;
@@ -737,7 +742,12 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
             }
             Schedule::Garbage => {
                 let client = msgr.client();
-                for n in h.nodes.iter().filter(|n| n.running() && !n.isolated()) {
+                // Not at a node that is down (one that exited on a full disk and whose restart
+                // is due): bad input is for serving nodes.
+                let serving: Vec<usize> = (0..h.nodes.len())
+                    .filter(|&k| !h.nodes[k].isolated() && h.nodes[k].alive())
+                    .collect();
+                for n in serving.iter().map(|&k| &h.nodes[k]) {
                     let s = next(&mut rng);
                     let r = garbage::hammer_msgr(&client, &n.addr, s).await;
                     garbage_problems.extend(r.problems.iter().map(|p| format!("{}: {p}", n.name)));
