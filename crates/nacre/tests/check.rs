@@ -115,6 +115,14 @@ fn bad_input_on_every_port() {
     let s = schedule("garbage", 8);
     assert!(faults(&s, "garbage") >= 1, "{s}");
     assert_eq!(s["garbage_problems"].as_array().unwrap().len(), 0, "{s}");
+    // Every node was serving, so none was skipped.
+    let skipped = s["faults"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == "garbage" && f["detail"] != "")
+        .count();
+    assert_eq!(skipped, 0, "{s}");
 }
 
 #[test]

@@ -47,6 +47,9 @@ pub struct GarbageReport {
     pub clean: usize,
     /// One line per unclean case, and one if the node stopped answering its liveness probe.
     pub problems: Vec<String>,
+    /// The node did not answer its liveness probe before the first bad input (the cases ran
+    /// anyway; their problems say nothing about bad input then).
+    pub down_before: bool,
 }
 
 impl fmt::Display for GarbageReport {
@@ -122,6 +125,7 @@ async fn hammer(
         serving = false;
         problems.push(format!("not serving before any bad input: {e}"));
     }
+    let down_before = !serving;
     let mut clean = 0;
     for c in &cases {
         let name = &c.name;
@@ -141,6 +145,7 @@ async fn hammer(
         cases: count,
         clean,
         problems,
+        down_before,
     }
 }
 

@@ -742,19 +742,29 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
             }
             Schedule::Garbage => {
                 let client = msgr.client();
-                // Not at a node that is down (one that exited on a full disk and whose restart
-                // is due): bad input is for serving nodes.
+                // Bad input is for serving nodes: not one that is down (exited on a full disk,
+                // or restarted by the supervisor step and not listening yet).
                 let serving: Vec<usize> = (0..h.nodes.len())
                     .filter(|&k| !h.nodes[k].isolated() && h.nodes[k].alive())
                     .collect();
+                let mut skipped = Vec::new();
                 for n in serving.iter().map(|&k| &h.nodes[k]) {
                     let s = next(&mut rng);
                     let r = garbage::hammer_msgr(&client, &n.addr, s).await;
+                    if r.down_before {
+                        skipped.push(n.name.clone());
+                        continue;
+                    }
                     garbage_problems.extend(r.problems.iter().map(|p| format!("{}: {p}", n.name)));
                     let r = garbage::hammer_http(&n.http, s).await;
                     garbage_problems.extend(r.problems.iter().map(|p| format!("{}: {p}", n.name)));
                 }
-                faults.push(fault(start, "garbage", "all nodes", String::new()));
+                let detail = if skipped.is_empty() {
+                    String::new()
+                } else {
+                    format!("skipped (not serving before): {}", skipped.join(", "))
+                };
+                faults.push(fault(start, "garbage", "all nodes", detail));
                 tokio::time::sleep(half).await;
             }
             Schedule::All => unreachable!("All is resolved to a kind above"),
