@@ -578,10 +578,6 @@ impl Inner {
             .await
     }
 
-    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
-        self.meta.link(ino, new_parent, new_name).await
-    }
-
     async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
         if !self.files.lock().is_ok_and(|f| f.is_empty()) {
             let d = self.meta.lookup_dentry(parent, name).await?;
@@ -590,10 +586,6 @@ impl Inner {
             }
         }
         self.meta.unlink(parent, name).await
-    }
-
-    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
-        self.meta.rmdir(parent, name).await
     }
 
     async fn rename(
@@ -614,10 +606,6 @@ impl Inner {
                 .await?;
         }
         self.meta.rename(parent, name, new_parent, new_name).await
-    }
-
-    async fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {
-        self.meta.readlink(ino).await
     }
 
     async fn readdir(
@@ -818,22 +806,6 @@ impl Inner {
             max_name: nacre_meta::ops::MAX_NAME as u32,
         })
     }
-
-    async fn getxattr(&self, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
-        self.meta.get_xattr(ino, name).await
-    }
-
-    async fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], mode: XattrMode) -> FsResult<()> {
-        self.meta.set_xattr(ino, name, value, mode).await
-    }
-
-    async fn listxattr(&self, ino: Ino) -> FsResult<Vec<Vec<u8>>> {
-        self.meta.list_xattr(ino).await
-    }
-
-    async fn removexattr(&self, ino: Ino, name: &[u8]) -> FsResult<()> {
-        self.meta.remove_xattr(ino, name).await
-    }
 }
 
 impl Inner {
@@ -929,7 +901,7 @@ impl FileSystem for NetFs {
 
     async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
         let new_name = new_name.to_vec();
-        self.detached(move |i| async move { i.link(ino, new_parent, &new_name).await })
+        self.detached(move |i| async move { i.meta.link(ino, new_parent, &new_name).await })
             .await
     }
 
@@ -941,7 +913,7 @@ impl FileSystem for NetFs {
 
     async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
         let name = name.to_vec();
-        self.detached(move |i| async move { i.rmdir(parent, &name).await })
+        self.detached(move |i| async move { i.meta.rmdir(parent, &name).await })
             .await
     }
 
@@ -958,7 +930,7 @@ impl FileSystem for NetFs {
     }
 
     async fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {
-        self.inner.readlink(ino).await
+        self.inner.meta.readlink(ino).await
     }
 
     async fn readdir(
@@ -1006,18 +978,18 @@ impl FileSystem for NetFs {
     }
 
     async fn getxattr(&self, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
-        self.inner.getxattr(ino, name).await
+        self.inner.meta.get_xattr(ino, name).await
     }
 
     async fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], mode: XattrMode) -> FsResult<()> {
-        self.inner.setxattr(ino, name, value, mode).await
+        self.inner.meta.set_xattr(ino, name, value, mode).await
     }
 
     async fn listxattr(&self, ino: Ino) -> FsResult<Vec<Vec<u8>>> {
-        self.inner.listxattr(ino).await
+        self.inner.meta.list_xattr(ino).await
     }
 
     async fn removexattr(&self, ino: Ino, name: &[u8]) -> FsResult<()> {
-        self.inner.removexattr(ino, name).await
+        self.inner.meta.remove_xattr(ino, name).await
     }
 }
