@@ -64,6 +64,9 @@ impl std::fmt::Debug for EngineLogStore {
     }
 }
 
+/// Size of one log file, in MiB.
+const LOG_FILE_MIB: u64 = 4;
+
 fn io(e: raft_engine::Error) -> LogError {
     LogError::Io(e.to_string())
 }
@@ -78,8 +81,19 @@ impl EngineLogStore {
             // compressing batches costs CPU for nothing.
             batch_compression_threshold: ReadableSize(0),
             // Reclaim compacted files early (the default waits for 10 GB of log).
-            target_file_size: ReadableSize::mb(32),
-            purge_threshold: ReadableSize::mb(256),
+            target_file_size: ReadableSize::mb(LOG_FILE_MIB),
+            purge_threshold: ReadableSize::mb(128),
+            // Write into files whose blocks were written before: a synced append to a fresh file
+            // also changes the file system's metadata (its allocated-but-unwritten blocks become
+            // written, which ext4 journals), so every fdatasync waits for a journal commit and
+            // concurrent ones queue behind each other. Compacted files are kept for reuse (at most
+            // 1.5 x purge_threshold of them) and, at open, three files of zeros are written when
+            // there are none: 4 KiB commands commit in 0.88 ms instead of 1.25-1.27 ms (p50,
+            // 3 replicas, one in flight, `nacre bench raft`). Only the first file of a new log
+            // starts fresh.
+            enable_log_recycle: true,
+            prefill_for_recycle: true,
+            prefill_limit: Some(ReadableSize::mb(2 * LOG_FILE_MIB)),
             ..Config::default()
         };
         Ok(Self {
