@@ -25,7 +25,8 @@ pub use engine_log::EngineLogStore;
 pub use log::{GroupId, GroupState, GroupWrite, LogError, LogStore, LogWrite};
 pub use mem_log::MemLogStore;
 pub use node::{
-    INIT_INDEX, INIT_TERM, NodeConfig, ProposalId, RaftError, RaftNode, ReadyOutput, StateMachine,
+    Barrier, INIT_INDEX, INIT_TERM, NodeConfig, PendingBarrier, ProposalId, RaftError, RaftNode,
+    ReadyOutput, StateMachine,
 };
 pub use storage::GroupStorage;
 pub use store::{RaftHandle, StoreConfig, StoreStatus};

@@ -27,6 +27,34 @@ pub trait StateMachine: Send + 'static {
     fn snapshot(&self) -> Vec<u8>;
     /// Replaces the state with a snapshot's.
     fn restore(&mut self, snapshot: &[u8]) -> Result<(), String>;
+    /// What must run before a snapshot taken now may let the log drop the entries applied so far:
+    /// work that makes their effects durable (a state machine that keeps data in files syncs
+    /// them). It runs off the Raft thread, after [`StateMachine::snapshot`] was taken; the snapshot
+    /// is saved and the log compacted only once it succeeded, so the node's other groups never wait
+    /// for it. `None` (the default): applied effects need nothing more than the snapshot.
+    fn durability_barrier(&self) -> Option<Barrier> {
+        None
+    }
+}
+
+/// Work that makes a state machine's applied effects durable ([`StateMachine::durability_barrier`]).
+pub type Barrier = Box<dyn FnOnce() -> Result<(), String> + Send>;
+
+/// A barrier handed out by a Ready round, to run off the Raft thread and report with
+/// [`RaftNode::barrier_done`].
+pub struct PendingBarrier {
+    pub group: GroupId,
+    pub token: u64,
+    pub run: Barrier,
+}
+
+impl std::fmt::Debug for PendingBarrier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingBarrier")
+            .field("group", &self.group)
+            .field("token", &self.token)
+            .finish()
+    }
 }
 
 /// Log position at which a new group starts, as if a snapshot had installed its initial membership.
@@ -80,6 +108,9 @@ pub struct ReadyOutput {
     pub reads: Vec<(GroupId, ProposalId)>,
     /// Log entries applied to state machines in this round (all groups).
     pub applied: u64,
+    /// Durability barriers of snapshots taken in this round: run each off the Raft thread, then
+    /// report it with [`RaftNode::barrier_done`].
+    pub barriers: Vec<PendingBarrier>,
 }
 
 /// Timing and sizing of every group on a node.
@@ -142,6 +173,8 @@ struct Group<S> {
     /// Reads asked of a new leader before it committed an entry of its term: raft-rs drops such a
     /// ReadIndex request silently, so they wait here and are issued once it has.
     deferred: Vec<(ProposalId, Option<Instant>)>,
+    /// A snapshot taken, waiting for its durability barrier: (token, snapshot, barrier done).
+    pending_snapshot: Option<(u64, Snapshot, bool)>,
 }
 
 impl<S> Group<S> {
@@ -222,6 +255,9 @@ pub struct RaftNode<S: StateMachine> {
     /// Groups touched since the last Ready round: only they can have a `Ready`, so an idle node
     /// does not even look at its hibernating groups.
     dirty: std::collections::BTreeSet<GroupId>,
+    /// Barriers handed out since the last Ready round returned, and the next token.
+    barriers: Vec<PendingBarrier>,
+    next_barrier: u64,
 }
 
 impl<S: StateMachine> std::fmt::Debug for RaftNode<S> {
@@ -245,6 +281,8 @@ impl<S: StateMachine> RaftNode<S> {
             logger: slog::Logger::root(slog::Discard, slog::o!()),
             dead_peers: std::collections::BTreeSet::new(),
             dirty: std::collections::BTreeSet::new(),
+            barriers: Vec::new(),
+            next_barrier: 1,
         }
     }
 
@@ -322,6 +360,7 @@ impl<S: StateMachine> RaftNode<S> {
                 lease: None,
                 read_sent: BTreeMap::new(),
                 deferred: Vec::new(),
+                pending_snapshot: None,
                 idle_ticks: 0,
                 hibernating: false,
             },
@@ -542,6 +581,29 @@ impl<S: StateMachine> RaftNode<S> {
         Ok(g)
     }
 
+    /// Reports the outcome of a barrier from [`ReadyOutput::barriers`]. On success the snapshot it
+    /// guarded is saved, and the log compacted behind it, in the next Ready round; on failure the
+    /// snapshot is dropped and a later round takes another. Unknown tokens (a group removed, or a
+    /// newer snapshot installed meanwhile) are ignored.
+    pub fn barrier_done(&mut self, group: GroupId, token: u64, result: Result<(), String>) {
+        let Some(g) = self.groups.get_mut(&group) else {
+            return;
+        };
+        match &mut g.pending_snapshot {
+            Some((t, _, done)) if *t == token => match result {
+                Ok(()) => {
+                    *done = true;
+                    self.dirty.insert(group);
+                }
+                Err(reason) => {
+                    tracing::warn!(group, %reason, "a snapshot's durability barrier failed; the log keeps its entries");
+                    g.pending_snapshot = None;
+                }
+            },
+            _ => {}
+        }
+    }
+
     /// Runs one `Ready` round for every group with something to do: one log write for all of them,
     /// then messages and applied results.
     pub fn process_ready(&mut self) -> Result<ReadyOutput, RaftError> {
@@ -561,6 +623,7 @@ impl<S: StateMachine> RaftNode<S> {
         mut send_early: impl FnMut(Vec<(GroupId, Message)>),
     ) -> Result<ReadyOutput, RaftError> {
         let mut out = ReadyOutput::default();
+        self.save_durable_snapshots()?;
         let mut early = Vec::new();
         let mut write = LogWrite::default();
         let mut readies = Vec::new();
@@ -607,6 +670,8 @@ impl<S: StateMachine> RaftNode<S> {
                     .map_err(|reason| RaftError::Restore { group: gid, reason })?;
                 gw.snapshot = Some(snap.get_metadata().clone());
                 gw.save_snapshot = Some(snap.clone());
+                // A snapshot taken here before is older than this one.
+                g.pending_snapshot = None;
                 g.node.mut_store().set_snapshot(snap);
             }
             let committed = rd.take_committed_entries();
@@ -624,6 +689,7 @@ impl<S: StateMachine> RaftNode<S> {
             send_early(early);
         }
         if readies.is_empty() {
+            out.barriers = std::mem::take(&mut self.barriers);
             return Ok(out);
         }
         self.log.write(&write, sync)?;
@@ -687,7 +753,63 @@ impl<S: StateMachine> RaftNode<S> {
         if !after.is_empty() {
             self.log.write(&after, after_sync)?;
         }
+        out.barriers = std::mem::take(&mut self.barriers);
         Ok(out)
+    }
+
+    /// Saves the snapshots whose barriers succeeded, compacting the log behind each, in one write.
+    fn save_durable_snapshots(&mut self) -> Result<(), RaftError> {
+        let mut write = LogWrite::default();
+        for gid in &self.dirty {
+            let Some(g) = self.groups.get_mut(gid) else {
+                continue;
+            };
+            if !matches!(g.pending_snapshot, Some((_, _, true))) {
+                continue;
+            }
+            let Some((_, snap, _)) = g.pending_snapshot.take() else {
+                continue;
+            };
+            let mut gw = GroupWrite::new(*gid);
+            Self::install_own_snapshot(g, snap, self.config.compact_after, &mut gw);
+            if !gw.is_empty() {
+                write.groups.push(gw);
+            }
+        }
+        if !write.is_empty() {
+            self.log.write(&write, false)?;
+        }
+        Ok(())
+    }
+
+    /// Saves a snapshot this replica took (in `gw`, with the compaction behind it). Superseded
+    /// ones (an older index than the group's current snapshot) change nothing.
+    fn install_own_snapshot(
+        g: &mut Group<S>,
+        snap: Snapshot,
+        compact_after: u64,
+        gw: &mut GroupWrite,
+    ) {
+        let index = snap.get_metadata().index;
+        let first = g.node.raft.raft_log.first_index();
+        if index + 1 < first
+            || g.node
+                .store()
+                .snapshot_ref()
+                .is_some_and(|s| s.get_metadata().index > index)
+            || index > g.node.raft.raft_log.applied
+        {
+            return;
+        }
+        // Saved in the same write as the compaction: the log never loses entries whose effects are
+        // not durable in a snapshot.
+        gw.save_snapshot = Some(snap.clone());
+        g.node.mut_store().set_snapshot(snap);
+        // Keep the last entries so that a follower slightly behind catches up from the log.
+        let compact_to = index.saturating_sub(compact_after / 2);
+        if compact_to > first {
+            gw.compact_to = Some(compact_to);
+        }
     }
 
     /// Snapshots a group's state machine and drops applied entries when the log has grown past
@@ -696,6 +818,10 @@ impl<S: StateMachine> RaftNode<S> {
         let Some(g) = self.groups.get_mut(&gid) else {
             return;
         };
+        // One snapshot at a time: a request from raft-rs stays until the pending one is saved.
+        if g.pending_snapshot.is_some() {
+            return;
+        }
         let applied = g.node.raft.raft_log.applied;
         let first = g.node.raft.raft_log.first_index();
         let wanted = g.node.store().take_snapshot_request();
@@ -713,15 +839,18 @@ impl<S: StateMachine> RaftNode<S> {
         meta.index = applied;
         meta.term = term;
         meta.set_conf_state(g.node.raft.prs().conf().to_conf_state());
-        // Saved in the same write as the compaction: the log never loses entries whose effects are
-        // not durable in a snapshot.
-        gw.save_snapshot = Some(snap.clone());
-        g.node.mut_store().set_snapshot(snap);
-        // Keep the last entries so that a follower slightly behind catches up from the log.
-        let keep = self.config.compact_after / 2;
-        let compact_to = applied.saturating_sub(keep);
-        if compact_to > first {
-            gw.compact_to = Some(compact_to);
+        match g.sm.durability_barrier() {
+            None => Self::install_own_snapshot(g, snap, self.config.compact_after, gw),
+            Some(run) => {
+                let token = self.next_barrier;
+                self.next_barrier += 1;
+                g.pending_snapshot = Some((token, snap, false));
+                self.barriers.push(PendingBarrier {
+                    group: gid,
+                    token,
+                    run,
+                });
+            }
         }
     }
 }

@@ -129,6 +129,12 @@ enum Cmd<S> {
     Stop {
         reply: oneshot::Sender<()>,
     },
+    /// A snapshot's durability barrier finished (it ran on the blocking pool).
+    BarrierDone {
+        group: GroupId,
+        token: u64,
+        result: Result<(), String>,
+    },
 }
 
 /// A snapshot of a store's groups, for tests, metrics and the master.
@@ -336,6 +342,7 @@ pub fn start<S: StateMachine>(
     client: Client,
 ) -> std::io::Result<RaftHandle<S>> {
     let (tx, rx) = mpsc::unbounded_channel();
+    let own = tx.downgrade();
     let (applied_tx, applied) = watch::channel(0u64);
     thread::Builder::new()
         .name(format!("raft-{id}"))
@@ -351,7 +358,7 @@ pub fn start<S: StateMachine>(
                 }
             };
             let node = RaftNode::new(id, config.node.clone(), log.clone());
-            rt.block_on(run(node, config, rx, peers, client, applied_tx, log));
+            rt.block_on(run(node, config, (own, rx), peers, client, applied_tx, log));
         })?;
     Ok(RaftHandle { id, tx, applied })
 }
@@ -368,12 +375,18 @@ struct Loop<S: StateMachine> {
     client: Client,
     applied: watch::Sender<u64>,
     ticks: u64,
+    /// The loop's own queue, for results of work it hands off (weak: the loop still ends when every
+    /// handle is dropped).
+    own: mpsc::WeakUnboundedSender<Cmd<S>>,
 }
 
 async fn run<S: StateMachine>(
     node: RaftNode<S>,
     config: StoreConfig,
-    mut rx: mpsc::UnboundedReceiver<Cmd<S>>,
+    (own, mut rx): (
+        mpsc::WeakUnboundedSender<Cmd<S>>,
+        mpsc::UnboundedReceiver<Cmd<S>>,
+    ),
     peers: BTreeMap<u64, String>,
     client: Client,
     applied: watch::Sender<u64>,
@@ -390,6 +403,7 @@ async fn run<S: StateMachine>(
         client,
         applied,
         ticks: 0,
+        own,
     };
     lp.add_peers(peers);
     let mut tick = tokio::time::interval(config.tick_interval);
@@ -524,6 +538,11 @@ impl<S: StateMachine> Loop<S> {
                 None => reader(Err(RaftError::UnknownGroup(group))),
             },
             Cmd::AddPeers { peers } => self.add_peers(peers),
+            Cmd::BarrierDone {
+                group,
+                token,
+                result,
+            } => self.node.barrier_done(group, token, result),
             Cmd::RemoveGroup { group, reply } => {
                 let _ = reply.send(self.node.remove_group(group));
             }
@@ -655,6 +674,19 @@ impl<S: StateMachine> Loop<S> {
             .node
             .process_ready_with(|early| send_batches(outboxes, from, early))?;
         send_batches(&self.outboxes, self.node.id(), out.messages);
+        for b in out.barriers {
+            let own = self.own.clone();
+            tokio::task::spawn_blocking(move || {
+                let result = (b.run)();
+                if let Some(tx) = own.upgrade() {
+                    let _ = tx.send(Cmd::BarrierDone {
+                        group: b.group,
+                        token: b.token,
+                        result,
+                    });
+                }
+            });
+        }
         if out.applied > 0 {
             self.applied.send_modify(|n| *n += out.applied);
         }

@@ -1,0 +1,120 @@
+//! Snapshots of a state machine with a durability barrier: the log is compacted only after the
+//! barrier, run off the Raft thread, succeeded; a failed barrier keeps every entry.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::{Arc, Mutex};
+
+use nacre_raft::{
+    Barrier, LogStore, MemLogStore, NodeConfig, PendingBarrier, RaftNode, StateMachine,
+};
+
+/// Counts applied commands; its barrier records how many were applied when it ran ("durable").
+#[derive(Default)]
+struct Counter {
+    applied: Arc<Mutex<u64>>,
+    durable: Arc<Mutex<u64>>,
+}
+
+impl StateMachine for Counter {
+    fn apply(&mut self, _index: u64, _command: &[u8]) -> Vec<u8> {
+        *self.applied.lock().unwrap() += 1;
+        Vec::new()
+    }
+    fn snapshot(&self) -> Vec<u8> {
+        self.applied.lock().unwrap().to_le_bytes().to_vec()
+    }
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
+        let raw: [u8; 8] = snapshot
+            .try_into()
+            .map_err(|_| "bad snapshot".to_string())?;
+        *self.applied.lock().unwrap() = u64::from_le_bytes(raw);
+        Ok(())
+    }
+    fn durability_barrier(&self) -> Option<Barrier> {
+        let (applied, durable) = (self.applied.clone(), self.durable.clone());
+        Some(Box::new(move || {
+            *durable.lock().unwrap() = *applied.lock().unwrap();
+            Ok(())
+        }))
+    }
+}
+
+fn leader(log: &Arc<MemLogStore>, sm: Counter) -> RaftNode<Counter> {
+    let config = NodeConfig {
+        compact_after: 10,
+        ..NodeConfig::default()
+    };
+    let mut node = RaftNode::new(1, config, log.clone());
+    node.add_group(1, &[1], sm).unwrap();
+    node.campaign(1).unwrap();
+    for _ in 0..10 {
+        node.process_ready().unwrap();
+    }
+    assert!(node.is_leader(1));
+    node
+}
+
+/// Proposes `n` commands, one Ready round each; returns the barriers handed out.
+fn propose(node: &mut RaftNode<Counter>, n: usize) -> Vec<PendingBarrier> {
+    let mut barriers = Vec::new();
+    for _ in 0..n {
+        node.propose(1, b"x".to_vec()).unwrap();
+        barriers.extend(node.process_ready().unwrap().barriers);
+    }
+    barriers
+}
+
+#[test]
+fn the_log_is_compacted_only_after_the_snapshot_barrier_succeeded() {
+    let log = Arc::new(MemLogStore::new());
+    let sm = Counter::default();
+    let (applied, durable) = (sm.applied.clone(), sm.durable.clone());
+    let mut node = leader(&log, sm);
+    let first = log.first_index(1).unwrap();
+
+    // Past compact_after: one snapshot is taken and waits for its barrier; nothing is compacted.
+    let mut barriers = propose(&mut node, 30);
+    assert_eq!(barriers.len(), 1, "one pending snapshot at a time");
+    assert_eq!(log.first_index(1).unwrap(), first);
+    assert_eq!(log.saved_snapshot(1).unwrap(), None);
+
+    // A failed barrier: the snapshot is dropped, the log keeps everything.
+    let b = barriers.remove(0);
+    node.barrier_done(b.group, b.token, Err("disk full".into()));
+    let mut barriers = propose(&mut node, 1);
+    assert_eq!(log.first_index(1).unwrap(), first);
+    assert_eq!(log.saved_snapshot(1).unwrap(), None);
+    assert_eq!(barriers.len(), 1, "a new snapshot after the failed one");
+
+    // Its barrier succeeds: saved at the index it was taken at, log compacted.
+    let b = barriers.remove(0);
+    (b.run)().unwrap();
+    let at_barrier = *durable.lock().unwrap();
+    propose(&mut node, 5); // applied while the barrier ran: not covered by the snapshot
+    node.barrier_done(b.group, b.token, Ok(()));
+    assert!(node.process_ready().unwrap().barriers.is_empty());
+    let snap = log.saved_snapshot(1).unwrap().expect("snapshot saved");
+    let covered = u64::from_le_bytes(snap.data.as_ref().try_into().unwrap());
+    assert!(
+        covered <= at_barrier,
+        "snapshot covers {covered}, barrier made {at_barrier} durable"
+    );
+    assert!(log.first_index(1).unwrap() > first, "log compacted");
+    assert!(log.first_index(1).unwrap() <= snap.get_metadata().index + 1);
+
+    // A stale report (token already used) changes nothing.
+    node.barrier_done(b.group, b.token, Ok(()));
+    propose(&mut node, 1);
+
+    // Restart from the log: the snapshot and the entries after it give every command back.
+    let total = *applied.lock().unwrap();
+    drop(node);
+    let sm = Counter::default();
+    let applied = sm.applied.clone();
+    let mut node = RaftNode::new(1, NodeConfig::default(), log.clone());
+    node.add_group(1, &[], sm).unwrap();
+    for _ in 0..10 {
+        node.process_ready().unwrap();
+    }
+    assert_eq!(*applied.lock().unwrap(), total);
+}
