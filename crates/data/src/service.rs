@@ -1672,7 +1672,6 @@ async fn alive(client: &Client, addr: &str, within: Duration) -> bool {
     }
 }
 
-/// A leader whose own disk is full takes no appends: read-only until a re-check finds room.
 /// What a client is told when this replica's store cannot take an append or a tiny write: a disk
 /// error here is not the client's, and another partition can take the bytes (read-only: write
 /// elsewhere). The partition turns read-only until the store works again.
@@ -1685,6 +1684,7 @@ fn write_error(e: StoreError) -> DataError {
     }
 }
 
+/// A leader whose own disk is full takes no appends: read-only until a re-check finds room.
 fn degrade_if_full(part: &Part, e: &DataError) {
     if let DataError::ReadOnly(why) = e {
         part.degrade(why.clone());

@@ -764,10 +764,7 @@ impl<S: StateMachine> RaftNode<S> {
             let Some(g) = self.groups.get_mut(gid) else {
                 continue;
             };
-            if !matches!(g.pending_snapshot, Some((_, _, true))) {
-                continue;
-            }
-            let Some((_, snap, _)) = g.pending_snapshot.take() else {
+            let Some((_, snap, _)) = g.pending_snapshot.take_if(|(_, _, done)| *done) else {
                 continue;
             };
             let mut gw = GroupWrite::new(*gid);

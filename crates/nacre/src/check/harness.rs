@@ -326,7 +326,6 @@ impl Harness {
             .collect()
     }
 
-    /// Starts node `k`'s process (its log is appended to `logs/NAME.log`).
     /// What a supervisor (systemd, Kubernetes) does: starts again every node process that exited
     /// by itself (fail-stop on a dead disk or log). Returns each one's name and exit status.
     pub fn restart_exited(&mut self) -> anyhow::Result<Vec<(String, String)>> {
@@ -340,6 +339,7 @@ impl Harness {
         Ok(out)
     }
 
+    /// Starts node `k`'s process (its log is appended to `logs/NAME.log`).
     pub fn spawn(&mut self, k: usize) -> anyhow::Result<()> {
         let exe = self.cfg.exe.clone();
         let log_path = self.log_path(k);
