@@ -16,7 +16,7 @@ use bytes::Bytes;
 use nacre_meta::{Attr, DirEntry, SetAttr, XattrMode};
 use nacre_types::Ino;
 
-pub use crate::meta::{FsError, FsResult};
+pub use crate::meta::{Entry, FsError, FsResult};
 
 /// An open file's handle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -126,7 +126,7 @@ pub trait FileSystem: Send + Sync + 'static {
         mode: u32,
         caller: Caller,
         flags: OpenFlags,
-    ) -> impl Future<Output = FsResult<(Attr, Fh)>> + Send;
+    ) -> impl Future<Output = FsResult<(Entry, Fh)>> + Send;
 
     fn mkdir(
         &self,
@@ -134,7 +134,7 @@ pub trait FileSystem: Send + Sync + 'static {
         name: &[u8],
         mode: u32,
         caller: Caller,
-    ) -> impl Future<Output = FsResult<Attr>> + Send;
+    ) -> impl Future<Output = FsResult<Entry>> + Send;
 
     fn symlink(
         &self,
@@ -142,7 +142,7 @@ pub trait FileSystem: Send + Sync + 'static {
         name: &[u8],
         target: &[u8],
         caller: Caller,
-    ) -> impl Future<Output = FsResult<Attr>> + Send;
+    ) -> impl Future<Output = FsResult<Entry>> + Send;
 
     /// A new hard link `new_parent/new_name` to `ino`.
     fn link(
@@ -150,11 +150,14 @@ pub trait FileSystem: Send + Sync + 'static {
         ino: Ino,
         new_parent: Ino,
         new_name: &[u8],
-    ) -> impl Future<Output = FsResult<Attr>> + Send;
+    ) -> impl Future<Output = FsResult<Entry>> + Send;
 
-    fn unlink(&self, parent: Ino, name: &[u8]) -> impl Future<Output = FsResult<()>> + Send;
+    /// Removes a non-directory name. Returns the attributes, right after the call, of the
+    /// directories it changed, as far as it learnt them (possibly none); so do `rmdir` and
+    /// `rename`.
+    fn unlink(&self, parent: Ino, name: &[u8]) -> impl Future<Output = FsResult<Vec<Attr>>> + Send;
 
-    fn rmdir(&self, parent: Ino, name: &[u8]) -> impl Future<Output = FsResult<()>> + Send;
+    fn rmdir(&self, parent: Ino, name: &[u8]) -> impl Future<Output = FsResult<Vec<Attr>>> + Send;
 
     /// Moves `parent/name` to `new_parent/new_name`, replacing a compatible destination.
     fn rename(
@@ -163,7 +166,7 @@ pub trait FileSystem: Send + Sync + 'static {
         name: &[u8],
         new_parent: Ino,
         new_name: &[u8],
-    ) -> impl Future<Output = FsResult<()>> + Send;
+    ) -> impl Future<Output = FsResult<Vec<Attr>>> + Send;
 
     fn readlink(&self, ino: Ino) -> impl Future<Output = FsResult<Vec<u8>>> + Send;
 

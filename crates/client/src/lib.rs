@@ -12,6 +12,6 @@ pub mod netfs;
 pub use data::{DataCallError, SeqWriter};
 pub use fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
 pub use layers::{MetaCache, MetaCacheConfig, Metrics};
-pub use meta::{CallError, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};
+pub use meta::{CallError, Entry, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};
 pub use net::{DataPartitionInfo, NetVolume};
 pub use netfs::{NetFs, NetFsConfig};

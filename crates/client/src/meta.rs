@@ -112,6 +112,15 @@ pub enum FsError {
 
 pub type FsResult<T> = Result<T, FsError>;
 
+/// What a call that adds a name answers: the named inode's attributes and, when the call learnt
+/// them, its directory's attributes right after the change. A cache keeps the directory's, since
+/// the kernel asks for them before the next change in that directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub attr: Attr,
+    pub parent: Option<Attr>,
+}
+
 /// What a new inode is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NewInode {
@@ -329,7 +338,7 @@ impl<T: MetaTransport> MetaFs<T> {
     /// spread over the writable partitions (round robin) so that top-level trees (one per workload,
     /// typically) land on different partitions and their leaders. A remote inode is created first,
     /// then its dentry.
-    pub async fn create(&self, parent: Ino, name: &[u8], new: &NewInode) -> FsResult<Attr> {
+    pub async fn create(&self, parent: Ino, name: &[u8], new: &NewInode) -> FsResult<Entry> {
         nacre_meta::ops::check_name(name)?;
         let pp = self.partition_of(parent)?;
         let parts = self.t.partitions();
@@ -355,14 +364,21 @@ impl<T: MetaTransport> MetaFs<T> {
             };
             match self.write(pp, cmd).await {
                 Err(FsError::Meta(MetaError::NoInodes)) => {} // full: allocate elsewhere
-                r => return Self::attr(r?),
+                Ok(Reply::Created { attr, parent }) => {
+                    return Ok(Entry {
+                        attr,
+                        parent: Some(parent),
+                    });
+                }
+                Ok(other) => return Err(unexpected(&other)),
+                Err(e) => return Err(e),
             }
         }
         self.create_remote(parent, name, new).await
     }
 
     /// Create with the inode in another partition: inode first, then dentry.
-    async fn create_remote(&self, parent: Ino, name: &[u8], new: &NewInode) -> FsResult<Attr> {
+    async fn create_remote(&self, parent: Ino, name: &[u8], new: &NewInode) -> FsResult<Entry> {
         let attr = self.create_inode(parent, new).await?;
         let cmd = Command::CreateDentry {
             parent,
@@ -371,11 +387,14 @@ impl<T: MetaTransport> MetaFs<T> {
             kind: new.kind,
         };
         match self.write_ino(parent, cmd).await {
-            Ok(_) => Ok(attr),
+            Ok(r) => Ok(Entry {
+                attr,
+                parent: Self::attr(r).ok(),
+            }),
             Err(FsError::Unavailable(CallError::Unknown(m))) => {
                 // Did the dentry make it? Only a definite "no" allows undoing the inode.
                 match self.dentry_is(parent, name, attr.ino).await {
-                    Ok(true) => Ok(attr),
+                    Ok(true) => Ok(Entry { attr, parent: None }),
                     Ok(false) => {
                         self.undo_inode(attr.ino).await;
                         Err(CallError::Unknown(m).into())
@@ -405,7 +424,7 @@ impl<T: MetaTransport> MetaFs<T> {
     }
 
     /// A new name for an existing inode: nlink + 1, then the dentry.
-    pub async fn link(&self, ino: Ino, parent: Ino, name: &[u8]) -> FsResult<Attr> {
+    pub async fn link(&self, ino: Ino, parent: Ino, name: &[u8]) -> FsResult<Entry> {
         nacre_meta::ops::check_name(name)?;
         let attr = Self::attr(self.write_ino(ino, Command::LinkInode { ino }).await?)?;
         let cmd = Command::CreateDentry {
@@ -415,10 +434,15 @@ impl<T: MetaTransport> MetaFs<T> {
             kind: attr.kind,
         };
         let undo = match self.write_ino(parent, cmd).await {
-            Ok(_) => return Ok(attr),
+            Ok(r) => {
+                return Ok(Entry {
+                    attr,
+                    parent: Self::attr(r).ok(),
+                });
+            }
             Err(FsError::Unavailable(CallError::Unknown(m))) => {
                 match self.dentry_is(parent, name, ino).await {
-                    Ok(true) => return Ok(attr),
+                    Ok(true) => return Ok(Entry { attr, parent: None }),
                     Ok(false) => FsError::from(CallError::Unknown(m)),
                     // Cannot tell: keep the extra link (a leak, not a dangling dentry).
                     Err(e) => return Err(e),
@@ -434,16 +458,25 @@ impl<T: MetaTransport> MetaFs<T> {
 
     /// Removes a non-directory name: the dentry first, then one link — one atomic step when the
     /// inode lives with its parent. After an unknown outcome nothing more is done (at worst a remote
-    /// inode keeps a link it no longer needs: a leak, never a dangling name).
-    pub async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    /// inode keeps a link it no longer needs: a leak, never a dangling name). Returns the parent's
+    /// attributes after the removal.
+    pub async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         let cmd = Command::Remove {
             parent,
             name: name.to_vec(),
             dir: false,
         };
         match self.write_ino(parent, cmd).await? {
-            Reply::Removed { attr: Some(_), .. } => Ok(()),
-            Reply::Removed { dentry, attr: None } => self.drop_link(dentry.ino).await,
+            Reply::Removed {
+                dentry,
+                attr,
+                parent,
+            } => {
+                if attr.is_none() {
+                    self.drop_link(dentry.ino).await?;
+                }
+                Ok(vec![parent])
+            }
             other => Err(unexpected(&other)),
         }
     }
@@ -469,15 +502,16 @@ impl<T: MetaTransport> MetaFs<T> {
     }
 
     /// Removes an empty directory: one atomic step when its inode lives with its parent; else an
-    /// emptiness check, the dentry, then the inode.
-    pub async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    /// emptiness check, the dentry, then the inode. Returns the parent's attributes after the
+    /// removal when the one-step path learnt them.
+    pub async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         let cmd = Command::Remove {
             parent,
             name: name.to_vec(),
             dir: true,
         };
         let ino = match self.write_ino(parent, cmd).await {
-            Ok(Reply::Removed { .. }) => return Ok(()),
+            Ok(Reply::Removed { parent, .. }) => return Ok(vec![parent]),
             Ok(other) => return Err(unexpected(&other)),
             Err(FsError::Meta(MetaError::WrongPartition(ino))) => ino,
             Err(e) => return Err(e),
@@ -496,7 +530,7 @@ impl<T: MetaTransport> MetaFs<T> {
         {
             Ok(_) => {
                 self.evict(d.ino).await;
-                Ok(())
+                Ok(Vec::new())
             }
             Err(FsError::Meta(MetaError::NotEmpty)) => {
                 // A create raced in: put the name back.
@@ -528,18 +562,19 @@ impl<T: MetaTransport> MetaFs<T> {
     }
 
     /// Renames `src_name` under `src_parent` to `dst_name` under `dst_parent`, replacing a
-    /// compatible destination.
+    /// compatible destination. Returns the parents' attributes after the rename when both are in
+    /// one partition (the one-step path), else none.
     pub async fn rename(
         &self,
         src_parent: Ino,
         src_name: &[u8],
         dst_parent: Ino,
         dst_name: &[u8],
-    ) -> FsResult<()> {
+    ) -> FsResult<Vec<Attr>> {
         nacre_meta::ops::check_name(dst_name)?;
         let src = self.lookup_dentry(src_parent, src_name).await?;
         if src_parent == dst_parent && src_name == dst_name {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let dst = match self.lookup_dentry(dst_parent, dst_name).await {
             Ok(d) => Some(d),
@@ -548,7 +583,7 @@ impl<T: MetaTransport> MetaFs<T> {
         };
         if let Some(d) = dst {
             if d.ino == src.ino {
-                return Ok(()); // two names of one inode: POSIX says do nothing
+                return Ok(Vec::new()); // two names of one inode: POSIX says do nothing
             }
             match (src.kind == FileType::Dir, d.kind == FileType::Dir) {
                 (false, true) => return Err(MetaError::IsDir.into()),
@@ -571,8 +606,8 @@ impl<T: MetaTransport> MetaFs<T> {
                 dst_parent,
                 dst_name: dst_name.to_vec(),
             };
-            let replaced = match self.write(ps, cmd).await? {
-                Reply::Replaced(r) => r,
+            let (replaced, parents) = match self.write(ps, cmd).await? {
+                Reply::Renamed { replaced, parents } => (replaced, parents),
                 other => return Err(unexpected(&other)),
             };
             // The partition updated the parent pointer if it holds the directory's inode.
@@ -586,10 +621,11 @@ impl<T: MetaTransport> MetaFs<T> {
             if let Some(r) = replaced {
                 self.drop_link(r.ino).await?;
             }
-            return Ok(());
+            return Ok(parents);
         }
         self.rename_across(src_parent, src_name, src, dst_parent, dst_name, dst)
-            .await
+            .await?;
+        Ok(Vec::new())
     }
 
     /// Fails with `Invalid` if `dir` is `target` or one of its ancestors.

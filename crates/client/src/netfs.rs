@@ -42,7 +42,7 @@ use tokio::task::JoinSet;
 
 use crate::data::{DataCallError, SeqWriter};
 use crate::fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
-use crate::meta::{CallError, FsError, FsResult, MetaFs, NewInode};
+use crate::meta::{CallError, Entry, FsError, FsResult, MetaFs, NewInode};
 use crate::net::NetVolume;
 
 /// Tuning of the network file system.
@@ -485,29 +485,34 @@ impl Inner {
     }
 
     /// Renames `parent/name`, a file this client has open, to a hidden name (see the module docs);
-    /// not when it is `keep`.
-    async fn hide_if_open(&self, parent: Ino, name: &[u8], keep: Option<Ino>) -> FsResult<()> {
+    /// not when it is `keep`. Returns the parent's attributes after the rename, when learnt.
+    async fn hide_if_open(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        keep: Option<Ino>,
+    ) -> FsResult<Vec<Attr>> {
         if self.files.lock().is_ok_and(|f| f.is_empty()) {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let d = match self.meta.lookup_dentry(parent, name).await {
             Ok(d) => d,
-            Err(FsError::Meta(MetaError::NotFound)) => return Ok(()),
+            Err(FsError::Meta(MetaError::NotFound)) => return Ok(Vec::new()),
             Err(e) => return Err(e),
         };
         let Some(f) = self.open_file(d.ino) else {
-            return Ok(());
+            return Ok(Vec::new());
         };
         if d.kind != FileType::File || keep == Some(d.ino) {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let mut hidden = HIDDEN_PREFIX.to_vec();
         hidden.extend_from_slice(d.ino.0.to_string().as_bytes());
-        self.meta.rename(parent, name, parent, &hidden).await?;
+        let dirs = self.meta.rename(parent, name, parent, &hidden).await?;
         if let Ok(mut h) = f.hidden.lock() {
             *h = Some((parent, hidden));
         }
-        Ok(())
+        Ok(dirs)
     }
 }
 
@@ -544,16 +549,16 @@ impl Inner {
         mode: u32,
         caller: Caller,
         flags: OpenFlags,
-    ) -> FsResult<(Attr, Fh)> {
-        let attr = self
+    ) -> FsResult<(Entry, Fh)> {
+        let e = self
             .meta
             .create(parent, name, &NewInode::file(mode, caller.uid, caller.gid))
             .await?;
-        let fh = self.open_attr(&attr, flags).await?;
-        Ok((attr, fh))
+        let fh = self.open_attr(&e.attr, flags).await?;
+        Ok((e, fh))
     }
 
-    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, caller: Caller) -> FsResult<Attr> {
+    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, caller: Caller) -> FsResult<Entry> {
         self.meta
             .create(parent, name, &NewInode::dir(mode, caller.uid, caller.gid))
             .await
@@ -565,7 +570,7 @@ impl Inner {
         name: &[u8],
         target: &[u8],
         caller: Caller,
-    ) -> FsResult<Attr> {
+    ) -> FsResult<Entry> {
         if target.is_empty() {
             return Err(FsError::Meta(MetaError::InvalidName));
         }
@@ -578,7 +583,7 @@ impl Inner {
             .await
     }
 
-    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         if !self.files.lock().is_ok_and(|f| f.is_empty()) {
             let d = self.meta.lookup_dentry(parent, name).await?;
             if d.kind == FileType::File && self.open_file(d.ino).is_some() {
@@ -594,7 +599,7 @@ impl Inner {
         name: &[u8],
         new_parent: Ino,
         new_name: &[u8],
-    ) -> FsResult<()> {
+    ) -> FsResult<Vec<Attr>> {
         // A replaced file this client has open stays usable (hidden, not unlinked). The two steps
         // are not atomic: another client may briefly find neither name.
         if (parent, name) != (new_parent, new_name)
@@ -875,13 +880,13 @@ impl FileSystem for NetFs {
         mode: u32,
         caller: Caller,
         flags: OpenFlags,
-    ) -> FsResult<(Attr, Fh)> {
+    ) -> FsResult<(Entry, Fh)> {
         let name = name.to_vec();
         self.detached(move |i| async move { i.create(parent, &name, mode, caller, flags).await })
             .await
     }
 
-    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, caller: Caller) -> FsResult<Attr> {
+    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, caller: Caller) -> FsResult<Entry> {
         let name = name.to_vec();
         self.detached(move |i| async move { i.mkdir(parent, &name, mode, caller).await })
             .await
@@ -893,25 +898,25 @@ impl FileSystem for NetFs {
         name: &[u8],
         target: &[u8],
         caller: Caller,
-    ) -> FsResult<Attr> {
+    ) -> FsResult<Entry> {
         let (name, target) = (name.to_vec(), target.to_vec());
         self.detached(move |i| async move { i.symlink(parent, &name, &target, caller).await })
             .await
     }
 
-    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
+    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Entry> {
         let new_name = new_name.to_vec();
         self.detached(move |i| async move { i.meta.link(ino, new_parent, &new_name).await })
             .await
     }
 
-    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         let name = name.to_vec();
         self.detached(move |i| async move { i.unlink(parent, &name).await })
             .await
     }
 
-    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         let name = name.to_vec();
         self.detached(move |i| async move { i.meta.rmdir(parent, &name).await })
             .await
@@ -923,7 +928,7 @@ impl FileSystem for NetFs {
         name: &[u8],
         new_parent: Ino,
         new_name: &[u8],
-    ) -> FsResult<()> {
+    ) -> FsResult<Vec<Attr>> {
         let (name, new_name) = (name.to_vec(), new_name.to_vec());
         self.detached(move |i| async move { i.rename(parent, &name, new_parent, &new_name).await })
             .await

@@ -260,7 +260,7 @@ async fn acknowledged_creates_survive_a_partition_leader_crash() {
         .create(ROOT_INO, b"d", &NewInode::dir(0o755, 0, 0))
         .await
         .unwrap();
-    assert_eq!(fs.lookup(ROOT_INO, b"d").await.unwrap().ino, d.ino);
+    assert_eq!(fs.lookup(ROOT_INO, b"d").await.unwrap().ino, d.attr.ino);
 
     // A storm of creates from 8 tasks; the leader of the root's partition dies in the middle.
     let root_part = map.volumes["vol"].meta_partitions[0];
@@ -274,10 +274,10 @@ async fn acknowledged_creates_survive_a_partition_leader_crash() {
             let mut acked: Vec<(Ino, Vec<u8>, Ino)> = Vec::new();
             let mut failed = 0;
             for i in 0..40 {
-                let parent = if i % 2 == 0 { ROOT_INO } else { d.ino };
+                let parent = if i % 2 == 0 { ROOT_INO } else { d.attr.ino };
                 let name = format!("f-{t}-{i}").into_bytes();
                 match fs.create(parent, &name, &NewInode::file(0o644, 0, 0)).await {
-                    Ok(a) => acked.push((parent, name, a.ino)),
+                    Ok(a) => acked.push((parent, name, a.attr.ino)),
                     Err(FsError::Unavailable(_)) => failed += 1,
                     Err(e) => panic!("create {name:?}: {e}"),
                 }
@@ -316,7 +316,7 @@ async fn acknowledged_creates_survive_a_partition_leader_crash() {
         assert_eq!(a.ino, *ino);
     }
     let listed = fs.readdir(ROOT_INO, None, 0).await.unwrap().len()
-        + fs.readdir(d.ino, None, 0).await.unwrap().len();
+        + fs.readdir(d.attr.ino, None, 0).await.unwrap().len();
     assert!(
         listed > acked.len(),
         "the directory d and every acknowledged file are listed"
@@ -412,10 +412,10 @@ async fn partition_leaders_evict_orphans_that_clients_left_behind() {
     let delete = MetaCommand::DeleteDentry {
         parent: ROOT_INO,
         name: b"f".to_vec(),
-        expect: Some(f.ino),
+        expect: Some(f.attr.ino),
     };
     t.write(pid, delete).await.unwrap().unwrap();
-    t.write(pid, MetaCommand::UnlinkInode { ino: f.ino })
+    t.write(pid, MetaCommand::UnlinkInode { ino: f.attr.ino })
         .await
         .unwrap()
         .unwrap();

@@ -10,8 +10,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use nacre_client::layers::CacheStats;
 use nacre_client::{
-    Caller, DirEntryPlus, Fh, FileSystem, FsError, FsResult, MetaCache, MetaCacheConfig, Metrics,
-    OpenFlags, StatFs,
+    Caller, DirEntryPlus, Entry, Fh, FileSystem, FsError, FsResult, MetaCache, MetaCacheConfig,
+    Metrics, OpenFlags, StatFs,
 };
 use nacre_meta::{Attr, DirEntry, FileType, MetaError, ROOT_INO, SetAttr, XattrMode};
 use nacre_types::Ino;
@@ -197,6 +197,14 @@ impl ToyState {
         }
     }
 
+    /// What a create-like call answers: the inode and its directory, as they are now.
+    fn entry(&self, ino: Ino, parent: Ino) -> FsResult<Entry> {
+        Ok(Entry {
+            attr: self.get(ino)?.attr.clone(),
+            parent: Some(self.get(parent)?.attr.clone()),
+        })
+    }
+
     fn handle(&self, fh: Fh) -> FsResult<(Ino, OpenFlags)> {
         self.handles
             .get(&fh)
@@ -279,18 +287,18 @@ impl FileSystem for Toy {
         mode: u32,
         _caller: Caller,
         flags: OpenFlags,
-    ) -> FsResult<(Attr, Fh)> {
+    ) -> FsResult<(Entry, Fh)> {
         self.with("create", |st| {
             let ino = st.add(parent, name, FileType::File, mode)?;
             let fh = st.open(ino, flags);
-            Ok((st.get(ino)?.attr.clone(), fh))
+            Ok((st.entry(ino, parent)?, fh))
         })
     }
 
-    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, _caller: Caller) -> FsResult<Attr> {
+    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, _caller: Caller) -> FsResult<Entry> {
         self.with("mkdir", |st| {
             let ino = st.add(parent, name, FileType::Dir, mode)?;
-            Ok(st.get(ino)?.attr.clone())
+            st.entry(ino, parent)
         })
     }
 
@@ -300,17 +308,17 @@ impl FileSystem for Toy {
         name: &[u8],
         target: &[u8],
         _caller: Caller,
-    ) -> FsResult<Attr> {
+    ) -> FsResult<Entry> {
         self.with("symlink", |st| {
             let ino = st.add(parent, name, FileType::Symlink, 0o777)?;
             let n = st.get_mut(ino)?;
             n.target = target.to_vec();
             n.attr.size = target.len() as u64;
-            Ok(n.attr.clone())
+            st.entry(ino, parent)
         })
     }
 
-    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
+    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Entry> {
         self.with("link", |st| {
             nacre_meta::ops::check_name(new_name)?;
             if st.get(ino)?.attr.kind == FileType::Dir {
@@ -327,11 +335,11 @@ impl FileSystem for Toy {
             let n = st.get_mut(ino)?;
             n.attr.nlink += 1;
             n.attr.ctime = now;
-            Ok(n.attr.clone())
+            st.entry(ino, new_parent)
         })
     }
 
-    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         self.with("unlink", |st| {
             let ino = st.child(parent, name)?;
             if st.get(ino)?.attr.kind == FileType::Dir {
@@ -340,11 +348,11 @@ impl FileSystem for Toy {
             st.get_mut(parent)?.children.remove(name);
             st.touch_dir(parent, 0);
             st.drop_link(ino);
-            Ok(())
+            Ok(vec![st.get(parent)?.attr.clone()])
         })
     }
 
-    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         self.with("rmdir", |st| {
             let ino = st.child(parent, name)?;
             if !st.dir(ino)?.children.is_empty() {
@@ -353,7 +361,7 @@ impl FileSystem for Toy {
             st.get_mut(parent)?.children.remove(name);
             st.touch_dir(parent, -1);
             st.drop_link(ino);
-            Ok(())
+            Ok(vec![st.get(parent)?.attr.clone()])
         })
     }
 
@@ -363,7 +371,7 @@ impl FileSystem for Toy {
         name: &[u8],
         new_parent: Ino,
         new_name: &[u8],
-    ) -> FsResult<()> {
+    ) -> FsResult<Vec<Attr>> {
         self.with("rename", |st| {
             nacre_meta::ops::check_name(new_name)?;
             let ino = st.child(parent, name)?;
@@ -377,7 +385,7 @@ impl FileSystem for Toy {
             let old = st.dir(new_parent)?.children.get(new_name).copied();
             if let Some(old) = old {
                 if old == ino {
-                    return Ok(());
+                    return Ok(Vec::new());
                 }
                 let old_dir = st.get(old)?.attr.kind == FileType::Dir;
                 match (is_dir, old_dir) {
@@ -405,7 +413,11 @@ impl FileSystem for Toy {
             let n = st.get_mut(ino)?;
             n.attr.ctime = now;
             n.parent = new_parent;
-            Ok(())
+            let mut dirs = vec![st.get(parent)?.attr.clone()];
+            if new_parent != parent {
+                dirs.push(st.get(new_parent)?.attr.clone());
+            }
+            Ok(dirs)
         })
     }
 
@@ -583,7 +595,7 @@ async fn mkfile(fs: &impl FileSystem, parent: Ino, name: &str, data: &[u8]) -> A
         fs.write(fh, 0, Bytes::copy_from_slice(data)).await.unwrap();
     }
     fs.release(fh).await.unwrap();
-    a
+    a.attr
 }
 
 fn not_found<T: std::fmt::Debug>(r: FsResult<T>) {
@@ -600,7 +612,12 @@ fn not_found<T: std::fmt::Debug>(r: FsResult<T>) {
 async fn cached_lookups_and_getattrs_do_not_reach_the_inner_fs() {
     let c = cache();
     // Made by "another client": nothing of it is cached.
-    let d = c.inner().mkdir(ROOT_INO, b"d", 0o755, ME).await.unwrap();
+    let d = c
+        .inner()
+        .mkdir(ROOT_INO, b"d", 0o755, ME)
+        .await
+        .unwrap()
+        .attr;
     let f = mkfile(c.inner(), d.ino, "f", b"hello").await;
 
     for _ in 0..3 {
@@ -638,16 +655,17 @@ async fn readdir_and_creates_fill_the_cache() {
     }
     assert_eq!(c.inner().calls("lookup"), 0);
 
-    let d = c.mkdir(ROOT_INO, b"d", 0o755, ME).await.unwrap();
+    let d = c.mkdir(ROOT_INO, b"d", 0o755, ME).await.unwrap().attr;
     let f = mkfile(&c, d.ino, "new", b"").await;
     let s = c.symlink(d.ino, b"s", b"new", ME).await.unwrap();
     let l = c.link(f.ino, ROOT_INO, b"hard").await.unwrap();
-    assert_eq!(l.nlink, 2);
-    assert_eq!(c.lookup(d.ino, b"s").await.unwrap(), s);
-    assert_eq!(c.lookup(ROOT_INO, b"hard").await.unwrap(), l);
+    assert_eq!(l.attr.nlink, 2);
+    assert_eq!(c.lookup(d.ino, b"s").await.unwrap(), s.attr);
+    assert_eq!(c.lookup(ROOT_INO, b"hard").await.unwrap(), l.attr);
     assert_eq!(c.lookup(d.ino, b"new").await.unwrap().nlink, 2);
     assert_eq!(c.inner().calls("lookup"), 0);
-    // The parents changed (mtime, nlink): not served from the cache.
+    // The parents changed (mtime, nlink); each call answered their new attributes, which are
+    // served from the cache.
     let before = c.inner().calls("getattr");
     assert_eq!(
         c.getattr(d.ino).await.unwrap(),
@@ -657,7 +675,50 @@ async fn readdir_and_creates_fill_the_cache() {
         c.getattr(ROOT_INO).await.unwrap(),
         c.inner().getattr(ROOT_INO).await.unwrap()
     );
-    assert_eq!(c.inner().calls("getattr"), before + 4);
+    assert_eq!(c.inner().calls("getattr"), before + 2, "only the toy's own");
+}
+
+/// What the kernel does through FUSE: every create or remove in a directory is followed by a
+/// `getattr` of that directory. The calls answer the directory's new attributes; the cache serves
+/// them, and they are the truth.
+#[tokio::test(start_paused = true)]
+async fn a_changed_directory_is_served_with_the_attributes_the_change_answered() {
+    let c = cache();
+    let d = c.mkdir(ROOT_INO, b"d", 0o755, ME).await.unwrap().attr;
+    let e = c.mkdir(ROOT_INO, b"e", 0o755, ME).await.unwrap().attr;
+    let toy = c.inner();
+    let same = |ino: Ino| {
+        let c = &c;
+        async move {
+            let before = toy.calls("getattr");
+            let cached = c.getattr(ino).await.unwrap();
+            assert_eq!(toy.calls("getattr"), before, "{ino} served from the cache");
+            assert_eq!(
+                cached,
+                toy.getattr(ino).await.unwrap(),
+                "{ino} is the truth"
+            );
+        }
+    };
+    same(ROOT_INO).await;
+    mkfile(&c, d.ino, "f", b"").await;
+    same(d.ino).await;
+    c.mkdir(d.ino, b"sub", 0o755, ME).await.unwrap();
+    same(d.ino).await;
+    c.symlink(d.ino, b"s", b"f", ME).await.unwrap();
+    same(d.ino).await;
+    let f = c.lookup(d.ino, b"f").await.unwrap();
+    c.link(f.ino, e.ino, b"f2").await.unwrap();
+    same(e.ino).await;
+    c.unlink(d.ino, b"s").await.unwrap();
+    same(d.ino).await;
+    c.rename(d.ino, b"sub", e.ino, b"sub").await.unwrap();
+    same(d.ino).await;
+    same(e.ino).await;
+    c.rename(e.ino, b"f2", e.ino, b"f3").await.unwrap();
+    same(e.ino).await;
+    c.rmdir(e.ino, b"sub").await.unwrap();
+    same(e.ino).await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -674,8 +735,8 @@ async fn missing_names_are_not_cached() {
 #[tokio::test(start_paused = true)]
 async fn every_mutation_invalidates_what_it_changes() {
     let c = cache();
-    let d = c.mkdir(ROOT_INO, b"d", 0o755, ME).await.unwrap();
-    let e = c.mkdir(ROOT_INO, b"e", 0o755, ME).await.unwrap();
+    let d = c.mkdir(ROOT_INO, b"d", 0o755, ME).await.unwrap().attr;
+    let e = c.mkdir(ROOT_INO, b"e", 0o755, ME).await.unwrap().attr;
     let a = mkfile(&c, d.ino, "a", b"aaaa").await;
     let b = mkfile(&c, e.ino, "b", b"bb").await;
     // Warm everything.
@@ -711,7 +772,7 @@ async fn every_mutation_invalidates_what_it_changes() {
     }
 
     // rename a directory: its parent's link counts change
-    let sub = c.mkdir(d.ino, b"sub", 0o755, ME).await.unwrap();
+    let sub = c.mkdir(d.ino, b"sub", 0o755, ME).await.unwrap().attr;
     c.lookup(d.ino, b"sub").await.unwrap();
     c.getattr(d.ino).await.unwrap();
     c.getattr(e.ino).await.unwrap();
@@ -723,7 +784,7 @@ async fn every_mutation_invalidates_what_it_changes() {
 
     // link and unlink: the target's link count
     let l = c.link(a.ino, d.ino, b"l").await.unwrap();
-    assert_eq!(l.nlink, 2);
+    assert_eq!(l.attr.nlink, 2);
     assert_eq!(c.lookup(e.ino, b"b").await.unwrap().nlink, 2);
     c.unlink(e.ino, b"b").await.unwrap();
     not_found(c.lookup(e.ino, b"b").await);
@@ -963,13 +1024,13 @@ async fn random_operations_through_the_cache_always_read_the_truth() {
             match what {
                 0 => {
                     if let Ok(a) = c.mkdir(p, n, 0o755, ME).await {
-                        dirs.push(a.ino);
-                        inos.push(a.ino);
+                        dirs.push(a.attr.ino);
+                        inos.push(a.attr.ino);
                     }
                 }
                 1 => {
                     if let Ok((a, fh)) = c.create(p, n, 0o644, ME, OpenFlags::READ_WRITE).await {
-                        inos.push(a.ino);
+                        inos.push(a.attr.ino);
                         open.push(fh);
                     }
                 }
@@ -1072,7 +1133,7 @@ async fn metrics_count_calls_errors_latency_and_bytes() {
         m.lookup(ROOT_INO, b"f").await.unwrap();
     }
     not_found(m.lookup(ROOT_INO, b"missing").await);
-    m.getattr(a.ino).await.unwrap();
+    m.getattr(a.attr.ino).await.unwrap();
 
     let snap = m.snapshot();
     assert_eq!(snap["create"], (1, 0));

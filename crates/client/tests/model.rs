@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use nacre_client::{CallError, FsError, MetaFs, MetaRange, MetaTransport, NewInode};
-use nacre_meta::{Command, FileType, MetaError, MetaPartition, Query, ROOT_INO, Reply};
+use nacre_client::{CallError, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};
+use nacre_meta::{Attr, Command, FileType, MetaError, MetaPartition, Query, ROOT_INO, Reply};
 use nacre_types::{Ino, PartitionId};
 use proptest::prelude::*;
 
@@ -362,6 +362,19 @@ async fn resolve(fs: &MetaFs<MemMeta>, path: &[Vec<u8>]) -> Ino {
     ino
 }
 
+/// Checks that directory attributes a call returned are what the partitions hold now (the model
+/// test runs one call at a time), and drops them.
+async fn dirs_fresh(fs: &MetaFs<MemMeta>, r: FsResult<Vec<Attr>>) -> FsResult<()> {
+    for d in r? {
+        assert_eq!(
+            fs.getattr(d.ino).await.unwrap(),
+            d,
+            "returned parent attributes"
+        );
+    }
+    Ok(())
+}
+
 fn kind_of(k: u8) -> FileType {
     match k % 3 {
         0 => FileType::File,
@@ -398,14 +411,15 @@ async fn step(
                 _ => NewInode::file(0o644, 1, 1),
             };
             let mode = new.mode;
-            let real = fs.create(parent, &name(*n), &new).await.map(|_| ());
+            let real = fs.create(parent, &name(*n), &new).await;
+            let real = dirs_fresh(fs, real.map(|e| e.parent.into_iter().collect())).await;
             (real, model.create(mid, &name(*n), k, mode))
         }
         Op::Unlink { dir, name: n } => {
             let (mid, path) = pick(*dir);
             let parent = resolve(fs, &path).await;
             (
-                fs.unlink(parent, &name(*n)).await,
+                dirs_fresh(fs, fs.unlink(parent, &name(*n)).await).await,
                 model.unlink(mid, &name(*n)),
             )
         }
@@ -413,7 +427,7 @@ async fn step(
             let (mid, path) = pick(*dir);
             let parent = resolve(fs, &path).await;
             (
-                fs.rmdir(parent, &name(*n)).await,
+                dirs_fresh(fs, fs.rmdir(parent, &name(*n)).await).await,
                 model.rmdir(mid, &name(*n)),
             )
         }
@@ -428,7 +442,10 @@ async fn step(
             let sparent = resolve(fs, &spath).await;
             let parent = resolve(fs, &path).await;
             let real = match fs.lookup_dentry(sparent, &name(*sname)).await {
-                Ok(d) => fs.link(d.ino, parent, &name(*n)).await.map(|_| ()),
+                Ok(d) => {
+                    let r = fs.link(d.ino, parent, &name(*n)).await;
+                    dirs_fresh(fs, r.map(|e| e.parent.into_iter().collect())).await
+                }
                 Err(e) => Err(e),
             };
             (real, model.link(smid, &name(*sname), mid, &name(*n)))
@@ -444,6 +461,7 @@ async fn step(
             let sparent = resolve(fs, &spath).await;
             let parent = resolve(fs, &path).await;
             let real = fs.rename(sparent, &name(*sname), parent, &name(*n)).await;
+            let real = dirs_fresh(fs, real).await;
             (real, model.rename(smid, &name(*sname), mid, &name(*n)))
         }
         Op::Chmod { dir, name: n, mode } => {

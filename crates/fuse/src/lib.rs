@@ -432,10 +432,10 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
                 i.fs.create(Ino(parent.0), &name, perm, caller, OpenFlags::READ)
                     .await;
             match r {
-                Ok((a, fh)) => {
+                Ok((e, fh)) => {
                     let released = i.fs.release(fh).await;
                     match released {
-                        Ok(()) => i.entry(reply, &a),
+                        Ok(()) => i.entry(reply, &e.attr),
                         Err(e) => reply.error(err(&e)),
                     }
                 }
@@ -457,9 +457,9 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         let perm = mode & !umask & 0o7777;
         self.spawn(|i| async move {
             match i.fs.mkdir(Ino(parent.0), &name, perm, caller).await {
-                Ok(a) => {
-                    i.learn_parent(&a, Ino(parent.0));
-                    i.entry(reply, &a);
+                Ok(e) => {
+                    i.learn_parent(&e.attr, Ino(parent.0));
+                    i.entry(reply, &e.attr);
                 }
                 Err(e) => reply.error(err(&e)),
             }
@@ -470,7 +470,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         let name = name_of(name);
         self.spawn(|i| async move {
             match i.fs.unlink(Ino(parent.0), &name).await {
-                Ok(()) => reply.ok(),
+                Ok(_) => reply.ok(),
                 Err(e) => reply.error(err(&e)),
             }
         });
@@ -480,7 +480,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         let name = name_of(name);
         self.spawn(|i| async move {
             match i.fs.rmdir(Ino(parent.0), &name).await {
-                Ok(()) => reply.ok(),
+                Ok(_) => reply.ok(),
                 Err(e) => reply.error(err(&e)),
             }
         });
@@ -498,7 +498,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         let target = target.as_os_str().as_bytes().to_vec();
         self.spawn(|i| async move {
             match i.fs.symlink(Ino(parent.0), &name, &target, caller).await {
-                Ok(a) => i.entry(reply, &a),
+                Ok(e) => i.entry(reply, &e.attr),
                 Err(e) => reply.error(err(&e)),
             }
         });
@@ -535,7 +535,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
                 }
             }
             match i.fs.rename(p, &name, np, &newname).await {
-                Ok(()) => reply.ok(),
+                Ok(_) => reply.ok(),
                 Err(e) => reply.error(err(&e)),
             }
         });
@@ -552,7 +552,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         let newname = name_of(newname);
         self.spawn(|i| async move {
             match i.fs.link(Ino(ino.0), Ino(newparent.0), &newname).await {
-                Ok(a) => i.entry(reply, &a),
+                Ok(e) => i.entry(reply, &e.attr),
                 Err(e) => reply.error(err(&e)),
             }
         });
@@ -986,10 +986,10 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         self.spawn(|i| async move {
             let flags = i.open_flags(flags);
             match i.fs.create(Ino(parent.0), &name, perm, caller, flags).await {
-                Ok((a, fh)) => reply.created(
+                Ok((e, fh)) => reply.created(
                     &i.cfg.attr_ttl.min(i.cfg.entry_ttl),
-                    &file_attr(&a),
-                    Generation(u64::from(a.generation)),
+                    &file_attr(&e.attr),
+                    Generation(u64::from(e.attr.generation)),
                     FileHandle(fh.0),
                     FopenFlags::empty(),
                 ),

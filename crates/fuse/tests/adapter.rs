@@ -12,7 +12,9 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use nacre_client::{Caller, DirEntryPlus, Fh, FileSystem, FsError, FsResult, OpenFlags, StatFs};
+use nacre_client::{
+    Caller, DirEntryPlus, Entry, Fh, FileSystem, FsError, FsResult, OpenFlags, StatFs,
+};
 use nacre_fuse::{MountOptions, mount};
 use nacre_meta::{Attr, DirEntry, FileType, MetaError, SetAttr, XattrMode};
 use nacre_types::Ino;
@@ -159,14 +161,15 @@ impl FileSystem for Toy {
         mode: u32,
         _caller: Caller,
         flags: OpenFlags,
-    ) -> FsResult<(Attr, Fh)> {
-        let a = self.new_inode(parent, name, FileType::File, mode)?;
-        let fh = self.open_ino(a.ino, flags);
-        Ok((a, fh))
+    ) -> FsResult<(Entry, Fh)> {
+        let attr = self.new_inode(parent, name, FileType::File, mode)?;
+        let fh = self.open_ino(attr.ino, flags);
+        Ok((Entry { attr, parent: None }, fh))
     }
 
-    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, _caller: Caller) -> FsResult<Attr> {
-        self.new_inode(parent, name, FileType::Dir, mode)
+    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, _caller: Caller) -> FsResult<Entry> {
+        let attr = self.new_inode(parent, name, FileType::Dir, mode)?;
+        Ok(Entry { attr, parent: None })
     }
 
     async fn symlink(
@@ -175,16 +178,19 @@ impl FileSystem for Toy {
         name: &[u8],
         target: &[u8],
         _caller: Caller,
-    ) -> FsResult<Attr> {
+    ) -> FsResult<Entry> {
         let mut a = self.new_inode(parent, name, FileType::Symlink, 0o777)?;
         let mut s = self.0.lock().unwrap();
         s.links.insert(a.ino, target.to_vec());
         a.size = target.len() as u64;
         s.attrs.insert(a.ino, a.clone());
-        Ok(a)
+        Ok(Entry {
+            attr: a,
+            parent: None,
+        })
     }
 
-    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
+    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Entry> {
         let mut s = self.0.lock().unwrap();
         let dir = s.dirs.get_mut(&new_parent).ok_or_else(not_found)?;
         if dir.contains_key(new_name) {
@@ -193,10 +199,13 @@ impl FileSystem for Toy {
         dir.insert(new_name.to_vec(), ino);
         let a = s.attrs.get_mut(&ino).ok_or_else(not_found)?;
         a.nlink += 1;
-        Ok(a.clone())
+        Ok(Entry {
+            attr: a.clone(),
+            parent: None,
+        })
     }
 
-    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         let mut s = self.0.lock().unwrap();
         let ino = *s
             .dirs
@@ -210,10 +219,10 @@ impl FileSystem for Toy {
         if let Some(a) = s.attrs.get_mut(&ino) {
             a.nlink -= 1;
         }
-        Ok(())
+        Ok(Vec::new())
     }
 
-    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         let mut s = self.0.lock().unwrap();
         let ino = *s
             .dirs
@@ -227,7 +236,7 @@ impl FileSystem for Toy {
         }
         s.dirs.remove(&ino);
         s.dirs.get_mut(&parent).unwrap().remove(name);
-        Ok(())
+        Ok(Vec::new())
     }
 
     async fn rename(
@@ -236,7 +245,7 @@ impl FileSystem for Toy {
         name: &[u8],
         new_parent: Ino,
         new_name: &[u8],
-    ) -> FsResult<()> {
+    ) -> FsResult<Vec<Attr>> {
         let mut s = self.0.lock().unwrap();
         let ino = s
             .dirs
@@ -247,7 +256,7 @@ impl FileSystem for Toy {
             .get_mut(&new_parent)
             .ok_or_else(not_found)?
             .insert(new_name.to_vec(), ino);
-        Ok(())
+        Ok(Vec::new())
     }
 
     async fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {

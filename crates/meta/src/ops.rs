@@ -131,7 +131,8 @@ pub enum Command {
     /// `CreateInode` and `CreateDentry` in one atomic step, when the parent is in this partition and
     /// the new inode can be allocated here: the fast path for creating a file (or directory) next to
     /// its parent. Errors as for the two commands; `NoInodes` when the range is used up (the caller
-    /// then allocates the inode elsewhere). Replies with the new inode's attributes.
+    /// then allocates the inode elsewhere). Replies `Created`: the new inode's attributes and the
+    /// parent's after the change.
     Create {
         parent: Ino,
         name: Vec<u8>,
@@ -148,7 +149,7 @@ pub enum Command {
     /// another partition is refused with `WrongPartition` and nothing changes (the caller checks
     /// emptiness there first). Without `dir` the entry must not be a directory (`IsDir`). Replies
     /// `Removed`: the attributes after the drop when the inode is local, `None` when it lives
-    /// elsewhere (the caller drops the link there).
+    /// elsewhere (the caller drops the link there), and the parent's attributes after the change.
     Remove {
         parent: Ino,
         name: Vec<u8>,
@@ -172,7 +173,7 @@ pub enum Command {
     },
     /// Adds `name` → `ino` under `parent` (which must be a live directory in this partition).
     /// `Exists` if the name is taken; for `kind == Dir` the parent's nlink grows by one. Updates the
-    /// parent's mtime and ctime.
+    /// parent's mtime and ctime. Replies with the parent's attributes after the change (`Attr`).
     CreateDentry {
         parent: Ino,
         name: Vec<u8>,
@@ -199,7 +200,8 @@ pub enum Command {
     /// destination of a compatible kind (a directory may only replace an *empty* directory, which the
     /// caller has checked with the destination inode's partition; `NotEmpty` when the replaced
     /// directory's dentries are known here and exist). Renaming onto itself is a no-op. Parents'
-    /// nlink and times follow POSIX. Returns the replaced dentry, if any (the caller unlinks it).
+    /// nlink and times follow POSIX. Replies `Renamed`: the replaced dentry, if any (the caller
+    /// unlinks it), and the parents' attributes as they are after the call.
     Rename {
         src_parent: Ino,
         src_name: Vec<u8>,
@@ -336,13 +338,24 @@ pub enum Reply {
         dentry: Dentry,
         attr: Option<Attr>,
     },
-    /// `Remove`: the removed dentry, and its inode's attributes after the drop when local.
+    /// `Create`: the new inode's attributes, and its parent's after the change.
+    Created {
+        attr: Attr,
+        parent: Attr,
+    },
+    /// `Remove`: the removed dentry, its inode's attributes after the drop when local, and the
+    /// parent's attributes after the change.
     Removed {
         dentry: Dentry,
         attr: Option<Attr>,
+        parent: Attr,
     },
-    /// `Rename`: the replaced destination, if any.
-    Replaced(Option<Dentry>),
+    /// `Rename`: the replaced destination, if any, and the parents' attributes after the call (the
+    /// source directory's first; one when source and destination directory are the same).
+    Renamed {
+        replaced: Option<Dentry>,
+        parents: Vec<Attr>,
+    },
     Entries(Vec<DirEntry>),
     EntriesPlus(Vec<(DirEntry, Option<Attr>)>),
     Extents(Attr, Vec<ExtentKey>),

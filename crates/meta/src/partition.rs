@@ -167,9 +167,12 @@ impl MetaPartition {
                     ino: attr.ino,
                     kind: *kind,
                 };
-                self.create_dentry(now, *parent, name, d)?;
-                // The parent's times moved; the new inode's attributes are as allocated.
-                Ok(Reply::Attr(attr))
+                let parent = match self.create_dentry(now, *parent, name, d)? {
+                    Reply::Attr(a) => a,
+                    other => return Ok(other),
+                };
+                // The new inode's attributes are as allocated.
+                Ok(Reply::Created { attr, parent })
             }
             Command::Remove { parent, name, dir } => self.remove(now, *parent, name, *dir),
             Command::LinkInode { ino } => self.link_inode(now, *ino),
@@ -627,22 +630,22 @@ impl MetaPartition {
             return Err(MetaError::NotEmpty);
         }
         self.delete_dentry(now, parent, name, Some(d.ino))?;
-        if !local {
-            return Ok(Reply::Removed {
-                dentry: d,
-                attr: None,
-            });
-        }
-        let attr = match self.unlink_inode(now, d.ino)? {
-            Reply::Attr(a) => a,
-            other => return Ok(other),
+        let attr = if local {
+            let a = match self.unlink_inode(now, d.ino)? {
+                Reply::Attr(a) => a,
+                other => return Ok(other),
+            };
+            if a.nlink == 0 {
+                self.evict_inode(d.ino)?;
+            }
+            Some(a)
+        } else {
+            None
         };
-        if attr.nlink == 0 {
-            self.evict_inode(d.ino)?;
-        }
         Ok(Reply::Removed {
             dentry: d,
-            attr: Some(attr),
+            attr,
+            parent: self.dir_attr(p)?,
         })
     }
 
@@ -667,7 +670,7 @@ impl MetaPartition {
         self.heap += key.len as u64;
         self.dentries.insert(key.to_box(), d.into());
         self.touch_dir(now, p, i32::from(subdir));
-        Ok(Reply::Done)
+        Ok(Reply::Attr(self.dir_attr(p)?))
     }
 
     fn delete_dentry(
@@ -737,13 +740,13 @@ impl MetaPartition {
             .get(src_key.as_slice())
             .ok_or(MetaError::NotFound)?;
         if src_key.as_slice() == dst_key.as_slice() {
-            return Ok(Reply::Replaced(None));
+            return self.renamed(None, sp, dp);
         }
         let replaced = self.dentries.get(dst_key.as_slice()).copied();
         if let Some(r) = replaced {
             if r.ino() == moved.ino() {
                 // Two names of one inode: POSIX says rename does nothing.
-                return Ok(Reply::Replaced(None));
+                return self.renamed(None, sp, dp);
             }
             self.check_replace(moved.kind(), r)?;
         }
@@ -776,7 +779,16 @@ impl MetaPartition {
                 node.parent = dp;
             }
         }
-        Ok(Reply::Replaced(replaced.map(Dentry::from)))
+        self.renamed(replaced.map(Dentry::from), sp, dp)
+    }
+
+    /// `Rename`'s reply: the replaced dentry and the parents' attributes as they are now.
+    fn renamed(&self, replaced: Option<Dentry>, sp: u64, dp: u64) -> Result<Reply, MetaError> {
+        let mut parents = vec![self.dir_attr(sp)?];
+        if dp != sp {
+            parents.push(self.dir_attr(dp)?);
+        }
+        Ok(Reply::Renamed { replaced, parents })
     }
 
     fn set_attr(&mut self, now: u64, ino: Ino, set: &SetAttr) -> Result<Reply, MetaError> {
@@ -1033,6 +1045,11 @@ impl MetaPartition {
 
     fn attr(&self, ino: u64, node: &Inode) -> Attr {
         node.attr(ino, self.rdev(ino))
+    }
+
+    /// The attributes of live directory `i` (a parent, after a change of its entries).
+    fn dir_attr(&self, i: u64) -> Result<Attr, MetaError> {
+        Ok(self.attr(i, self.live_dir(i)?))
     }
 
     fn rdev(&self, ino: u64) -> u32 {

@@ -73,7 +73,7 @@ fn new_inode(p: &mut MetaPartition, now: u64, kind: FileType) -> Attr {
 /// Creates `name` under `parent` the CFS way: inode, then dentry.
 fn create(p: &mut MetaPartition, now: u64, parent: Ino, name: &str, kind: FileType) -> Ino {
     let a = new_inode(p, now, kind);
-    ok(
+    let dir = attr(ok(
         p,
         now,
         Command::CreateDentry {
@@ -82,11 +82,30 @@ fn create(p: &mut MetaPartition, now: u64, parent: Ino, name: &str, kind: FileTy
             ino: a.ino,
             kind,
         },
+    ));
+    assert_eq!(
+        getattr(p, parent),
+        Ok(dir),
+        "CreateDentry answers the parent"
     );
     if kind == FileType::Dir {
         ok(p, now, Command::SetParent { ino: a.ino, parent });
     }
     a.ino
+}
+
+/// A rename's replaced dentry, after checking that the reply's parents are as the partition has them.
+fn replaced(p: &mut MetaPartition, now: u64, cmd: Command) -> Option<Dentry> {
+    match ok(p, now, cmd) {
+        Reply::Renamed { replaced, parents } => {
+            assert!(matches!(parents.len(), 1 | 2), "{parents:?}");
+            for a in &parents {
+                assert_eq!(getattr(p, a.ino).as_ref(), Ok(a));
+            }
+            replaced
+        }
+        other => panic!("not a rename's reply: {other:?}"),
+    }
 }
 
 fn dentry(parent: Ino, name: impl AsRef<[u8]>, ino: Ino, kind: FileType) -> Command {
@@ -690,21 +709,18 @@ fn rename_moves_replaces_and_keeps_link_counts() {
     let g = create(&mut p, 1, b, "g", FileType::File);
     // Onto itself, and onto another name of the same inode: nothing happens.
     let snap = p.snapshot();
-    assert_eq!(ok(&mut p, 5, rename(a, "f", a, "f")), Reply::Replaced(None));
+    assert_eq!(replaced(&mut p, 5, rename(a, "f", a, "f")), None);
     ok(&mut p, 1, Command::LinkInode { ino: f });
     ok(&mut p, 1, dentry(b, b"f2", f, FileType::File));
     let snap2 = p.snapshot();
-    assert_eq!(
-        ok(&mut p, 5, rename(a, "f", b, "f2")),
-        Reply::Replaced(None)
-    );
+    assert_eq!(replaced(&mut p, 5, rename(a, "f", b, "f2")), None);
     assert_eq!(p.snapshot(), snap2);
     assert_ne!(snap, snap2);
 
     // Replacing a file: the replaced inode's links are the caller's business.
     assert_eq!(
-        ok(&mut p, 6, rename(a, "f", b, "g")),
-        Reply::Replaced(Some(dent(g, FileType::File)))
+        replaced(&mut p, 6, rename(a, "f", b, "g")),
+        Some(dent(g, FileType::File))
     );
     assert_eq!(getattr(&p, g).unwrap().nlink, 1);
     assert_eq!(lookup(&p, a, "f"), Err(MetaError::NotFound));
@@ -733,8 +749,8 @@ fn rename_moves_replaces_and_keeps_link_counts() {
     // A directory replaces an empty directory (the parent loses one subdirectory).
     let e = create(&mut p, 1, a, "e", FileType::Dir);
     assert_eq!(
-        ok(&mut p, 8, rename(b, "c3", a, "e")),
-        Reply::Replaced(Some(dent(e, FileType::Dir)))
+        replaced(&mut p, 8, rename(b, "c3", a, "e")),
+        Some(dent(e, FileType::Dir))
     );
     assert_eq!(
         (getattr(&p, a).unwrap().nlink, getattr(&p, b).unwrap().nlink),
@@ -1656,6 +1672,15 @@ impl Model {
         }
     }
 
+    /// `Rename`'s reply: the replaced dentry and the parents' attributes now.
+    fn renamed(&self, replaced: Option<Dentry>, sp: u64, dp: u64) -> Reply {
+        let mut parents = vec![self.attr(sp)];
+        if dp != sp {
+            parents.push(self.attr(dp));
+        }
+        Reply::Renamed { replaced, parents }
+    }
+
     fn live(&self, ino: Ino) -> Result<u64, MetaError> {
         if !self.owns(ino) {
             return Err(MetaError::WrongPartition(ino));
@@ -1750,16 +1775,16 @@ impl Model {
                     unreachable!("CreateInode answers attributes")
                 };
                 let ino = a.ino;
-                self.apply(
-                    now,
-                    &Command::CreateDentry {
-                        parent,
-                        name,
-                        ino,
-                        kind,
-                    },
-                )?;
-                Ok(Reply::Attr(a))
+                let add = Command::CreateDentry {
+                    parent,
+                    name,
+                    ino,
+                    kind,
+                };
+                let Reply::Attr(parent) = self.apply(now, &add)? else {
+                    unreachable!("CreateDentry answers the parent's attributes")
+                };
+                Ok(Reply::Created { attr: a, parent })
             }
             Command::Remove { parent, name, dir } => {
                 let p = self.dir(parent, &name)?;
@@ -1786,21 +1811,21 @@ impl Model {
                     expect: Some(d.ino),
                 };
                 self.apply(now, &delete)?;
-                if !local {
-                    return Ok(Reply::Removed {
-                        dentry: d,
-                        attr: None,
-                    });
-                }
-                let Reply::Attr(a) = self.apply(now, &Command::UnlinkInode { ino: d.ino })? else {
-                    unreachable!("UnlinkInode answers attributes")
-                };
-                if a.nlink == 0 {
-                    self.apply(now, &Command::EvictInode { ino: d.ino })?;
+                let mut attr = None;
+                if local {
+                    let Reply::Attr(a) = self.apply(now, &Command::UnlinkInode { ino: d.ino })?
+                    else {
+                        unreachable!("UnlinkInode answers attributes")
+                    };
+                    if a.nlink == 0 {
+                        self.apply(now, &Command::EvictInode { ino: d.ino })?;
+                    }
+                    attr = Some(a);
                 }
                 Ok(Reply::Removed {
                     dentry: d,
-                    attr: Some(a),
+                    attr,
+                    parent: self.attr(p),
                 })
             }
             Command::CreateInode {
@@ -1902,7 +1927,7 @@ impl Model {
                 }
                 self.dirs.entry(p).or_default().insert(name, d);
                 self.touch(now, p, i64::from(subdir));
-                Ok(Reply::Done)
+                Ok(Reply::Attr(self.attr(p)))
             }
             Command::DeleteDentry {
                 parent,
@@ -1968,12 +1993,12 @@ impl Model {
                     .and_then(|d| d.get(&src_name))
                     .ok_or(MetaError::NotFound)?;
                 if sp == dp && src_name == dst_name {
-                    return Ok(Reply::Replaced(None));
+                    return Ok(self.renamed(None, sp, dp));
                 }
                 let replaced = self.dirs.get(&dp).and_then(|d| d.get(&dst_name)).copied();
                 if let Some(r) = replaced {
                     if r.ino == moved.ino {
-                        return Ok(Reply::Replaced(None));
+                        return Ok(self.renamed(None, sp, dp));
                     }
                     self.check_replace(moved.kind, r)?;
                 }
@@ -2007,7 +2032,7 @@ impl Model {
                         n.parent = dp;
                     }
                 }
-                Ok(Reply::Replaced(replaced))
+                Ok(self.renamed(replaced, sp, dp))
             }
             Command::SetAttr { ino, set } => {
                 let i = self.live(ino)?;
@@ -3161,10 +3186,18 @@ fn one_step_create(parent: Ino, name: &str, kind: FileType) -> Command {
 #[test]
 fn create_in_one_step_and_its_errors() {
     let mut p = part();
-    let f = attr(ok(&mut p, 10, one_step_create(ROOT, "f", FileType::File)));
+    // The reply carries the new inode and the parent as it is after the change.
+    let created = |p: &mut MetaPartition, now: u64, cmd: Command| match ok(p, now, cmd) {
+        Reply::Created { attr, parent } => {
+            assert_eq!(getattr(p, parent.ino), Ok(parent));
+            attr
+        }
+        other => panic!("not a create's reply: {other:?}"),
+    };
+    let f = created(&mut p, 10, one_step_create(ROOT, "f", FileType::File));
     assert_eq!((f.nlink, f.mode, f.uid), (1, 0o640, 3));
     assert_eq!(lookup(&p, ROOT, "f").unwrap().ino, f.ino);
-    let d = attr(ok(&mut p, 11, one_step_create(ROOT, "d", FileType::Dir)));
+    let d = created(&mut p, 11, one_step_create(ROOT, "d", FileType::Dir));
     assert_eq!(
         getattr(&p, ROOT).unwrap().nlink,
         3,
@@ -3201,11 +3234,7 @@ fn create_in_one_step_and_its_errors() {
     assert_eq!(err(&mut p, bad_link), MetaError::InvalidName);
     // A full range: nothing allocated, no dentry.
     let mut small = MetaPartition::new(1, 3);
-    attr(ok(
-        &mut small,
-        1,
-        one_step_create(ROOT, "a", FileType::File),
-    ));
+    created(&mut small, 1, one_step_create(ROOT, "a", FileType::File));
     assert_eq!(
         err(&mut small, one_step_create(ROOT, "b", FileType::File)),
         MetaError::NoInodes
@@ -3228,9 +3257,11 @@ fn remove_drops_the_name_and_a_local_link_in_one_step() {
         Reply::Removed {
             dentry,
             attr: Some(a),
+            parent,
         } => {
             assert_eq!(dentry.ino, f);
             assert_eq!(a.nlink, 1);
+            assert_eq!(getattr(&p, ROOT), Ok(parent));
         }
         other => panic!("{other:?}"),
     }
@@ -3269,7 +3300,14 @@ fn remove_drops_the_name_and_a_local_link_in_one_step() {
     // directory's is refused, since its emptiness is not known here.
     ok(&mut p, 11, dentry(ROOT, "rf", FOREIGN, FileType::File));
     match ok(&mut p, 12, remove("rf", false)) {
-        Reply::Removed { dentry, attr: None } => assert_eq!(dentry.ino, FOREIGN),
+        Reply::Removed {
+            dentry,
+            attr: None,
+            parent,
+        } => {
+            assert_eq!(dentry.ino, FOREIGN);
+            assert_eq!(getattr(&p, ROOT), Ok(parent));
+        }
         other => panic!("{other:?}"),
     }
     ok(&mut p, 13, dentry(ROOT, "rd", FOREIGN, FileType::Dir));

@@ -221,7 +221,7 @@ async fn mkdir_p<F: FileSystem>(fs: &F, names: &[String]) -> FsResult<Attr> {
             Ok(a) => a,
             Err(FsError::Meta(MetaError::NotFound)) => {
                 match fs.mkdir(cur.ino, n.as_bytes(), 0o755, caller()).await {
-                    Ok(a) => a,
+                    Ok(e) => e.attr,
                     // Made meanwhile by someone else.
                     Err(FsError::Meta(MetaError::Exists)) => {
                         fs.lookup(cur.ino, n.as_bytes()).await?

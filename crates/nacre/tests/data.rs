@@ -254,7 +254,7 @@ fn a_deleted_file_has_its_extents_released_on_the_data_nodes() {
         let mut w = SeqWriter::new(vol.clone(), 0, 4);
         w.write(Bytes::from(content(7, 300 << 10))).await.unwrap();
         let keys = w.finish().await.unwrap();
-        fs.append_extents(f.ino, keys.clone()).await.unwrap();
+        fs.append_extents(f.attr.ino, keys.clone()).await.unwrap();
         assert_eq!(read_keys(&vol, &keys).await.unwrap(), content(7, 300 << 10));
         fs.unlink(ROOT_INO, b"f").await.unwrap();
         // The meta partition's leader releases the evicted inode's extents within a few report

@@ -107,7 +107,7 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
             .create(ROOT_INO, b"f", 0o644, me, OpenFlags::READ_WRITE)
             .await
             .unwrap();
-        let ino = attr.ino;
+        let ino = attr.attr.ino;
         let mut model: Vec<u8> = Vec::new();
         let mut log: Vec<String> = Vec::new();
         // NACRE_TEST_SEED (hex) and NACRE_TEST_STEPS replay or lengthen the sequence.
@@ -241,7 +241,7 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
                     .unwrap();
             }
             fs.release(h).await.unwrap();
-            small.push((a.ino, data));
+            small.push((a.attr.ino, data));
         }
         for (ino, data) in &small {
             let (a, keys) = other.meta().extents(*ino).await.unwrap();
@@ -275,7 +275,7 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
         assert!(fs.lookup(ROOT_INO, b"tmp").await.is_err());
         let listed = fs.readdir(ROOT_INO, None, 0).await.unwrap();
         assert!(
-            listed.iter().all(|e| e.entry.ino != a.ino),
+            listed.iter().all(|e| e.entry.ino != a.attr.ino),
             "hidden file listed"
         );
         fs.write(h, body.len() as u64, Bytes::from_static(b"tail"))
@@ -286,7 +286,7 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
         assert!(read_all(&fs, h, want.len()).await == want);
         fs.release(h).await.unwrap();
         // Released: the inode is gone for good.
-        assert!(fs.getattr(a.ino).await.is_err());
+        assert!(fs.getattr(a.attr.ino).await.is_err());
         let after = fs.readdir(ROOT_INO, None, 0).await.unwrap();
         assert_eq!(after.len(), listed.len());
         let raw = fs.meta().readdir(ROOT_INO, None, 0).await.unwrap();
@@ -399,7 +399,7 @@ fn cancelled_writes_and_fsyncs_leave_old_or_new_content() {
                 // The release that follows commits whatever the cut call left.
                 let released = fs.release(fh).await;
                 let fresh = NetFs::new(vol.clone());
-                let h = fresh.open(attr.ino, OpenFlags::READ).await.unwrap();
+                let h = fresh.open(attr.attr.ino, OpenFlags::READ).await.unwrap();
                 let got = read_all(&fresh, h, len).await;
                 fresh.release(h).await.unwrap();
                 let what = format!(

@@ -19,6 +19,12 @@
 //! | rename | both dentries, both parents', the moved and the replaced inode's attributes |
 //! | write, flush, fsync, release | the file's attribute |
 //!
+//! A call that changed a directory's entries returns the directory's attributes right after the
+//! change when it learnt them (one meta request does the change and answers them); they are cached
+//! in place of the dropped ones. That matters through FUSE: the kernel asks for the parent's
+//! attributes (to check permissions) before every create or remove in it, and would otherwise find
+//! them just dropped by the previous one.
+//!
 //! unlink, rmdir and rename need the target inodes: from a fresh cached dentry, else from a lookup
 //! underneath before the call.
 //!
@@ -40,7 +46,7 @@ use nacre_types::Ino;
 use tokio::time::Instant;
 
 use crate::fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
-use crate::meta::{FsError, FsResult};
+use crate::meta::{Entry, FsError, FsResult};
 
 /// How long and how much [`MetaCache`] keeps.
 #[derive(Clone, Debug)]
@@ -141,10 +147,23 @@ impl State {
     /// Drops `ino`'s attribute and, unless another invalidation raced with the call that began
     /// at `since`, caches `attr` (the call's answer) in its place.
     fn replace_attr(&mut self, since: u64, ino: Ino, attr: Option<&Attr>, expires: Instant) {
-        let raced = self.attr_stamps[attr_stripe(ino)] > since;
-        self.inval_attr(ino);
-        if let Some(a) = attr.filter(|a| !raced && a.ino == ino) {
-            self.attrs.insert(ino, a.clone(), expires);
+        self.replace_attrs(since, &[(ino, attr)], expires);
+    }
+
+    /// [`State::replace_attr`] for several inodes changed by one call: whether each raced is
+    /// decided before any is dropped (they may share a stripe).
+    fn replace_attrs(&mut self, since: u64, changed: &[(Ino, Option<&Attr>)], expires: Instant) {
+        let raced: Vec<bool> = changed
+            .iter()
+            .map(|(ino, _)| self.attr_stamps[attr_stripe(*ino)] > since)
+            .collect();
+        for (ino, _) in changed {
+            self.inval_attr(*ino);
+        }
+        for (&(ino, attr), raced) in changed.iter().zip(raced) {
+            if let Some(a) = attr.filter(|a| !raced && a.ino == ino) {
+                self.attrs.insert(ino, a.clone(), expires);
+            }
         }
     }
 
@@ -257,14 +276,38 @@ impl<F: FileSystem> MetaCache<F> {
     }
 
     /// After a create-like call: the new dentry and attribute cached, the parent's attribute
-    /// dropped.
-    fn created(&self, since: u64, began: Instant, parent: Ino, name: &[u8], attr: Option<&Attr>) {
+    /// replaced by the one the call returned (dropped when it returned none, or failed).
+    fn created(&self, since: u64, began: Instant, parent: Ino, name: &[u8], e: Option<&Entry>) {
         let mut st = self.lock();
-        if let Some(a) = attr {
-            st.replace_entry(since, parent, name, a.ino, self.entry_expiry(began));
-            st.replace_attr(since, a.ino, Some(a), self.attr_expiry(began));
+        let dir = e.and_then(|e| e.parent.as_ref());
+        match e {
+            Some(e) => {
+                st.replace_entry(since, parent, name, e.attr.ino, self.entry_expiry(began));
+                let changed = [(e.attr.ino, Some(&e.attr)), (parent, dir)];
+                st.replace_attrs(since, &changed, self.attr_expiry(began));
+            }
+            None => st.inval_attr(parent),
         }
-        st.inval_attr(parent);
+    }
+
+    /// After a call that removed or moved names: `dirs`' attributes replaced by those the call
+    /// returned (`answer`; dropped when it returned none, or failed), `others`' dropped.
+    fn dirs_changed(
+        &self,
+        since: u64,
+        began: Instant,
+        dirs: &[Ino],
+        answer: Option<&Vec<Attr>>,
+        others: &[Ino],
+    ) {
+        let returned = |d: Ino| answer.and_then(|v| v.iter().find(|a| a.ino == d));
+        let changed: Vec<(Ino, Option<&Attr>)> = dirs
+            .iter()
+            .map(|&d| (d, returned(d)))
+            .chain(others.iter().map(|&o| (o, None)))
+            .collect();
+        self.lock()
+            .replace_attrs(since, &changed, self.attr_expiry(began));
     }
 }
 
@@ -335,17 +378,17 @@ impl<F: FileSystem> FileSystem for MetaCache<F> {
         mode: u32,
         caller: Caller,
         flags: OpenFlags,
-    ) -> FsResult<(Attr, Fh)> {
+    ) -> FsResult<(Entry, Fh)> {
         let (since, began) = self.begin();
         let r = self.inner.create(parent, name, mode, caller, flags).await;
-        self.created(since, began, parent, name, r.as_ref().ok().map(|(a, _)| a));
-        if let Ok((a, fh)) = &r {
-            self.lock().handles.insert(*fh, a.ino);
+        self.created(since, began, parent, name, r.as_ref().ok().map(|(e, _)| e));
+        if let Ok((e, fh)) = &r {
+            self.lock().handles.insert(*fh, e.attr.ino);
         }
         r
     }
 
-    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, caller: Caller) -> FsResult<Attr> {
+    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, caller: Caller) -> FsResult<Entry> {
         let (since, began) = self.begin();
         let r = self.inner.mkdir(parent, name, mode, caller).await;
         self.created(since, began, parent, name, r.as_ref().ok());
@@ -358,14 +401,14 @@ impl<F: FileSystem> FileSystem for MetaCache<F> {
         name: &[u8],
         target: &[u8],
         caller: Caller,
-    ) -> FsResult<Attr> {
+    ) -> FsResult<Entry> {
         let (since, began) = self.begin();
         let r = self.inner.symlink(parent, name, target, caller).await;
         self.created(since, began, parent, name, r.as_ref().ok());
         r
     }
 
-    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
+    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Entry> {
         let (since, began) = self.begin();
         let r = self.inner.link(ino, new_parent, new_name).await;
         // Success replaces the inode's attribute (new link count); a failed call may have
@@ -377,27 +420,23 @@ impl<F: FileSystem> FileSystem for MetaCache<F> {
         r
     }
 
-    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         let target = self.target(parent, name).await;
+        let (since, began) = self.begin();
         let r = self.inner.unlink(parent, name).await;
-        let mut st = self.lock();
-        st.inval_entry(parent, name);
-        st.inval_attr(parent);
-        if let Some(t) = target {
-            st.inval_attr(t);
-        }
+        self.lock().inval_entry(parent, name);
+        let others: Vec<Ino> = target.into_iter().collect();
+        self.dirs_changed(since, began, &[parent], r.as_ref().ok(), &others);
         r
     }
 
-    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         let target = self.target(parent, name).await;
+        let (since, began) = self.begin();
         let r = self.inner.rmdir(parent, name).await;
-        let mut st = self.lock();
-        st.inval_entry(parent, name);
-        st.inval_attr(parent);
-        if let Some(t) = target {
-            st.inval_attr(t);
-        }
+        self.lock().inval_entry(parent, name);
+        let others: Vec<Ino> = target.into_iter().collect();
+        self.dirs_changed(since, began, &[parent], r.as_ref().ok(), &others);
         r
     }
 
@@ -407,18 +446,23 @@ impl<F: FileSystem> FileSystem for MetaCache<F> {
         name: &[u8],
         new_parent: Ino,
         new_name: &[u8],
-    ) -> FsResult<()> {
+    ) -> FsResult<Vec<Attr>> {
         let moved = self.target(parent, name).await;
         let replaced = self.target(new_parent, new_name).await;
+        let (since, began) = self.begin();
         let r = self.inner.rename(parent, name, new_parent, new_name).await;
-        let mut st = self.lock();
-        st.inval_entry(parent, name);
-        st.inval_entry(new_parent, new_name);
-        st.inval_attr(parent);
-        st.inval_attr(new_parent);
-        for ino in moved.into_iter().chain(replaced) {
-            st.inval_attr(ino);
+        {
+            let mut st = self.lock();
+            st.inval_entry(parent, name);
+            st.inval_entry(new_parent, new_name);
         }
+        let others: Vec<Ino> = moved.into_iter().chain(replaced).collect();
+        let dirs: &[Ino] = if parent == new_parent {
+            &[parent]
+        } else {
+            &[parent, new_parent]
+        };
+        self.dirs_changed(since, began, dirs, r.as_ref().ok(), &others);
         r
     }
 

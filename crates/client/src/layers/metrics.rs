@@ -23,7 +23,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
-use crate::meta::FsResult;
+use crate::meta::{Entry, FsResult};
 
 /// A [`FileSystem`] operation, as the metrics name it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -244,7 +244,7 @@ impl<F: FileSystem> FileSystem for Metrics<F> {
         mode: u32,
         caller: Caller,
         flags: OpenFlags,
-    ) -> FsResult<(Attr, Fh)> {
+    ) -> FsResult<(Entry, Fh)> {
         self.track(
             Op::Create,
             self.inner.create(parent, name, mode, caller, flags),
@@ -252,7 +252,7 @@ impl<F: FileSystem> FileSystem for Metrics<F> {
         .await
     }
 
-    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, caller: Caller) -> FsResult<Attr> {
+    async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, caller: Caller) -> FsResult<Entry> {
         self.track(Op::Mkdir, self.inner.mkdir(parent, name, mode, caller))
             .await
     }
@@ -263,7 +263,7 @@ impl<F: FileSystem> FileSystem for Metrics<F> {
         name: &[u8],
         target: &[u8],
         caller: Caller,
-    ) -> FsResult<Attr> {
+    ) -> FsResult<Entry> {
         self.track(
             Op::Symlink,
             self.inner.symlink(parent, name, target, caller),
@@ -271,17 +271,17 @@ impl<F: FileSystem> FileSystem for Metrics<F> {
         .await
     }
 
-    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Attr> {
+    async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Entry> {
         self.track(Op::Link, self.inner.link(ino, new_parent, new_name))
             .await
     }
 
-    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         self.track(Op::Unlink, self.inner.unlink(parent, name))
             .await
     }
 
-    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+    async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         self.track(Op::Rmdir, self.inner.rmdir(parent, name)).await
     }
 
@@ -291,7 +291,7 @@ impl<F: FileSystem> FileSystem for Metrics<F> {
         name: &[u8],
         new_parent: Ino,
         new_name: &[u8],
-    ) -> FsResult<()> {
+    ) -> FsResult<Vec<Attr>> {
         self.track(
             Op::Rename,
             self.inner.rename(parent, name, new_parent, new_name),

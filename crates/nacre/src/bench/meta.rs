@@ -123,10 +123,10 @@ async fn phases(
         let a = fs
             .create(ROOT_INO, name.as_bytes(), &NewInode::dir(0o755, 0, 0))
             .await?;
-        roots.push(a.ino);
+        roots.push(a.attr.ino);
         // Connect to the partition leader the client's tree will use, as a mounted client already
         // is when mdtest starts.
-        fs.getattr(a.ino).await?;
+        fs.getattr(a.attr.ino).await?;
     }
     let (nodes, leaves) = tree(p.branch, p.depth);
     let shared = Arc::new(Shared {
@@ -218,7 +218,7 @@ async fn run_phase(
                         &NewInode::dir(0o755, 0, 0),
                     )
                     .await?;
-                inos.push(a.ino);
+                inos.push(a.attr.ino);
                 ops += 1;
             }
         }

@@ -524,7 +524,8 @@ async fn probe_targets(fs: &NetFs, vol: &NetVolume) -> anyhow::Result<Vec<Target
                 Default::default(),
             )
             .await
-            .map_err(|e| anyhow::anyhow!("cannot make {name}: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("cannot make {name}: {e}"))?
+            .attr;
         let p = fs.meta().partition_of(attr.ino)?;
         if !covered.contains(&p) {
             covered.push(p);

@@ -719,6 +719,7 @@ impl<F: FileSystem + Sync> Client<'_, F> {
                     let caller = Caller::default();
                     self.call(self.fs.mkdir(parent, name.as_bytes(), 0o755, caller))
                         .await
+                        .map(|e| e.attr)
                 }
                 r => r,
             };
@@ -1412,7 +1413,7 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::AtomicU32;
 
-    use nacre_client::StatFs;
+    use nacre_client::{Entry, StatFs};
     use nacre_meta::{DirEntry, XattrMode};
 
     use super::*;
@@ -1596,35 +1597,45 @@ mod tests {
             _: u32,
             _: Caller,
             flags: OpenFlags,
-        ) -> FsResult<(Attr, Fh)> {
+        ) -> FsResult<(Entry, Fh)> {
             self.op(|m, _| {
-                let a = m.add(parent, name, Node::File(Vec::new()))?;
-                Ok((a.clone(), m.open(a.ino.0, flags)))
+                let attr = m.add(parent, name, Node::File(Vec::new()))?;
+                let fh = m.open(attr.ino.0, flags);
+                Ok((Entry { attr, parent: None }, fh))
             })
             .await
         }
 
-        async fn mkdir(&self, parent: Ino, name: &[u8], _: u32, _: Caller) -> FsResult<Attr> {
-            self.op(|m, _| m.add(parent, name, Node::Dir(BTreeMap::new())))
-                .await
+        async fn mkdir(&self, parent: Ino, name: &[u8], _: u32, _: Caller) -> FsResult<Entry> {
+            self.op(|m, _| {
+                let attr = m.add(parent, name, Node::Dir(BTreeMap::new()))?;
+                Ok(Entry { attr, parent: None })
+            })
+            .await
         }
 
-        async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<()> {
+        async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
             self.op(|m, _| {
                 m.child(parent, name)?;
                 m.dir(parent)?.remove(name);
-                Ok(())
+                Ok(Vec::new())
             })
             .await
         }
 
-        async fn rename(&self, p: Ino, name: &[u8], np: Ino, new_name: &[u8]) -> FsResult<()> {
+        async fn rename(
+            &self,
+            p: Ino,
+            name: &[u8],
+            np: Ino,
+            new_name: &[u8],
+        ) -> FsResult<Vec<Attr>> {
             self.op(|m, _| {
                 let ino = m.child(p, name)?;
                 m.dir(np)?;
                 m.dir(p)?.remove(name);
                 m.dir(np)?.insert(new_name.to_vec(), ino);
-                Ok(())
+                Ok(Vec::new())
             })
             .await
         }
@@ -1718,9 +1729,9 @@ mod tests {
         }
 
         unsupported! {
-            symlink(Ino, &[u8], &[u8], Caller) -> Attr;
-            link(Ino, Ino, &[u8]) -> Attr;
-            rmdir(Ino, &[u8]) -> ();
+            symlink(Ino, &[u8], &[u8], Caller) -> Entry;
+            link(Ino, Ino, &[u8]) -> Entry;
+            rmdir(Ino, &[u8]) -> Vec<Attr>;
             readlink(Ino) -> Vec<u8>;
             statfs() -> StatFs;
             getxattr(Ino, &[u8]) -> Vec<u8>;
