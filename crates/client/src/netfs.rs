@@ -76,6 +76,12 @@ impl Default for NetFsConfig {
 /// its own task: dropping its future (a caller's timeout, a `select!`) detaches the call rather
 /// than cutting it between two awaits. A write cut half way would leave the run's byte count and
 /// the stream's offset apart, and the next flush would commit bytes at the wrong offsets.
+///
+/// **Order.** The data calls on one file (read, write, flush, fsync, release, through any of its
+/// handles) run in the order they were issued, that is first polled: each takes a turn before
+/// its task is spawned, and its task waits for that turn. Tasks alone would not keep it: a write
+/// detached by a cut and the `release` issued next are two tasks the runtime may start in either
+/// order, and a release that ran first would close the file before the write.
 #[derive(Debug, Clone)]
 pub struct NetFs {
     inner: Arc<Inner>,
@@ -105,6 +111,44 @@ struct OpenFile {
     /// Unlinked while open: the hidden name (parent, name) to remove on the last release.
     hidden: Mutex<Option<(Ino, Vec<u8>)>>,
     state: tokio::sync::Mutex<FileState>,
+    /// Turns of the data calls, in issue order (see "Order" on [`NetFs`]): the next one to hand
+    /// out, and the one whose call may run.
+    next_turn: AtomicU64,
+    serving: tokio::sync::watch::Sender<u64>,
+}
+
+/// A data call's place in its file's order; the next call's turn comes when this is dropped.
+#[derive(Debug)]
+struct Turn {
+    file: Arc<OpenFile>,
+    ticket: u64,
+}
+
+impl Turn {
+    fn take(file: Arc<OpenFile>) -> Self {
+        let ticket = file.next_turn.fetch_add(1, Ordering::Relaxed);
+        Self { file, ticket }
+    }
+
+    /// Until every call issued before this one has finished.
+    async fn wait(&self) {
+        let mut rx = self.file.serving.subscribe();
+        // The sender lives in `self.file`: the channel cannot close while we wait.
+        let _ = rx.wait_for(|s| *s >= self.ticket).await;
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        let t = self.ticket;
+        self.file.serving.send_if_modified(|s| {
+            let mine = *s == t;
+            if mine {
+                *s += 1;
+            }
+            mine
+        });
+    }
 }
 
 /// Names of files unlinked while open start with this (see the module docs).
@@ -189,6 +233,28 @@ impl NetFs {
             )))
         })?
     }
+
+    /// [`NetFs::detached`] for a data call on `fh`, run in its file's issue order.
+    async fn in_turn<T, Fut>(&self, fh: Fh, op: impl FnOnce(Arc<Inner>) -> Fut) -> FsResult<T>
+    where
+        T: Send + 'static,
+        Fut: Future<Output = FsResult<T>> + Send + 'static,
+    {
+        // Taken here, before any await: the call's place is fixed when it is first polled.
+        let turn = Turn::take(self.inner.handle(fh)?.file);
+        let call = op(self.inner.clone()); // does nothing until polled
+        let task = tokio::spawn(async move {
+            turn.wait().await;
+            let r = call.await;
+            drop(turn);
+            r
+        });
+        task.await.map_err(|e| {
+            FsError::Unavailable(CallError::Unknown(format!(
+                "a file system task failed: {e}"
+            )))
+        })?
+    }
 }
 
 impl Inner {
@@ -214,6 +280,8 @@ impl Inner {
                     ino: attr.ino,
                     opens: AtomicU64::new(0),
                     hidden: Mutex::new(None),
+                    next_turn: AtomicU64::new(0),
+                    serving: tokio::sync::watch::Sender::new(0),
                     state: tokio::sync::Mutex::new(FileState {
                         size: attr.size,
                         extents: None,
@@ -954,27 +1022,27 @@ impl FileSystem for NetFs {
 
     async fn read(&self, fh: Fh, offset: u64, len: u32) -> FsResult<Bytes> {
         // Detached too: a read may commit the run it overlaps and fills the read-ahead window.
-        self.detached(move |i| async move { i.read(fh, offset, len).await })
+        self.in_turn(fh, move |i| async move { i.read(fh, offset, len).await })
             .await
     }
 
     async fn write(&self, fh: Fh, offset: u64, data: Bytes) -> FsResult<u32> {
-        self.detached(move |i| async move { i.write(fh, offset, data).await })
+        self.in_turn(fh, move |i| async move { i.write(fh, offset, data).await })
             .await
     }
 
     async fn flush(&self, fh: Fh) -> FsResult<()> {
-        self.detached(move |i| async move { i.flush(fh).await })
+        self.in_turn(fh, move |i| async move { i.flush(fh).await })
             .await
     }
 
     async fn fsync(&self, fh: Fh) -> FsResult<()> {
-        self.detached(move |i| async move { i.flush(fh).await })
+        self.in_turn(fh, move |i| async move { i.flush(fh).await })
             .await
     }
 
     async fn release(&self, fh: Fh) -> FsResult<()> {
-        self.detached(move |i| async move { i.release(fh).await })
+        self.in_turn(fh, move |i| async move { i.release(fh).await })
             .await
     }
 

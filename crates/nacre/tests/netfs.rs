@@ -371,8 +371,14 @@ fn cancelled_writes_and_fsyncs_leave_old_or_new_content() {
         let mut rng = Rng(0xc0ffee);
         // One packet and a part: the packet streams at once, the part stays buffered.
         let len = (128 << 10) + 68_560;
+        // Early cuts several times: the release issued next must still run after the write (the
+        // runtime may start the two tasks in either order; NetFs keeps issue order).
         let cuts = [
             Cut::Rounds(1),
+            Cut::Rounds(1),
+            Cut::Rounds(1),
+            Cut::Rounds(1),
+            Cut::Rounds(2),
             Cut::Rounds(2),
             Cut::Micros(300),
             Cut::Micros(1_000),
