@@ -247,6 +247,35 @@ impl Client {
         sent.inspect_err(|e| inner.shared.metrics.error(e.kind_label()))
     }
 
+    /// [`Client::send_oneway`] of a frame without data, without waiting: queues it when a
+    /// connection to `addr` is open and the in-flight budgets have room now, else hands `body`
+    /// back (the caller may then wait in `send_oneway`). For callers on a thread that must not
+    /// wait on other tasks to send (a Raft loop about to block on its log write).
+    pub fn try_send_oneway(&self, addr: &str, op: Op, body: Bytes) -> Result<(), Bytes> {
+        let inner = &*self.inner;
+        let (peer, slot) = self.pick(addr);
+        let Some(conn) = live(&peer.slots[slot]) else {
+            return Err(body);
+        };
+        let Ok(frame) = self.frame(Kind::OneWay, op, body.clone(), Payload::none()) else {
+            return Err(body);
+        };
+        let cost = self.cost(&frame);
+        let Ok(reqs) = Arc::clone(&inner.total_reqs).try_acquire_owned() else {
+            return Err(body);
+        };
+        let Ok(bytes) = Arc::clone(&inner.total_bytes).try_acquire_many_owned(cost) else {
+            return Err(body);
+        };
+        let permits = Permits {
+            _reqs: Some(reqs),
+            _bytes: Some(bytes),
+        };
+        conn.tx
+            .send(Outgoing::OneWay { frame, permits })
+            .map_err(|_| body)
+    }
+
     fn frame(&self, kind: Kind, op: Op, body: Bytes, data: Payload) -> Result<Frame, MsgrError> {
         let len = body.len() + data.len();
         let max = self.inner.shared.config.max_frame;

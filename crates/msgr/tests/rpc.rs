@@ -502,6 +502,43 @@ async fn one_way_messages_arrive_in_order() {
     srv.stop().await;
 }
 
+/// `try_send_oneway` never waits: with no connection open it hands the body back; on an open
+/// connection it queues at once, in order with what `send_oneway` queued before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn try_send_oneway_queues_only_on_an_open_connection() {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
+    let handler =
+        move |req: Request| -> nacre_msgr::BoxFuture<'static, Result<Reply, RemoteError>> {
+            let _ = tx.send(req.body);
+            Box::pin(async { Ok(Reply::default()) })
+        };
+    let srv = Server::start(MsgrConfig::default(), Arc::new(handler)).await;
+    let cm = client_msgr();
+    let client = cm.client();
+    let first = Bytes::from_static(b"first");
+    assert_eq!(
+        client.try_send_oneway(&srv.addr, Op(0x0400), first.clone()),
+        Err(first.clone()),
+        "no connection yet"
+    );
+    client
+        .send_oneway(&srv.addr, Op(0x0400), first.clone(), Payload::none())
+        .await
+        .unwrap();
+    for i in 0..50u32 {
+        let body = Bytes::from(i.to_le_bytes().to_vec());
+        client.try_send_oneway(&srv.addr, Op(0x0400), body).unwrap();
+    }
+    assert_eq!(rx.recv().await.unwrap(), first);
+    for i in 0..50u32 {
+        assert_eq!(
+            rx.recv().await.unwrap(),
+            Bytes::from(i.to_le_bytes().to_vec())
+        );
+    }
+    srv.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_frames_and_bytes_per_worker() {
     let srv = Server::start(MsgrConfig::default(), Arc::new(echo_router())).await;

@@ -11,6 +11,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::Duration;
 
@@ -370,7 +371,7 @@ struct Loop<S: StateMachine> {
     reads: HashMap<ProposalId, (u64, Reader<S>)>,
     /// Tick at which each peer was last heard from, and whether it is considered up.
     heard: BTreeMap<u64, (u64, bool)>,
-    outboxes: BTreeMap<u64, mpsc::UnboundedSender<Bytes>>,
+    outboxes: BTreeMap<u64, Outbox>,
     peer_addrs: BTreeMap<u64, String>,
     client: Client,
     applied: watch::Sender<u64>,
@@ -480,9 +481,39 @@ async fn run<S: StateMachine>(
     }
 }
 
+/// Frames to one peer. A frame goes straight onto the peer's connection when nothing is queued
+/// before it and the connection takes it without waiting: the loop may block on its log write
+/// right after (that is when a leader's appends go out, so that followers write them while the
+/// leader does), and a queued frame would wait for the loop to be idle. Otherwise it joins the
+/// queue of the peer's sender task, which keeps frames in order.
+struct Outbox {
+    addr: String,
+    queue: mpsc::UnboundedSender<Bytes>,
+    /// Frames queued and not yet handed to the connection by the sender task.
+    queued: Arc<AtomicUsize>,
+}
+
+impl Outbox {
+    fn send(&self, client: &Client, body: Bytes) {
+        let body = if self.queued.load(Ordering::Acquire) == 0 {
+            match client.try_send_oneway(&self.addr, RaftBatchRpc::OP, body) {
+                Ok(()) => return,
+                Err(body) => body,
+            }
+        } else {
+            body
+        };
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        if self.queue.send(body).is_err() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
 /// Sends raft messages, one frame per peer.
 fn send_batches(
-    outboxes: &BTreeMap<u64, mpsc::UnboundedSender<Bytes>>,
+    outboxes: &BTreeMap<u64, Outbox>,
+    client: &Client,
     from: u64,
     messages: Vec<(GroupId, Message)>,
 ) {
@@ -498,8 +529,8 @@ fn send_batches(
         }
     }
     for (peer, msgs) in per_peer {
-        if let Some(tx) = outboxes.get(&peer) {
-            let _ = tx.send(encode_body(&RaftBatch { from, msgs }));
+        if let Some(o) = outboxes.get(&peer) {
+            o.send(client, encode_body(&RaftBatch { from, msgs }));
         }
     }
 }
@@ -512,7 +543,8 @@ impl<S: StateMachine> Loop<S> {
                 continue;
             }
             let (otx, mut orx) = mpsc::unbounded_channel::<Bytes>();
-            let (client, to) = (self.client.clone(), addr.clone());
+            let queued = Arc::new(AtomicUsize::new(0));
+            let (client, to, left) = (self.client.clone(), addr.clone(), queued.clone());
             tokio::spawn(async move {
                 while let Some(body) = orx.recv().await {
                     // Raft tolerates lost messages; a failed send is retried by raft itself.
@@ -522,10 +554,16 @@ impl<S: StateMachine> Loop<S> {
                     {
                         tracing::debug!(addr = %to, error = %e, "raft batch not sent");
                     }
+                    left.fetch_sub(1, Ordering::AcqRel);
                 }
             });
             // Replacing the sender ends the old task once its queue drains.
-            self.outboxes.insert(peer, otx);
+            let outbox = Outbox {
+                addr: addr.clone(),
+                queue: otx,
+                queued,
+            };
+            self.outboxes.insert(peer, outbox);
             self.peer_addrs.insert(peer, addr);
             self.heard.entry(peer).or_insert((self.ticks, true));
         }
@@ -658,22 +696,22 @@ impl<S: StateMachine> Loop<S> {
             }
         }
         if self.ticks.is_multiple_of(config.keepalive_ticks.max(1)) {
-            for tx in self.outboxes.values() {
+            for o in self.outboxes.values() {
                 let batch = RaftBatch {
                     from: self.node.id(),
                     msgs: Vec::new(),
                 };
-                let _ = tx.send(encode_body(&batch));
+                o.send(&self.client, encode_body(&batch));
             }
         }
     }
 
     fn ready(&mut self) -> Result<(), RaftError> {
-        let (outboxes, from) = (&self.outboxes, self.node.id());
+        let (outboxes, client, from) = (&self.outboxes, &self.client, self.node.id());
         let out = self
             .node
-            .process_ready_with(|early| send_batches(outboxes, from, early))?;
-        send_batches(&self.outboxes, self.node.id(), out.messages);
+            .process_ready_with(|early| send_batches(outboxes, client, from, early))?;
+        send_batches(&self.outboxes, &self.client, self.node.id(), out.messages);
         for b in out.barriers {
             let own = self.own.clone();
             tokio::task::spawn_blocking(move || {

@@ -343,3 +343,135 @@ async fn peers_added_later_groups_removed_and_local_reads() {
             .unwrap();
     }
 }
+
+/// Entries carrying `marker` seen by the logs of one cluster: the first log to write one (the
+/// leader's) holds its write until another log has written it too, for at most `patience`.
+struct Rendezvous {
+    marker: &'static [u8],
+    patience: Duration,
+    /// Node ids whose log wrote the marker, and whether the first writer's wait ended in time.
+    state: std::sync::Mutex<(Vec<u64>, Option<bool>)>,
+    cv: std::sync::Condvar,
+}
+
+struct HeldLog {
+    id: u64,
+    inner: MemLogStore,
+    meet: Arc<Rendezvous>,
+}
+
+impl LogStore for HeldLog {
+    fn write(&self, write: &nacre_raft::LogWrite, sync: bool) -> Result<(), nacre_raft::LogError> {
+        let m = &self.meet;
+        let has = write.groups.iter().any(|g| {
+            g.entries
+                .iter()
+                .any(|e| e.data.windows(m.marker.len()).any(|w| w == m.marker))
+        });
+        if has {
+            let mut st = m.state.lock().unwrap();
+            let first = st.0.is_empty();
+            st.0.push(self.id);
+            m.cv.notify_all();
+            if first {
+                let (st2, waited) =
+                    m.cv.wait_timeout_while(st, m.patience, |s| s.0.len() < 2)
+                        .unwrap();
+                st = st2;
+                st.1 = Some(!waited.timed_out());
+            }
+        }
+        self.inner.write(write, sync)
+    }
+
+    fn state(
+        &self,
+        group: GroupId,
+    ) -> Result<Option<nacre_raft::GroupState>, nacre_raft::LogError> {
+        self.inner.state(group)
+    }
+
+    fn entries(
+        &self,
+        group: GroupId,
+        low: u64,
+        high: u64,
+        max_size: Option<u64>,
+    ) -> Result<Vec<nacre_raft::eraftpb::Entry>, nacre_raft::LogError> {
+        self.inner.entries(group, low, high, max_size)
+    }
+
+    fn first_index(&self, group: GroupId) -> Result<u64, nacre_raft::LogError> {
+        self.inner.first_index(group)
+    }
+
+    fn last_index(&self, group: GroupId) -> Result<u64, nacre_raft::LogError> {
+        self.inner.last_index(group)
+    }
+
+    fn saved_snapshot(
+        &self,
+        group: GroupId,
+    ) -> Result<Option<nacre_raft::eraftpb::Snapshot>, nacre_raft::LogError> {
+        self.inner.saved_snapshot(group)
+    }
+
+    fn groups(&self) -> Vec<GroupId> {
+        self.inner.groups()
+    }
+}
+
+/// A leader's new entries go out to the followers before it writes them to its own log, so the
+/// three writes overlap. The leader's log here will not finish its write of the marked entry
+/// until a follower's log has written it: that happens only if the appends left while the
+/// leader's loop was blocked in the write (a frame queued for the loop's own sender task would
+/// wait until the write returned).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_sends_its_appends_before_its_log_write_returns() {
+    let net = MemNetwork::new(3);
+    let meet = Arc::new(Rendezvous {
+        marker: b"marked=",
+        patience: Duration::from_secs(5),
+        state: std::sync::Mutex::new((Vec::new(), None)),
+        cv: std::sync::Condvar::new(),
+    });
+    let m = meet.clone();
+    let log = move |id| -> Arc<dyn LogStore> {
+        Arc::new(HeldLog {
+            id,
+            inner: MemLogStore::new(),
+            meet: m.clone(),
+        })
+    };
+    let nodes = cluster_with(&net, "w", &fast(), log, true).await;
+    for n in nodes.values() {
+        n.handle
+            .add_group(1, &[1, 2, 3], Kv::default())
+            .await
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // Connections up and the leader settled.
+    for i in 0..5 {
+        propose(&nodes, 1, &format!("warm{i}=1"), deadline)
+            .await
+            .unwrap();
+    }
+    propose(&nodes, 1, "marked=1", deadline).await.unwrap();
+    let (writers, met) = meet.state.lock().unwrap().clone();
+    assert!(writers.len() >= 2, "marked entry written by {writers:?}");
+    assert_eq!(
+        met,
+        Some(true),
+        "the first log to write the entry ({}) waited {:?} for a follower's log to write it",
+        writers[0],
+        meet.patience
+    );
+    for n in nodes.into_values() {
+        let _ = n.stop.send(());
+        let m = n.msgr.clone();
+        tokio::task::spawn_blocking(move || m.shutdown())
+            .await
+            .unwrap();
+    }
+}
