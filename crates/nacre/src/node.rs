@@ -58,6 +58,9 @@ pub struct NodeConfig {
     /// Bytes offered to the cluster: memory on meta nodes, disk on data nodes. 0 measures it (total
     /// memory, or the size of the file system holding `data_dir`).
     pub capacity: u64,
+    /// Raft leaders send new entries to followers before writing them to their own log (see
+    /// `StoreConfig::early_appends`): worth it when each replica's log has a disk of its own.
+    pub raft_early_appends: bool,
     pub msgr: MsgrSection,
     pub master: MasterSection,
 }
@@ -75,6 +78,7 @@ impl Default for NodeConfig {
             masters: Vec::new(),
             heartbeat_ms: 2000,
             capacity: 0,
+            raft_early_appends: false,
             msgr: MsgrSection::default(),
             master: MasterSection::default(),
         }
@@ -298,6 +302,7 @@ impl Node {
                     })?);
                 let store = StoreConfig {
                     tick_interval: Duration::from_millis(cfg.master.tick_ms.max(1)),
+                    early_appends: cfg.raft_early_appends,
                     ..StoreConfig::default()
                 };
                 let others = peers
@@ -349,7 +354,11 @@ impl Node {
                 let host: Arc<dyn PartitionHost> = if role == Role::Meta {
                     let meta_cfg = MetaNodeConfig {
                         dir: cfg.data_dir.clone(),
-                        raft: StoreConfig::default().with_read_lease(),
+                        raft: StoreConfig {
+                            early_appends: cfg.raft_early_appends,
+                            ..StoreConfig::default()
+                        }
+                        .with_read_lease(),
                         report_interval: Duration::from_millis(cfg.heartbeat_ms.max(10) / 2),
                         orphan_grace: Duration::from_secs(600),
                         masters: cfg.masters.clone(),
@@ -368,6 +377,7 @@ impl Node {
                 } else {
                     let mut data_cfg = DataNodeConfig::new(cfg.data_dir.clone());
                     data_cfg.report_interval = Duration::from_millis(cfg.heartbeat_ms.max(10) / 2);
+                    data_cfg.raft.early_appends = cfg.raft_early_appends;
                     let data = DataNode::open(&data_cfg, msgr.client()).with_context(|| {
                         format!("cannot open the data node in {}", cfg.data_dir.display())
                     })?;

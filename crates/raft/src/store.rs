@@ -52,6 +52,12 @@ pub struct StoreConfig {
     pub request_timeout_ticks: u64,
     /// How often log files whose entries are all compacted are reclaimed.
     pub purge_interval: Duration,
+    /// A leader's new entries go to the followers before its own log write (which then overlaps
+    /// theirs) rather than after it. Off by default: with every replica's log on one disk, as in
+    /// `nacre up` and on our benchmark host, the overlapping syncs slow each other down and the
+    /// extra thread wake-ups cost throughput (measured in docs/benchmarks.md, "Appends before
+    /// the leader's write"); with replicas on separate disks it takes one sync off each commit.
+    pub early_appends: bool,
 }
 
 impl Default for StoreConfig {
@@ -63,6 +69,7 @@ impl Default for StoreConfig {
             peer_timeout_ticks: 20,
             request_timeout_ticks: 100,
             purge_interval: Duration::from_secs(10),
+            early_appends: false,
         }
     }
 }
@@ -376,6 +383,7 @@ struct Loop<S: StateMachine> {
     client: Client,
     applied: watch::Sender<u64>,
     ticks: u64,
+    early_appends: bool,
     /// The loop's own queue, for results of work it hands off (weak: the loop still ends when every
     /// handle is dropped).
     own: mpsc::WeakUnboundedSender<Cmd<S>>,
@@ -404,6 +412,7 @@ async fn run<S: StateMachine>(
         client,
         applied,
         ticks: 0,
+        early_appends: config.early_appends,
         own,
     };
     lp.add_peers(peers);
@@ -481,11 +490,12 @@ async fn run<S: StateMachine>(
     }
 }
 
-/// Frames to one peer. A frame goes straight onto the peer's connection when nothing is queued
-/// before it and the connection takes it without waiting: the loop may block on its log write
-/// right after (that is when a leader's appends go out, so that followers write them while the
-/// leader does), and a queued frame would wait for the loop to be idle. Otherwise it joins the
-/// queue of the peer's sender task, which keeps frames in order.
+/// Frames to one peer. With `direct` (a leader's appends sent before its log write, see
+/// [`StoreConfig::early_appends`]) a frame goes straight onto the peer's connection when nothing
+/// is queued before it and the connection takes it without waiting: the loop blocks on its log
+/// write right after, and a frame queued for the sender task, which runs on the loop's thread,
+/// would wait until the write returned. Otherwise it joins that task's queue, which keeps frames
+/// in order.
 struct Outbox {
     addr: String,
     queue: mpsc::UnboundedSender<Bytes>,
@@ -494,8 +504,8 @@ struct Outbox {
 }
 
 impl Outbox {
-    fn send(&self, client: &Client, body: Bytes) {
-        let body = if self.queued.load(Ordering::Acquire) == 0 {
+    fn send(&self, client: &Client, body: Bytes, direct: bool) {
+        let body = if direct && self.queued.load(Ordering::Acquire) == 0 {
             match client.try_send_oneway(&self.addr, RaftBatchRpc::OP, body) {
                 Ok(()) => return,
                 Err(body) => body,
@@ -510,12 +520,13 @@ impl Outbox {
     }
 }
 
-/// Sends raft messages, one frame per peer.
+/// Sends raft messages, one frame per peer (`direct`: see [`Outbox`]).
 fn send_batches(
     outboxes: &BTreeMap<u64, Outbox>,
     client: &Client,
     from: u64,
     messages: Vec<(GroupId, Message)>,
+    direct: bool,
 ) {
     let mut per_peer: BTreeMap<u64, Vec<RaftEnvelope>> = BTreeMap::new();
     for (group, m) in messages {
@@ -530,7 +541,7 @@ fn send_batches(
     }
     for (peer, msgs) in per_peer {
         if let Some(o) = outboxes.get(&peer) {
-            o.send(client, encode_body(&RaftBatch { from, msgs }));
+            o.send(client, encode_body(&RaftBatch { from, msgs }), direct);
         }
     }
 }
@@ -701,17 +712,18 @@ impl<S: StateMachine> Loop<S> {
                     from: self.node.id(),
                     msgs: Vec::new(),
                 };
-                o.send(&self.client, encode_body(&batch));
+                o.send(&self.client, encode_body(&batch), false);
             }
         }
     }
 
     fn ready(&mut self) -> Result<(), RaftError> {
         let (outboxes, client, from) = (&self.outboxes, &self.client, self.node.id());
+        let direct = self.early_appends;
         let out = self
             .node
-            .process_ready_with(|early| send_batches(outboxes, client, from, early))?;
-        send_batches(&self.outboxes, &self.client, self.node.id(), out.messages);
+            .process_ready_with(|early| send_batches(outboxes, client, from, early, direct))?;
+        send_batches(&self.outboxes, &self.client, from, out.messages, false);
         for b in out.barriers {
             let own = self.own.clone();
             tokio::task::spawn_blocking(move || {

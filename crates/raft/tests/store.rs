@@ -421,8 +421,8 @@ impl LogStore for HeldLog {
     }
 }
 
-/// A leader's new entries go out to the followers before it writes them to its own log, so the
-/// three writes overlap. The leader's log here will not finish its write of the marked entry
+/// With `early_appends`, a leader's new entries go out to the followers before it writes them to
+/// its own log, so the three writes overlap. The leader's log here will not finish its write of the marked entry
 /// until a follower's log has written it: that happens only if the appends left while the
 /// leader's loop was blocked in the write (a frame queued for the loop's own sender task would
 /// wait until the write returned).
@@ -443,7 +443,11 @@ async fn a_leader_sends_its_appends_before_its_log_write_returns() {
             meet: m.clone(),
         })
     };
-    let nodes = cluster_with(&net, "w", &fast(), log, true).await;
+    let config = StoreConfig {
+        early_appends: true,
+        ..fast()
+    };
+    let nodes = cluster_with(&net, "w", &config, log, true).await;
     for n in nodes.values() {
         n.handle
             .add_group(1, &[1, 2, 3], Kv::default())
