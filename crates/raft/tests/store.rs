@@ -123,6 +123,27 @@ async fn propose(
     }
 }
 
+/// Stops the nodes' servers and messengers.
+async fn shutdown(nodes: BTreeMap<u64, Node>) {
+    for n in nodes.into_values() {
+        let _ = n.stop.send(());
+        let m = n.msgr.clone();
+        tokio::task::spawn_blocking(move || m.shutdown())
+            .await
+            .unwrap();
+    }
+}
+
+/// Adds group `group` with voters 1..=3 on every node.
+async fn add_group_everywhere(nodes: &BTreeMap<u64, Node>, group: GroupId) {
+    for n in nodes.values() {
+        n.handle
+            .add_group(group, &[1, 2, 3], Kv::default())
+            .await
+            .unwrap();
+    }
+}
+
 fn fast() -> StoreConfig {
     StoreConfig {
         node: NodeConfig::default(),
@@ -135,16 +156,8 @@ fn fast() -> StoreConfig {
 async fn stores_elect_replicate_and_serve_linearizable_reads_over_the_messenger() {
     let net = MemNetwork::new(3);
     let nodes = cluster(&net, "n", &fast()).await;
-    for n in nodes.values() {
-        n.handle
-            .add_group(1, &[1, 2, 3], Kv::default())
-            .await
-            .unwrap();
-        n.handle
-            .add_group(2, &[1, 2, 3], Kv::default())
-            .await
-            .unwrap();
-    }
+    add_group_everywhere(&nodes, 1).await;
+    add_group_everywhere(&nodes, 2).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     for i in 0..50 {
         propose(&nodes, 1, &format!("k{i}={i}"), deadline)
@@ -160,25 +173,14 @@ async fn stores_elect_replicate_and_serve_linearizable_reads_over_the_messenger(
         }
     }
     assert_eq!(seen, Some(50));
-    for n in nodes.into_values() {
-        let _ = n.stop.send(());
-        let m = n.msgr.clone();
-        tokio::task::spawn_blocking(move || m.shutdown())
-            .await
-            .unwrap();
-    }
+    shutdown(nodes).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_isolated_leader_is_replaced_and_the_cluster_keeps_committing() {
     let net = MemNetwork::new(4);
     let nodes = cluster(&net, "n", &fast()).await;
-    for n in nodes.values() {
-        n.handle
-            .add_group(1, &[1, 2, 3], Kv::default())
-            .await
-            .unwrap();
-    }
+    add_group_everywhere(&nodes, 1).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     propose(&nodes, 1, "a=1", deadline).await.unwrap();
     let mut leader = 0;
@@ -214,13 +216,7 @@ async fn an_isolated_leader_is_replaced_and_the_cluster_keeps_committing() {
         "the majority did not commit after the leader was isolated"
     );
     net.heal_host(&format!("n{leader}"));
-    for n in nodes.into_values() {
-        let _ = n.stop.send(());
-        let m = n.msgr.clone();
-        tokio::task::spawn_blocking(move || m.shutdown())
-            .await
-            .unwrap();
-    }
+    shutdown(nodes).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -241,12 +237,7 @@ async fn stores_on_raft_engine_restart_with_every_acknowledged_write() {
             true,
         )
         .await;
-        for n in nodes.values() {
-            n.handle
-                .add_group(1, &[1, 2, 3], Kv::default())
-                .await
-                .unwrap();
-        }
+        add_group_everywhere(&nodes, 1).await;
         let deadline = Instant::now() + Duration::from_secs(20);
         for i in 0..20 {
             propose(&nodes, 1, &format!("r{round}k{i}=1"), deadline)
@@ -448,12 +439,7 @@ async fn a_leader_sends_its_appends_before_its_log_write_returns() {
         ..fast()
     };
     let nodes = cluster_with(&net, "w", &config, log, true).await;
-    for n in nodes.values() {
-        n.handle
-            .add_group(1, &[1, 2, 3], Kv::default())
-            .await
-            .unwrap();
-    }
+    add_group_everywhere(&nodes, 1).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     // Connections up and the leader settled.
     for i in 0..5 {
@@ -471,11 +457,5 @@ async fn a_leader_sends_its_appends_before_its_log_write_returns() {
         writers[0],
         meet.patience
     );
-    for n in nodes.into_values() {
-        let _ = n.stop.send(());
-        let m = n.msgr.clone();
-        tokio::task::spawn_blocking(move || m.shutdown())
-            .await
-            .unwrap();
-    }
+    shutdown(nodes).await;
 }
