@@ -243,17 +243,13 @@ impl NetFs {
         // Taken here, before any await: the call's place is fixed when it is first polled.
         let turn = Turn::take(self.inner.handle(fh)?.file);
         let call = op(self.inner.clone()); // does nothing until polled
-        let task = tokio::spawn(async move {
+        self.detached(move |_| async move {
             turn.wait().await;
             let r = call.await;
             drop(turn);
             r
-        });
-        task.await.map_err(|e| {
-            FsError::Unavailable(CallError::Unknown(format!(
-                "a file system task failed: {e}"
-            )))
-        })?
+        })
+        .await
     }
 }
 

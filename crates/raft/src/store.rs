@@ -379,7 +379,6 @@ struct Loop<S: StateMachine> {
     /// Tick at which each peer was last heard from, and whether it is considered up.
     heard: BTreeMap<u64, (u64, bool)>,
     outboxes: BTreeMap<u64, Outbox>,
-    peer_addrs: BTreeMap<u64, String>,
     client: Client,
     applied: watch::Sender<u64>,
     ticks: u64,
@@ -408,7 +407,6 @@ async fn run<S: StateMachine>(
         reads: HashMap::new(),
         heard: BTreeMap::new(),
         outboxes: BTreeMap::new(),
-        peer_addrs: BTreeMap::new(),
         client,
         applied,
         ticks: 0,
@@ -550,7 +548,7 @@ impl<S: StateMachine> Loop<S> {
     /// One sender task per peer keeps frames to that peer in order.
     fn add_peers(&mut self, peers: BTreeMap<u64, String>) {
         for (peer, addr) in peers {
-            if peer == self.node.id() || self.peer_addrs.get(&peer) == Some(&addr) {
+            if peer == self.node.id() || self.outboxes.get(&peer).is_some_and(|o| o.addr == addr) {
                 continue;
             }
             let (otx, mut orx) = mpsc::unbounded_channel::<Bytes>();
@@ -570,12 +568,11 @@ impl<S: StateMachine> Loop<S> {
             });
             // Replacing the sender ends the old task once its queue drains.
             let outbox = Outbox {
-                addr: addr.clone(),
+                addr,
                 queue: otx,
                 queued,
             };
             self.outboxes.insert(peer, outbox);
-            self.peer_addrs.insert(peer, addr);
             self.heard.entry(peer).or_insert((self.ticks, true));
         }
     }

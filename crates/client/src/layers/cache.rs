@@ -425,8 +425,7 @@ impl<F: FileSystem> FileSystem for MetaCache<F> {
         let (since, began) = self.begin();
         let r = self.inner.unlink(parent, name).await;
         self.lock().inval_entry(parent, name);
-        let others: Vec<Ino> = target.into_iter().collect();
-        self.dirs_changed(since, began, &[parent], r.as_ref().ok(), &others);
+        self.dirs_changed(since, began, &[parent], r.as_ref().ok(), target.as_slice());
         r
     }
 
@@ -435,8 +434,7 @@ impl<F: FileSystem> FileSystem for MetaCache<F> {
         let (since, began) = self.begin();
         let r = self.inner.rmdir(parent, name).await;
         self.lock().inval_entry(parent, name);
-        let others: Vec<Ino> = target.into_iter().collect();
-        self.dirs_changed(since, began, &[parent], r.as_ref().ok(), &others);
+        self.dirs_changed(since, began, &[parent], r.as_ref().ok(), target.as_slice());
         r
     }
 
