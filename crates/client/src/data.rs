@@ -88,7 +88,8 @@ impl NetVolume {
             .0)
     }
 
-    /// Appends `data` (at most 128 KiB) at `offset`, the extent's end.
+    /// Appends `data` (at most 128 KiB) at `offset`, the extent's end, durable on every replica
+    /// when this returns.
     pub async fn append(
         &self,
         partition: PartitionId,
@@ -96,10 +97,26 @@ impl NetVolume {
         offset: u64,
         data: Bytes,
     ) -> Result<Written, DataCallError> {
+        self.append_with(partition, extent, offset, data, true)
+            .await
+    }
+
+    /// [`NetVolume::append`]; without `sync` the packet is only written on every replica when this
+    /// returns, and becomes durable (and committed) with the extent's next synced packet
+    /// ([`AppendRequest::sync`]).
+    pub async fn append_with(
+        &self,
+        partition: PartitionId,
+        extent: ExtentId,
+        offset: u64,
+        data: Bytes,
+        sync: bool,
+    ) -> Result<Written, DataCallError> {
         let req = AppendRequest {
             partition,
             extent,
             offset,
+            sync,
         };
         Ok(self
             .data_call::<Append, _>(partition, &req, Payload::new(data), false)
@@ -119,6 +136,7 @@ impl NetVolume {
             partition,
             extent,
             offset,
+            sync: true,
         };
         Ok(self
             .data_call::<AppendRaft, _>(partition, &req, Payload::new(data), false)
@@ -198,18 +216,34 @@ impl NetVolume {
     }
 }
 
-struct Packet {
+/// Most packets a [`SeqWriter`] sends between two synced ones (1 MiB): it keeps their bytes until
+/// the synced one is acknowledged.
+pub const SYNC_EVERY: usize = 8;
+
+/// A packet's bytes and place.
+struct Piece {
     file_offset: u64,
     data: Bytes,
     partition: PartitionId,
     extent: ExtentId,
     extent_offset: u64,
+}
+
+/// A packet on its way.
+struct Packet {
+    piece: Piece,
+    sync: bool,
     reply: JoinHandle<Result<Written, DataCallError>>,
 }
 
 /// Writes one file's bytes sequentially: 128 KiB appends with up to `inflight` outstanding, new
-/// extents as needed, and a move to another partition (rewriting every unacknowledged packet) when
-/// one fails. The acknowledged pieces come back as extent keys.
+/// extents as needed, and a move to another partition (rewriting every packet not yet durable)
+/// when one fails. The durable pieces come back as extent keys.
+///
+/// Replicas sync once per [`SYNC_EVERY`] packets, not per packet: the newest packet is held back
+/// until more bytes come (it goes out unsynced) or until `flush` (it goes out synced, and makes
+/// every earlier one durable); so is one that ends an extent. Unsynced packets are kept until a
+/// synced one covers them.
 ///
 /// A `write` or `flush` that fails, or whose future is dropped before it finishes, breaks the
 /// stream: every later call returns [`DataCallError::BrokenStream`] (its bytes may be in flight or
@@ -221,7 +255,13 @@ pub struct SeqWriter {
     /// Current extent and the offset of its next packet.
     cur: Option<(PartitionId, ExtentId, u64)>,
     file_offset: u64,
+    /// The newest piece, not sent yet.
+    held: Option<Piece>,
+    /// Packets sent since the last synced one.
+    since_sync: usize,
     pending: VecDeque<Packet>,
+    /// Acknowledged but not durable yet (sent unsynced), oldest first.
+    unsynced: VecDeque<Piece>,
     keys: Vec<ExtentKey>,
     /// Partitions that failed a write of this file.
     failed: Vec<PartitionId>,
@@ -237,6 +277,7 @@ impl std::fmt::Debug for SeqWriter {
             .field("cur", &self.cur)
             .field("file_offset", &self.file_offset)
             .field("pending", &self.pending.len())
+            .field("unsynced", &self.unsynced.len())
             .finish()
     }
 }
@@ -251,7 +292,10 @@ impl SeqWriter {
             inflight: inflight.max(1),
             cur: None,
             file_offset,
+            held: None,
+            since_sync: 0,
             pending: VecDeque::new(),
+            unsynced: VecDeque::new(),
             keys: Vec::new(),
             failed: Vec::new(),
             moves_left: 8,
@@ -309,51 +353,61 @@ impl SeqWriter {
 
     async fn write_inner(&mut self, mut data: Bytes) -> Result<(), DataCallError> {
         while !data.is_empty() {
+            // More bytes came: the held packet goes out, synced only every SYNC_EVERY packets. (A
+            // failure while it waits for room rewrites the stream, which may hold back another.)
+            while let Some(prev) = self.held.take() {
+                let sync = self.since_sync + 1 >= SYNC_EVERY;
+                self.send(prev, sync).await?;
+            }
             let (p, e, off) = match self.cur {
                 Some(c) if c.2 < MAX_EXTENT => c,
                 _ => self.next_extent().await?,
             };
             let room = (MAX_EXTENT - off).min(MAX_PACKET as u64) as usize;
-            let piece = data.split_to(room.min(data.len()));
-            // In order within this stream, so a packet never waits for a slot behind a later one.
-            let slot = self.vol.append_slot().await;
-            self.send(p, e, off, piece, slot);
-            self.cur = Some((
-                p,
-                e,
-                off + self.pending.back().map_or(0, |k| k.data.len() as u64),
-            ));
-            while self.pending.len() >= self.inflight {
-                self.settle_one().await?;
+            let data = data.split_to(room.min(data.len()));
+            let len = data.len() as u64;
+            let piece = Piece {
+                file_offset: self.file_offset,
+                data,
+                partition: p,
+                extent: e,
+                extent_offset: off,
+            };
+            self.file_offset += len;
+            self.cur = Some((p, e, off + len));
+            if off + len >= MAX_EXTENT {
+                // Nothing later in this extent could make it durable.
+                self.send(piece, true).await?;
+            } else {
+                self.held = Some(piece);
             }
         }
         Ok(())
     }
 
-    fn send(
-        &mut self,
-        partition: PartitionId,
-        extent: ExtentId,
-        offset: u64,
-        data: Bytes,
-        slot: tokio::sync::OwnedSemaphorePermit,
-    ) {
+    /// Sends a packet, then waits while the window is full (the stream's state is whole by then:
+    /// a failure there rewrites everything not durable, this packet included).
+    async fn send(&mut self, piece: Piece, sync: bool) -> Result<(), DataCallError> {
+        // In order within this stream, so a packet never waits for a slot behind a later one.
+        let slot = self.vol.append_slot().await;
         let vol = self.vol.clone();
-        let d = data.clone();
+        let (partition, extent, offset, d) = (
+            piece.partition,
+            piece.extent,
+            piece.extent_offset,
+            piece.data.clone(),
+        );
         let reply = tokio::spawn(async move {
-            let r = vol.append(partition, extent, offset, d).await;
+            let r = vol.append_with(partition, extent, offset, d, sync).await;
             drop(slot);
             r
         });
-        self.pending.push_back(Packet {
-            file_offset: self.file_offset,
-            data,
-            partition,
-            extent,
-            extent_offset: offset,
-            reply,
-        });
-        self.file_offset += self.pending.back().map_or(0, |p| p.data.len() as u64);
+        self.since_sync = if sync { 0 } else { self.since_sync + 1 };
+        self.pending.push_back(Packet { piece, sync, reply });
+        while self.pending.len() >= self.inflight {
+            self.settle_one().await?;
+        }
+        Ok(())
     }
 
     /// Waits for the oldest packet; on failure moves the rest of the stream elsewhere.
@@ -366,26 +420,37 @@ impl SeqWriter {
             Err(e) => Err(DataCallError::Call(CallError::Unknown(e.to_string()))),
         };
         match out {
+            Ok(_) if !pkt.sync => {
+                self.unsynced.push_back(pkt.piece);
+                Ok(())
+            }
             Ok(_) => {
-                self.record(&pkt);
+                // Durable now, and so is every earlier packet of the extent.
+                while let Some(earlier) = self.unsynced.pop_front() {
+                    self.record(&earlier);
+                }
+                self.record(&pkt.piece);
                 Ok(())
             }
             Err(e) if e.try_elsewhere() && self.moves_left > 0 => {
                 self.moves_left -= 1;
-                tracing::debug!(partition = %pkt.partition, error = %e, "append failed; moving on");
-                self.failed.push(pkt.partition);
-                // Every later packet is rewritten, acknowledged or not: the extent's committed
-                // length cannot pass the failed packet.
-                let mut redo = vec![(pkt.file_offset, pkt.data)];
+                let failed = pkt.piece.partition;
+                tracing::debug!(partition = %failed, error = %e, "append failed; moving on");
+                self.failed.push(failed);
+                // Everything not durable is rewritten, acknowledged or not: the extent's committed
+                // length cannot pass the failed packet, and what was only written may be lost.
+                let mut redo: Vec<Piece> = self.unsynced.drain(..).collect();
+                redo.push(pkt.piece);
                 for later in self.pending.drain(..) {
                     later.reply.abort();
-                    redo.push((later.file_offset, later.data));
+                    redo.push(later.piece);
                 }
+                redo.extend(self.held.take());
                 self.cur = None;
-                let resume = redo[0].0;
-                self.file_offset = resume;
-                for (_, d) in redo {
-                    Box::pin(self.write_inner(d)).await?;
+                self.since_sync = 0;
+                self.file_offset = redo[0].file_offset;
+                for piece in redo {
+                    Box::pin(self.write_inner(piece.data)).await?;
                 }
                 Ok(())
             }
@@ -393,8 +458,8 @@ impl SeqWriter {
         }
     }
 
-    /// Adds an acknowledged packet to the keys, extending the last key when it continues it.
-    fn record(&mut self, pkt: &Packet) {
+    /// Adds a durable packet to the keys, extending the last key when it continues it.
+    fn record(&mut self, pkt: &Piece) {
         let len = pkt.data.len() as u64;
         if let Some(last) = self.keys.last_mut()
             && last.partition == pkt.partition
@@ -417,7 +482,7 @@ impl SeqWriter {
         });
     }
 
-    /// Waits until every packet written so far is acknowledged.
+    /// Waits until every byte written so far is durable on every replica.
     pub async fn flush(&mut self) -> Result<(), DataCallError> {
         self.enter()?;
         let r = self.settle_all().await;
@@ -425,9 +490,17 @@ impl SeqWriter {
     }
 
     async fn settle_all(&mut self) -> Result<(), DataCallError> {
-        while !self.pending.is_empty() {
+        loop {
+            // A failed packet's rewrite may hold back a new last piece.
+            if let Some(last) = self.held.take() {
+                self.send(last, true).await?;
+            }
+            if self.pending.is_empty() {
+                break;
+            }
             self.settle_one().await?;
         }
+        debug_assert!(self.unsynced.is_empty(), "the last packet sent was synced");
         Ok(())
     }
 

@@ -63,6 +63,13 @@ pub struct AppendRequest {
     pub partition: PartitionId,
     pub extent: ExtentId,
     pub offset: u64,
+    /// Whether every replica syncs before the reply. A packet with `sync` is acknowledged once
+    /// durable on every replica, together with every earlier packet of the extent, and the reply's
+    /// committed length covers it. A packet without is acknowledged once written (not yet durable)
+    /// on every replica and commits nothing: the writer keeps its bytes until a later `sync`
+    /// packet of the extent is acknowledged, and writes them again elsewhere if that one fails. A
+    /// stream of packets pays one sync round per replica per `sync` packet instead of per packet.
+    pub sync: bool,
 }
 
 /// What an acknowledged write reports.
@@ -71,7 +78,7 @@ pub struct Written {
     pub extent: ExtentId,
     /// Where the bytes landed.
     pub offset: u64,
-    /// The extent's committed length: every byte below it is on every replica.
+    /// The extent's committed length: every byte below it is durable on every replica.
     pub committed: u64,
 }
 
@@ -172,7 +179,8 @@ impl Rpc for Release {
 
 /// Leader → follower: the same bytes at the same place (op `0x0310`). `committed` is the extent's
 /// committed length before this packet: a follower may drop a longer, unacknowledged tail down to
-/// `offset` but never below `committed`.
+/// `offset` but never below `committed`. With `sync` the follower syncs (everything it wrote
+/// before too) before it replies.
 #[derive(Debug)]
 pub struct Replicate;
 
@@ -182,6 +190,7 @@ pub struct ReplicateRequest {
     pub extent: ExtentId,
     pub offset: u64,
     pub committed: u64,
+    pub sync: bool,
 }
 
 impl Rpc for Replicate {

@@ -110,7 +110,10 @@ struct Track {
     write: Mutex<()>,
     /// Where the next packet must start (the end of the last one written locally).
     next: watch::Sender<u64>,
-    /// Every byte below is on every replica.
+    /// Every byte below is written on every replica (maybe not durable yet): packets of the
+    /// extent are acknowledged in offset order through it.
+    replicated: watch::Sender<u64>,
+    /// Every byte below is durable on every replica.
     committed: watch::Sender<u64>,
 }
 
@@ -119,6 +122,7 @@ impl Track {
         Arc::new(Self {
             write: Mutex::new(()),
             next: watch::Sender::new(next),
+            replicated: watch::Sender::new(committed),
             committed: watch::Sender::new(committed),
         })
     }
@@ -127,13 +131,20 @@ impl Track {
         *self.committed.borrow()
     }
 
+    /// Raises the committed length (and so the replicated one) to `upto`.
     fn commit(&self, upto: u64) {
-        self.committed.send_if_modified(|c| {
-            let grew = upto > *c;
-            *c = (*c).max(upto);
-            grew
-        });
+        grow(&self.replicated, upto);
+        grow(&self.committed, upto);
     }
+}
+
+/// Raises a watched length to `upto` (never lowers it).
+fn grow(len: &watch::Sender<u64>, upto: u64) {
+    len.send_if_modified(|c| {
+        let grew = upto > *c;
+        *c = (*c).max(upto);
+        grew
+    });
 }
 
 /// One hosted data partition.
@@ -993,8 +1004,9 @@ impl DataNode {
         }
     }
 
-    /// Sends a packet to every follower and syncs it locally (written at store `epoch`); all must
-    /// succeed.
+    /// Sends a packet to every follower and, with `sync`, syncs it locally (written at store
+    /// `epoch`) and has every follower sync it; all must succeed.
+    #[expect(clippy::too_many_arguments, reason = "one packet's placement")]
     async fn replicate(
         &self,
         part: &Part,
@@ -1003,6 +1015,7 @@ impl DataNode {
         epoch: u64,
         committed: u64,
         data: &Payload,
+        sync: bool,
     ) -> Result<(), DataError> {
         let me = self.raft().map_err(DataError::Io)?.id();
         let req = ReplicateRequest {
@@ -1010,6 +1023,7 @@ impl DataNode {
             extent,
             offset,
             committed,
+            sync,
         };
         let (check_after, limit) = (
             self.inner.config.replicate_timeout,
@@ -1026,7 +1040,14 @@ impl DataNode {
                     .map_err(|e| format!("{}: {e}", r.addr))
             });
         }
-        let (local, remote) = tokio::join!(Self::sync_store(&part.store, epoch), sends.join_all());
+        let local = async {
+            if sync {
+                Self::sync_store(&part.store, epoch).await
+            } else {
+                Ok(())
+            }
+        };
+        let (local, remote) = tokio::join!(local, sends.join_all());
         let mut failed: Vec<String> = remote.into_iter().filter_map(Result::err).collect();
         if let Err(e) = local {
             failed.push(format!("local disk: {e}"));
@@ -1099,22 +1120,35 @@ impl DataNode {
             .await
             .inspect_err(|e| degrade_if_full(part, e))?
         };
-        self.replicate(part, req.extent, req.offset, epoch, committed_before, &data)
-            .await?;
-        // Commit in offset order: the previous packet must be committed first.
-        let mut c = track.committed.subscribe();
+        self.replicate(
+            part,
+            req.extent,
+            req.offset,
+            epoch,
+            committed_before,
+            &data,
+            req.sync,
+        )
+        .await?;
+        // Acknowledge in offset order: the previous packet must be on every replica first. Then a
+        // synced packet commits everything below its end, since each replica wrote the earlier
+        // packets before this one and synced after it.
+        let mut r = track.replicated.subscribe();
         let prev = tokio::time::timeout(
             self.inner.config.replicate_stall_limit,
-            c.wait_for(|c| *c >= req.offset),
+            r.wait_for(|r| *r >= req.offset),
         )
         .await
         .is_ok_and(|r| r.is_ok());
         if !prev {
             return Err(DataError::ReadOnly(
-                "an earlier packet of this extent was not committed".into(),
+                "an earlier packet of this extent did not reach every replica".into(),
             ));
         }
-        track.commit(req.offset + len);
+        grow(&track.replicated, req.offset + len);
+        if req.sync {
+            track.commit(req.offset + len);
+        }
         self.count(part, data.bytes.len());
         Ok(Written {
             extent: req.extent,
@@ -1181,7 +1215,7 @@ impl DataNode {
             .await
             .inspect_err(|e| degrade_if_full(part, e))?
         };
-        self.replicate(part, extent, offset, epoch, committed_before, data)
+        self.replicate(part, extent, offset, epoch, committed_before, data, true)
             .await?;
         track.commit(offset + len);
         self.count(part, data.bytes.len());
@@ -1263,7 +1297,11 @@ impl DataNode {
             Ok(())
         })
         .await?;
-        Self::sync_store(&part.store, epoch).await
+        if req.sync {
+            Self::sync_store(&part.store, epoch).await
+        } else {
+            Ok(())
+        }
     }
 
     async fn overwrite(

@@ -12,6 +12,8 @@
 //! - a flipped bit on the leader: the read repairs the block from a follower.
 //! - a leader crash in the middle of pipelined appends, and a new leader whose own copy has an
 //!   unacknowledged tail: nothing acknowledged is lost, appends go on at the committed offset.
+//! - unsynced appends: acknowledged but neither committed nor served until a later synced packet;
+//!   a follower that lost them fails that packet.
 //! - releases: deleted extents are gone on every replica, punched tiny ranges read as zeros.
 //! - a replica whose extent store failed an IO (injected through its disk): the duty round reopens
 //!   it (a leader first hands leadership over), repair compares every extent with the leader's and
@@ -311,6 +313,85 @@ async fn a_follower_that_lost_its_tail_is_trimmed_and_repaired() {
     for i in 0..3 {
         c.wait_replica(i, e2, &model2, true).await;
     }
+    c.shutdown().await;
+}
+
+/// Packets sent without `sync`: acknowledged once on every replica, but committed (and served)
+/// only with the extent's next synced packet; a follower that lost them makes that packet fail
+/// rather than commit bytes it does not hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsynced_appends_are_committed_only_by_a_later_synced_one() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::start_with(5, |cfg| {
+        cfg.replicate_timeout = std::time::Duration::from_secs(2);
+    })
+    .await;
+    let api = c.api.clone();
+    let l = api.leader().await;
+    let f = (l + 1) % 3;
+    let e = api.create().await.unwrap().unwrap();
+    let mut model = Vec::new();
+
+    for round in 0..2u64 {
+        let start = model.len() as u64;
+        // Two unsynced packets: acknowledged, nothing committed, nothing served.
+        for k in 0..2 {
+            let data = pattern(10 * round + k, 7000);
+            let w = api
+                .append_with(e, model.len() as u64, &data, false)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!((w.offset, w.committed), (model.len() as u64, start));
+            model.extend_from_slice(&data);
+        }
+        assert_eq!(api.committed(e).await, start);
+        match api.read(e, start, 1).await.unwrap() {
+            Err(DataError::OutOfRange { committed, .. }) => assert_eq!(committed, start),
+            other => panic!("read past the committed length: {other:?}"),
+        }
+        // The synced one commits them all.
+        let data = pattern(10 * round + 2, 3000);
+        let w = api
+            .append_with(e, model.len() as u64, &data, true)
+            .await
+            .unwrap()
+            .unwrap();
+        model.extend_from_slice(&data);
+        assert_eq!(w.committed, model.len() as u64);
+        assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+    }
+    for i in 0..3 {
+        c.wait_replica(i, e, &model, true).await;
+    }
+
+    // An unsynced packet reaches every replica, then a follower crashes and loses it (its file
+    // ends at the committed length again).
+    let committed = model.len() as u64;
+    let lost = pattern(30, 6000);
+    api.append_with(e, committed, &lost, false)
+        .await
+        .unwrap()
+        .unwrap();
+    c.crash(f).await;
+    truncate(&c.data_file(f, e), committed);
+    c.restart(f).await;
+    // The synced packet after it cannot reach every replica whole: it fails, and nothing past
+    // the old committed length is committed or served.
+    match api
+        .append_with(e, committed + lost.len() as u64, &pattern(31, 100), true)
+        .await
+        .unwrap()
+    {
+        Err(DataError::ReadOnly(_)) => {}
+        other => panic!("expected ReadOnly, got {other:?}"),
+    }
+    assert_eq!(api.committed(e).await, committed);
+    assert!(matches!(
+        api.read(e, committed, 1).await.unwrap(),
+        Err(DataError::OutOfRange { .. })
+    ));
+    assert_eq!(api.read_all(e, 0, committed).await, model);
     c.shutdown().await;
 }
 

@@ -244,10 +244,22 @@ impl Api {
     }
 
     pub async fn append(&self, extent: ExtentId, offset: u64, data: &[u8]) -> Out<Written> {
+        self.append_with(extent, offset, data, true).await
+    }
+
+    /// An append that is synced on every replica before its reply, or (without `sync`) only written.
+    pub async fn append_with(
+        &self,
+        extent: ExtentId,
+        offset: u64,
+        data: &[u8],
+        sync: bool,
+    ) -> Out<Written> {
         let req = AppendRequest {
             partition: PID,
             extent,
             offset,
+            sync,
         };
         Ok(self
             .call::<Append>(&req, &Bytes::copy_from_slice(data), false)
@@ -260,6 +272,7 @@ impl Api {
             partition: PID,
             extent,
             offset,
+            sync: true,
         };
         Ok(self
             .call::<AppendRaft>(&req, &Bytes::copy_from_slice(data), false)
