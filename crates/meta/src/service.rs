@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use nacre_master::agent::{BoxFuture, NodeDuties, NodeRaft, PartitionHost, SpecRegistry, run_node};
@@ -17,7 +17,7 @@ use nacre_master::map::{PartitionKind, PartitionReport, PartitionSpec, Role};
 use nacre_msgr::{Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
-use nacre_raft::{RaftError, RaftHandle, StateMachine, StoreConfig};
+use nacre_raft::{RaftError, RaftHandle, ReadGate, StateMachine, StoreConfig};
 use nacre_types::{ErrorCode, NodeId, PartitionId};
 use tokio::sync::watch;
 
@@ -27,28 +27,61 @@ use crate::rpc::{MetaRead, MetaWrite};
 
 /// A meta partition as a Raft state machine. Entries are postcard `(now_ns, Command)`; results are
 /// postcard `Result<Reply, MetaError>`.
+///
+/// The partition is shared with the node's messenger threads, which answer reads from it directly
+/// while the group's [`ReadGate`] is open (the leader holds a read lease and has applied everything
+/// committed): a read then waits neither for the Raft thread nor for its log write. The Raft thread
+/// takes the write lock for each command it applies.
 #[derive(Debug)]
 pub struct MetaSm {
-    pub partition: MetaPartition,
+    partition: Arc<RwLock<MetaPartition>>,
+}
+
+impl MetaSm {
+    pub fn new(partition: MetaPartition) -> Self {
+        Self {
+            partition: Arc::new(RwLock::new(partition)),
+        }
+    }
+
+    /// The partition, for reading.
+    pub fn partition(&self) -> RwLockReadGuard<'_, MetaPartition> {
+        self.partition
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn partition_mut(&self) -> RwLockWriteGuard<'_, MetaPartition> {
+        self.partition
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 impl StateMachine for MetaSm {
     fn apply(&mut self, _index: u64, command: &[u8]) -> Vec<u8> {
         let result = match postcard::from_bytes::<(u64, Command)>(command) {
-            Ok((now, cmd)) => self.partition.apply(now, &cmd),
+            Ok((now, cmd)) => self.partition_mut().apply(now, &cmd),
             Err(e) => Err(MetaError::Invalid(format!("undecodable command: {e}"))),
         };
         postcard::to_allocvec(&result).expect("replies are postcard-serializable")
     }
 
     fn snapshot(&self) -> Vec<u8> {
-        self.partition.snapshot()
+        self.partition().snapshot()
     }
 
     fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
-        self.partition = MetaPartition::restore(snapshot).map_err(|e| e.to_string())?;
+        let restored = MetaPartition::restore(snapshot).map_err(|e| e.to_string())?;
+        *self.partition_mut() = restored;
         Ok(())
     }
+}
+
+/// A hosted partition's state and the gate that says when it may be read off the Raft thread.
+struct Direct {
+    partition: Arc<RwLock<MetaPartition>>,
+    gate: Arc<ReadGate>,
 }
 
 /// Settings of a meta node.
@@ -84,6 +117,8 @@ struct Inner {
     masters: Vec<String>,
     /// Data partition → its replicas' addresses, leader first, from the master's volume views.
     data_replicas: Mutex<BTreeMap<PartitionId, Vec<String>>>,
+    /// Partitions readable without the Raft thread (see [`MetaSm`]).
+    direct: Mutex<BTreeMap<PartitionId, Arc<Direct>>>,
 }
 
 /// A running meta node. Cheap to clone.
@@ -98,6 +133,10 @@ impl std::fmt::Debug for MetaNode {
             .field("dir", &self.inner.dir)
             .finish()
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn unavailable(m: impl Into<String>) -> RemoteError {
@@ -124,6 +163,7 @@ impl MetaNode {
                 last_report: Mutex::default(),
                 masters: config.masters.clone(),
                 data_replicas: Mutex::default(),
+                direct: Mutex::default(),
             }),
         };
         Ok(node)
@@ -168,11 +208,16 @@ impl MetaNode {
             .collect();
         raft.add_peers(peers.clone()).map_err(|e| e.to_string())?;
         let voters: Vec<u64> = peers.keys().copied().collect();
-        let sm = MetaSm {
-            partition: MetaPartition::new(start, end),
-        };
+        let sm = MetaSm::new(MetaPartition::new(start, end));
+        let partition = Arc::clone(&sm.partition);
         match raft.add_group(spec.id.0, &voters, sm).await {
-            Ok(()) | Err(RaftError::GroupExists(_)) => {}
+            Ok(()) => {
+                if let Some(gate) = raft.read_gate(spec.id.0).await.map_err(|e| e.to_string())? {
+                    let direct = Arc::new(Direct { partition, gate });
+                    lock(&self.inner.direct).insert(spec.id, direct);
+                }
+            }
+            Err(RaftError::GroupExists(_)) => {}
             Err(e) => return Err(e.to_string()),
         }
         if let Ok(mut r) = self.inner.replicas.lock() {
@@ -202,7 +247,7 @@ impl MetaNode {
         let mut max = 0;
         for spec in self.inner.registry.specs() {
             if let Ok(m) = raft
-                .local_read(spec.id.0, |sm: &MetaSm, _| sm.partition.stats().max_inode)
+                .local_read(spec.id.0, |sm: &MetaSm, _| sm.partition().stats().max_inode)
                 .await
             {
                 max = max.max(m);
@@ -225,7 +270,7 @@ impl MetaNode {
                     if !leader {
                         return Vec::new();
                     }
-                    match sm.partition.query(&Query::Orphans { limit: 1024 }) {
+                    match sm.partition().query(&Query::Orphans { limit: 1024 }) {
                         Ok(Reply::Inos(v)) => v,
                         _ => Vec::new(),
                     }
@@ -275,7 +320,7 @@ impl MetaNode {
                     if !leader {
                         return Vec::new();
                     }
-                    match sm.partition.query(&Query::ToFree { limit: 256 }) {
+                    match sm.partition().query(&Query::ToFree { limit: 256 }) {
                         Ok(Reply::Freed(v)) => v,
                         _ => Vec::new(),
                     }
@@ -431,7 +476,7 @@ impl MetaNode {
             let ops_per_s = rates.get(&id).copied().unwrap_or(0);
             let r = raft
                 .local_read(id.0, move |sm: &MetaSm, leader| {
-                    let s = sm.partition.stats();
+                    let s = sm.partition().stats();
                     PartitionReport {
                         id,
                         leader,
@@ -512,8 +557,15 @@ impl MetaNode {
                     let raft = node.raft().map_err(unavailable)?;
                     node.count_op(req.partition);
                     let q: Query = req.query;
+                    let direct = lock(&node.inner.direct).get(&req.partition).cloned();
+                    if let Some(d) = direct
+                        && d.gate.open_at(std::time::Instant::now())
+                    {
+                        let part = d.partition.read().unwrap_or_else(PoisonError::into_inner);
+                        return Ok((part.query(&q), Payload::none()));
+                    }
                     let result = raft
-                        .read(req.partition.0, move |sm: &MetaSm| sm.partition.query(&q))
+                        .read(req.partition.0, move |sm: &MetaSm| sm.partition().query(&q))
                         .await
                         .map_err(|e| node.remote(req.partition, e))?;
                     Ok((result, Payload::none()))
@@ -593,7 +645,7 @@ impl PartitionHost for MetaNode {
             let id = spec.id;
             let (cur_end, leader) = raft
                 .local_read(id.0, |sm: &MetaSm, leader| {
-                    (sm.partition.stats().end, leader)
+                    (sm.partition().stats().end, leader)
                 })
                 .await
                 .map_err(|e| e.to_string())?;
@@ -629,6 +681,7 @@ impl PartitionHost for MetaNode {
                     Err(e) => return Err(e.to_string()),
                 }
             }
+            lock(&self.inner.direct).remove(&id);
             if let Ok(mut r) = self.inner.replicas.lock() {
                 r.remove(&id);
             }

@@ -26,7 +26,7 @@ pub use log::{GroupId, GroupState, GroupWrite, LogError, LogStore, LogWrite};
 pub use mem_log::MemLogStore;
 pub use node::{
     Barrier, INIT_INDEX, INIT_TERM, NodeConfig, PendingBarrier, ProposalId, RaftError, RaftNode,
-    ReadyOutput, StateMachine,
+    ReadGate, ReadyOutput, StateMachine,
 };
 pub use storage::GroupStorage;
 pub use store::{RaftHandle, StoreConfig, StoreStatus};

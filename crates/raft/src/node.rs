@@ -156,9 +156,41 @@ impl Default for NodeConfig {
     }
 }
 
+/// Whether a leader's state machine may be read as it is, without asking the Raft thread: the
+/// leader publishes here, after every Ready round of its group, until when its read lease covers a
+/// read of what it has applied (its lease is valid in its term, it has committed an entry of that
+/// term, applied everything committed, and is not handing leadership over). A transfer revokes it
+/// before the new leader can be told to campaign. What it has applied then includes every write
+/// acknowledged before the read began (a write is acknowledged once applied on the leader); what
+/// the leader commits later is concurrent with the read. No other leader can commit anything before
+/// the lease ends ([`NodeConfig::read_lease`]).
+#[derive(Debug, Default)]
+pub struct ReadGate {
+    until: std::sync::Mutex<Option<Instant>>,
+}
+
+impl ReadGate {
+    /// Whether a read of the state machine at `now` is linearizable.
+    pub fn open_at(&self, now: Instant) -> bool {
+        self.lock().is_some_and(|until| now < until)
+    }
+
+    fn set(&self, until: Option<Instant>) {
+        *self.lock() = until;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
 struct Group<S> {
     node: RawNode<GroupStorage>,
     sm: S,
+    /// Published lease for reads off the Raft thread.
+    gate: Arc<ReadGate>,
     /// index → (term, proposal) for proposals made here that are not applied yet.
     pending: BTreeMap<u64, (u64, ProposalId)>,
     /// Reads whose read index is known, waiting for the state machine to apply up to it.
@@ -233,6 +265,36 @@ impl<S> Group<S> {
             }
             StateRole::Follower => settled && r.leader_id != 0 && peer_alive(r.leader_id),
             StateRole::Candidate | StateRole::PreCandidate => false,
+        }
+    }
+
+    /// Publishes whether the state machine may be read as it is now, and until when (see
+    /// [`ReadGate`]); with `lease` zero, never.
+    fn publish_gate(&self, lease: std::time::Duration) {
+        let r = &self.node.raft;
+        let log = &r.raft_log;
+        let until = match self.lease {
+            Some((until, term))
+                if !lease.is_zero()
+                    && r.state == StateRole::Leader
+                    && term == r.term
+                    && r.lead_transferee.is_none()
+                    && log.term(log.committed).ok() == Some(r.term)
+                    && log.applied >= log.committed =>
+            {
+                Some(until)
+            }
+            _ => None,
+        };
+        self.gate.set(until);
+    }
+
+    /// Closes the gate unless this node still leads with no transfer under way (after a message or
+    /// a transfer request that may have changed that).
+    fn check_gate(&self) {
+        let r = &self.node.raft;
+        if r.state != StateRole::Leader || r.lead_transferee.is_some() {
+            self.gate.set(None);
         }
     }
 
@@ -355,6 +417,7 @@ impl<S: StateMachine> RaftNode<S> {
             Group {
                 node,
                 sm,
+                gate: Arc::new(ReadGate::default()),
                 pending: BTreeMap::new(),
                 reads: Vec::new(),
                 lease: None,
@@ -373,7 +436,9 @@ impl<S: StateMachine> RaftNode<S> {
     pub fn remove_group(&mut self, group: GroupId) -> Result<(), RaftError> {
         self.groups
             .remove(&group)
-            .ok_or(RaftError::UnknownGroup(group))?;
+            .ok_or(RaftError::UnknownGroup(group))?
+            .gate
+            .set(None);
         self.dirty.remove(&group);
         Ok(())
     }
@@ -381,6 +446,12 @@ impl<S: StateMachine> RaftNode<S> {
     /// Groups hosted here.
     pub fn groups(&self) -> impl Iterator<Item = GroupId> + '_ {
         self.groups.keys().copied()
+    }
+
+    /// The gate through which `group`'s state machine may be read off this node's thread (see
+    /// [`ReadGate`]): the same `Arc` for as long as the group is hosted here.
+    pub fn read_gate(&self, group: GroupId) -> Option<Arc<ReadGate>> {
+        self.groups.get(&group).map(|g| Arc::clone(&g.gate))
     }
 
     /// The state machine of `group`.
@@ -475,7 +546,9 @@ impl<S: StateMachine> RaftNode<S> {
         ) {
             g.wake();
         }
-        g.node.step(msg)?;
+        let r = g.node.step(msg);
+        g.check_gate();
+        r?;
         Ok(())
     }
 
@@ -558,7 +631,9 @@ impl<S: StateMachine> RaftNode<S> {
     /// transfer completes when `to` wins the election it is told to start; proposals are refused
     /// meanwhile.
     pub fn transfer_leader(&mut self, group: GroupId, to: u64) -> Result<(), RaftError> {
-        self.leading(group)?.node.transfer_leader(to);
+        let g = self.leading(group)?;
+        g.node.transfer_leader(to);
+        g.check_gate();
         Ok(())
     }
 
@@ -737,6 +812,9 @@ impl<S: StateMachine> RaftNode<S> {
             self.maybe_compact(gid, &mut gw);
             if !gw.is_empty() {
                 after.groups.push(gw);
+            }
+            if let Some(g) = self.groups.get(&gid) {
+                g.publish_gate(self.config.read_lease);
             }
             if self
                 .groups

@@ -24,7 +24,7 @@ use raft::eraftpb::{ConfChangeV2, Message};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::log::{GroupId, LogStore};
-use crate::node::{NodeConfig, ProposalId, RaftError, RaftNode, StateMachine};
+use crate::node::{NodeConfig, ProposalId, RaftError, RaftNode, ReadGate, StateMachine};
 
 static EXIT_ON_LOG_FAILURE: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
@@ -134,6 +134,10 @@ enum Cmd<S> {
         group: GroupId,
         reply: oneshot::Sender<(u64, u64)>,
     },
+    Gate {
+        group: GroupId,
+        reply: oneshot::Sender<Option<Arc<ReadGate>>>,
+    },
     Stop {
         reply: oneshot::Sender<()>,
     },
@@ -234,6 +238,17 @@ impl<S: StateMachine> RaftHandle<S> {
             .send(Cmd::Read { group, reader })
             .map_err(|_| stopped())?;
         rx.await.map_err(|_| stopped())?
+    }
+
+    /// The gate that says when `group`'s state machine may be read without [`RaftHandle::read`]
+    /// (see [`ReadGate`]), for a state machine that shares its state with the caller; `None` if the
+    /// group is not hosted here. It stays valid while the group is; one added again has a new gate.
+    pub async fn read_gate(&self, group: GroupId) -> Result<Option<Arc<ReadGate>>, RaftError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Cmd::Gate { group, reply })
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
     }
 
     /// Runs `f` on this replica's state machine as it is now, with whether this node leads the group:
@@ -651,6 +666,9 @@ impl<S: StateMachine> Loop<S> {
             },
             Cmd::TransferLeader { group, to, reply } => {
                 let _ = reply.send(self.node.transfer_leader(group, to));
+            }
+            Cmd::Gate { group, reply } => {
+                let _ = reply.send(self.node.read_gate(group));
             }
             Cmd::Leader { group, reply } => {
                 let _ = reply.send((self.node.leader(group), self.node.term(group)));

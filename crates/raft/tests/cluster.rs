@@ -381,6 +381,58 @@ fn read_lease_answers_locally_until_it_expires_and_never_outlives_leadership() {
     }
 }
 
+/// The read gate (reads off the Raft thread) opens with the lease on the leader only, shuts when
+/// the lease runs out, and shuts at once when the leader starts handing leadership over, before the
+/// transferee can campaign; the new leader's opens only with a lease of its own.
+#[test]
+fn the_read_gate_follows_the_lease_and_shuts_on_a_leader_transfer() {
+    use std::time::{Duration, Instant};
+    let lease = Duration::from_millis(300);
+    let config = NodeConfig {
+        read_lease: lease,
+        ..NodeConfig::default()
+    };
+    let mut c = Cluster::new(3, &[1], config);
+    let l = c.leader(1);
+    let p = c.propose(l, 1, "k=1").unwrap();
+    c.pump();
+    assert!(c.results.contains_key(&(l, p)));
+    let t0 = Instant::now();
+    let gate = c.node(l).read_gate(1).unwrap();
+    assert!(!gate.open_at(t0), "open before any lease");
+
+    let r = c.node(l).read(1, t0).unwrap();
+    c.pump();
+    assert!(c.read_values.contains_key(&(l, r)));
+    assert!(gate.open_at(t0 + lease / 2));
+    assert!(!gate.open_at(t0 + lease), "open past the lease");
+    let followers: Vec<u64> = c.live().into_iter().filter(|&n| n != l).collect();
+    for &f in &followers {
+        assert!(!c.node(f).read_gate(1).unwrap().open_at(t0 + lease / 2));
+    }
+
+    let to = followers[0];
+    c.node(l).transfer_leader(1, to).unwrap();
+    assert!(
+        !gate.open_at(t0 + lease / 2),
+        "still open once a transfer began"
+    );
+    c.pump();
+    assert_eq!(c.leader(1), to);
+    assert!(!gate.open_at(t0 + lease / 2));
+    let new_gate = c.node(to).read_gate(1).unwrap();
+    let t1 = Instant::now();
+    assert!(!new_gate.open_at(t1), "the new leader has no lease yet");
+    let r = c.node(to).read(1, t1).unwrap();
+    c.pump();
+    assert_eq!(c.read_values[&(to, r)]["k"], "1");
+    assert!(new_gate.open_at(t1 + lease / 2));
+
+    // A group no longer hosted keeps no open gate.
+    c.node(to).remove_group(1).unwrap();
+    assert!(!new_gate.open_at(t1 + lease / 2));
+}
+
 /// raft-rs drops a ReadIndex request on a leader that has not committed an entry of its own term
 /// yet (Raft §6.4: it does not know the commit index yet). The store defers such reads and issues
 /// them once that entry commits, instead of leaving the caller to time out.
