@@ -315,13 +315,9 @@ fn raft_thesis_3_10_leader_transfer_moves_leadership_to_the_chosen_replica() {
     ));
 }
 
-/// The read lease: a confirmed ReadIndex round lets the leader answer reads without messages until
-/// the lease (measured from the round's send time) runs out; then a new round is needed. Time is
-/// passed in, so the test is exact.
-#[test]
-fn read_lease_answers_locally_until_it_expires_and_never_outlives_leadership() {
-    use std::time::{Duration, Instant};
-    let lease = Duration::from_millis(300);
+/// Three nodes with a 300 ms read lease, group 1's leader and one write ("k=1") applied.
+fn leased_cluster() -> (Cluster, u64, std::time::Duration) {
+    let lease = std::time::Duration::from_millis(300);
     let config = NodeConfig {
         read_lease: lease,
         ..NodeConfig::default()
@@ -331,6 +327,16 @@ fn read_lease_answers_locally_until_it_expires_and_never_outlives_leadership() {
     let p = c.propose(l, 1, "k=1").unwrap();
     c.pump();
     assert!(c.results.contains_key(&(l, p)));
+    (c, l, lease)
+}
+
+/// The read lease: a confirmed ReadIndex round lets the leader answer reads without messages until
+/// the lease (measured from the round's send time) runs out; then a new round is needed. Time is
+/// passed in, so the test is exact.
+#[test]
+fn read_lease_answers_locally_until_it_expires_and_never_outlives_leadership() {
+    use std::time::Instant;
+    let (mut c, l, lease) = leased_cluster();
 
     let t0 = Instant::now();
     // No lease yet: a ReadIndex round (messages to the followers).
@@ -386,17 +392,8 @@ fn read_lease_answers_locally_until_it_expires_and_never_outlives_leadership() {
 /// transferee can campaign; the new leader's opens only with a lease of its own.
 #[test]
 fn the_read_gate_follows_the_lease_and_shuts_on_a_leader_transfer() {
-    use std::time::{Duration, Instant};
-    let lease = Duration::from_millis(300);
-    let config = NodeConfig {
-        read_lease: lease,
-        ..NodeConfig::default()
-    };
-    let mut c = Cluster::new(3, &[1], config);
-    let l = c.leader(1);
-    let p = c.propose(l, 1, "k=1").unwrap();
-    c.pump();
-    assert!(c.results.contains_key(&(l, p)));
+    use std::time::Instant;
+    let (mut c, l, lease) = leased_cluster();
     let t0 = Instant::now();
     let gate = c.node(l).read_gate(1).unwrap();
     assert!(!gate.open_at(t0), "open before any lease");
