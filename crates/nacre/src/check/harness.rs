@@ -24,6 +24,8 @@ use nacre_master::map::{NodeStatus, Role as MapRole};
 use rustix::process::{Pid, Signal, kill_process};
 use serde::Serialize;
 
+use super::port::free_port;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
@@ -156,13 +158,6 @@ pub fn small_disk_available() -> bool {
             .is_ok_and(|s| s.success())
 }
 
-fn free_port(ip: &str) -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind((ip, 0))
-        .context("cannot find a free port")?
-        .local_addr()?
-        .port())
-}
-
 impl Harness {
     /// Lays out the nodes (namespaces, disks, addresses) and starts every process.
     pub fn start(cfg: HarnessConfig) -> anyhow::Result<Self> {
@@ -209,8 +204,14 @@ impl Harness {
                 (format!("{ip}:7000"), format!("{ip}:7001"))
             } else {
                 (
-                    format!("{ip}:{}", free_port(&ip)?),
-                    format!("{ip}:{}", free_port(&ip)?),
+                    format!(
+                        "{ip}:{}",
+                        free_port(&ip).context("cannot find a free port")?
+                    ),
+                    format!(
+                        "{ip}:{}",
+                        free_port(&ip).context("cannot find a free port")?
+                    ),
                 )
             };
             if role == Role::Data

@@ -6,6 +6,7 @@
 
 pub mod garbage;
 pub mod harness;
+pub mod port;
 pub mod workload;
 
 use std::path::PathBuf;

@@ -83,10 +83,10 @@ impl Proc {
     }
 }
 
+#[path = "../../src/check/port.rs"]
+mod port;
+
+/// A free loopback port below the ephemeral range (see `src/check/port.rs`).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    port::free_port("127.0.0.1").unwrap()
 }
