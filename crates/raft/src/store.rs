@@ -386,6 +386,18 @@ pub fn start<S: StateMachine>(
     Ok(RaftHandle { id, tx, applied })
 }
 
+/// Hands each outcome to the proposal waiting for it.
+fn finish(
+    proposals: &mut HashMap<ProposalId, (u64, Reply)>,
+    finished: Vec<(ProposalId, Result<Vec<u8>, RaftError>)>,
+) {
+    for (pid, result) in finished {
+        if let Some((_, tx)) = proposals.remove(&pid) {
+            let _ = tx.send(result);
+        }
+    }
+}
+
 struct Loop<S: StateMachine> {
     node: RaftNode<S>,
     /// Proposal → (tick it was made, who waits for it).
@@ -735,9 +747,11 @@ impl<S: StateMachine> Loop<S> {
     fn ready(&mut self) -> Result<(), RaftError> {
         let (outboxes, client, from) = (&self.outboxes, &self.client, self.node.id());
         let direct = self.early_appends;
-        let out = self
-            .node
-            .process_ready_with(|early| send_batches(outboxes, client, from, early, direct))?;
+        let proposals = &mut self.proposals;
+        let out = self.node.process_ready_with(|early| {
+            send_batches(outboxes, client, from, early.messages, direct);
+            finish(proposals, early.finished);
+        })?;
         send_batches(&self.outboxes, &self.client, from, out.messages, false);
         for b in out.barriers {
             let own = self.own.clone();
@@ -755,11 +769,7 @@ impl<S: StateMachine> Loop<S> {
         if out.applied > 0 {
             self.applied.send_modify(|n| *n += out.applied);
         }
-        for (pid, result) in out.finished {
-            if let Some((_, tx)) = self.proposals.remove(&pid) {
-                let _ = tx.send(result);
-            }
-        }
+        finish(&mut self.proposals, out.finished);
         for (group, rid) in out.reads {
             if let Some((_, reader)) = self.reads.remove(&rid) {
                 match self.node.state_machine(group) {

@@ -487,3 +487,59 @@ fn raft_6_4_a_read_on_a_new_leader_is_answered_once_its_first_entry_commits() {
     c.pump();
     assert_eq!(c.read_values[&(new, r)]["k"], "1");
 }
+
+/// Runs one Ready round on `id` and delivers every message it sends; returns the outcomes of
+/// proposals it reported.
+fn round_and_deliver(c: &mut Cluster, id: u64) -> Vec<nacre_raft::ProposalId> {
+    let out = c.node(id).process_ready().unwrap();
+    for (g, m) in out.messages {
+        let to = m.to;
+        c.node(to).step(g, m).unwrap();
+    }
+    out.finished.into_iter().map(|(pid, _)| pid).collect()
+}
+
+#[test]
+fn a_committed_outcome_is_handed_out_before_the_write_of_newer_entries() {
+    let mut c = Cluster::new(3, &[1], NodeConfig::default());
+    let l = c.leader(1);
+    c.pump();
+    let followers: Vec<u64> = c.live().into_iter().filter(|&id| id != l).collect();
+    let a = c.propose(l, 1, "a=1").unwrap();
+    // The leader writes `a` and sends it; the followers write it and acknowledge.
+    assert!(round_and_deliver(&mut c, l).is_empty());
+    for &f in &followers {
+        round_and_deliver(&mut c, f);
+    }
+    // `a` is committed now. The next round applies it and also writes a newer entry, `b`.
+    let b = c.propose(l, 1, "b=2").unwrap();
+    let log = c.logs[&l].clone();
+    let written_before = log.last_index(1).unwrap();
+    let (mut early, mut sent) = (Vec::new(), Vec::new());
+    let out = c
+        .node(l)
+        .process_ready_with(|e| {
+            // Handed out before the write: `b` is not in the log yet.
+            assert_eq!(log.last_index(1).unwrap(), written_before);
+            early.extend(e.finished);
+            sent.extend(e.messages);
+        })
+        .unwrap();
+    assert_eq!(
+        early,
+        vec![(a, Ok(Vec::new()))],
+        "a's outcome, before the write"
+    );
+    assert!(out.finished.is_empty(), "{:?}", out.finished);
+    assert_eq!(log.last_index(1).unwrap(), written_before + 1, "b written");
+    // `b` commits as usual.
+    for (g, m) in sent.into_iter().chain(out.messages) {
+        let to = m.to;
+        c.node(to).step(g, m).unwrap();
+    }
+    c.pump();
+    assert_eq!(c.results[&(l, b)], Ok(Vec::new()));
+    for id in c.live() {
+        assert_eq!(c.map(id, 1).get("b").map(String::as_str), Some("2"));
+    }
+}
