@@ -119,6 +119,9 @@ pub type FsResult<T> = Result<T, FsError>;
 pub struct Entry {
     pub attr: Attr,
     pub parent: Option<Attr>,
+    /// The parent's ctime just before the change, when the change was one atomic step that
+    /// learnt it (see `Reply::Created`).
+    pub parent_was: Option<u64>,
 }
 
 /// What a new inode is.
@@ -364,10 +367,15 @@ impl<T: MetaTransport> MetaFs<T> {
             };
             match self.write(pp, cmd).await {
                 Err(FsError::Meta(MetaError::NoInodes)) => {} // full: allocate elsewhere
-                Ok(Reply::Created { attr, parent }) => {
+                Ok(Reply::Created {
+                    attr,
+                    parent,
+                    parent_was,
+                }) => {
                     return Ok(Entry {
                         attr,
                         parent: Some(parent),
+                        parent_was: Some(parent_was),
                     });
                 }
                 Ok(other) => return Err(unexpected(&other)),
@@ -390,11 +398,16 @@ impl<T: MetaTransport> MetaFs<T> {
             Ok(r) => Ok(Entry {
                 attr,
                 parent: Self::attr(r).ok(),
+                parent_was: None,
             }),
             Err(FsError::Unavailable(CallError::Unknown(m))) => {
                 // Did the dentry make it? Only a definite "no" allows undoing the inode.
                 match self.dentry_is(parent, name, attr.ino).await {
-                    Ok(true) => Ok(Entry { attr, parent: None }),
+                    Ok(true) => Ok(Entry {
+                        attr,
+                        parent: None,
+                        parent_was: None,
+                    }),
                     Ok(false) => {
                         self.undo_inode(attr.ino).await;
                         Err(CallError::Unknown(m).into())
@@ -438,11 +451,18 @@ impl<T: MetaTransport> MetaFs<T> {
                 return Ok(Entry {
                     attr,
                     parent: Self::attr(r).ok(),
+                    parent_was: None,
                 });
             }
             Err(FsError::Unavailable(CallError::Unknown(m))) => {
                 match self.dentry_is(parent, name, ino).await {
-                    Ok(true) => return Ok(Entry { attr, parent: None }),
+                    Ok(true) => {
+                        return Ok(Entry {
+                            attr,
+                            parent: None,
+                            parent_was: None,
+                        });
+                    }
                     Ok(false) => FsError::from(CallError::Unknown(m)),
                     // Cannot tell: keep the extra link (a leak, not a dangling dentry).
                     Err(e) => return Err(e),

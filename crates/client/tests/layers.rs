@@ -165,11 +165,13 @@ impl ToyState {
         }
     }
 
-    fn add(&mut self, parent: Ino, name: &[u8], kind: FileType, mode: u32) -> FsResult<Ino> {
+    /// Adds a name; returns the new inode and the parent's ctime before the change.
+    fn add(&mut self, parent: Ino, name: &[u8], kind: FileType, mode: u32) -> FsResult<(Ino, u64)> {
         nacre_meta::ops::check_name(name)?;
         if self.dir(parent)?.children.contains_key(name) {
             return err(MetaError::Exists);
         }
+        let was = self.get(parent)?.attr.ctime;
         let ino = Ino(self.next_ino);
         self.next_ino += 1;
         let now = self.tick();
@@ -177,7 +179,7 @@ impl ToyState {
             .insert(ino, Toy::node(ino, kind, mode, parent, now));
         self.get_mut(parent)?.children.insert(name.to_vec(), ino);
         self.touch_dir(parent, i32::from(kind == FileType::Dir));
-        Ok(ino)
+        Ok((ino, was))
     }
 
     /// One link fewer; the inode goes at zero (directories: when removed).
@@ -198,10 +200,11 @@ impl ToyState {
     }
 
     /// What a create-like call answers: the inode and its directory, as they are now.
-    fn entry(&self, ino: Ino, parent: Ino) -> FsResult<Entry> {
+    fn entry(&self, ino: Ino, parent: Ino, parent_was: Option<u64>) -> FsResult<Entry> {
         Ok(Entry {
             attr: self.get(ino)?.attr.clone(),
             parent: Some(self.get(parent)?.attr.clone()),
+            parent_was,
         })
     }
 
@@ -289,16 +292,16 @@ impl FileSystem for Toy {
         flags: OpenFlags,
     ) -> FsResult<(Entry, Fh)> {
         self.with("create", |st| {
-            let ino = st.add(parent, name, FileType::File, mode)?;
+            let (ino, was) = st.add(parent, name, FileType::File, mode)?;
             let fh = st.open(ino, flags);
-            Ok((st.entry(ino, parent)?, fh))
+            Ok((st.entry(ino, parent, Some(was))?, fh))
         })
     }
 
     async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, _caller: Caller) -> FsResult<Entry> {
         self.with("mkdir", |st| {
-            let ino = st.add(parent, name, FileType::Dir, mode)?;
-            st.entry(ino, parent)
+            let (ino, was) = st.add(parent, name, FileType::Dir, mode)?;
+            st.entry(ino, parent, Some(was))
         })
     }
 
@@ -310,11 +313,11 @@ impl FileSystem for Toy {
         _caller: Caller,
     ) -> FsResult<Entry> {
         self.with("symlink", |st| {
-            let ino = st.add(parent, name, FileType::Symlink, 0o777)?;
+            let (ino, was) = st.add(parent, name, FileType::Symlink, 0o777)?;
             let n = st.get_mut(ino)?;
             n.target = target.to_vec();
             n.attr.size = target.len() as u64;
-            st.entry(ino, parent)
+            st.entry(ino, parent, Some(was))
         })
     }
 
@@ -335,7 +338,7 @@ impl FileSystem for Toy {
             let n = st.get_mut(ino)?;
             n.attr.nlink += 1;
             n.attr.ctime = now;
-            st.entry(ino, new_parent)
+            st.entry(ino, new_parent, None)
         })
     }
 
@@ -730,6 +733,93 @@ async fn missing_names_are_not_cached() {
     // Another client creates it: seen at once.
     let a = mkfile(c.inner(), ROOT_INO, "x", b"").await;
     assert_eq!(c.lookup(ROOT_INO, b"x").await.unwrap(), a);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_directory_made_here_answers_missing_names_while_its_own_creates_confirm_it() {
+    let c = cache();
+    let d = c.mkdir(ROOT_INO, b"d", 0o755, ME).await.unwrap().attr;
+    // Made empty here: a missing name is answered without asking.
+    not_found(c.lookup(d.ino, b"x").await);
+    assert_eq!(c.inner().calls("lookup"), 0);
+    // This client's creates keep it complete (each found the ctime the cache holds).
+    let a = mkfile(&c, d.ino, "a", b"").await;
+    let sub = c.mkdir(d.ino, b"sub", 0o755, ME).await.unwrap().attr;
+    not_found(c.lookup(d.ino, b"y").await);
+    not_found(c.lookup(sub.ino, b"y").await);
+    assert_eq!(c.inner().calls("lookup"), 0);
+    // A name it has is looked up as usual (the file's attribute went stale when it was closed).
+    assert_eq!(c.lookup(d.ino, b"a").await.unwrap().ino, a.ino);
+    assert_eq!(c.inner().calls("lookup"), 1);
+    // Names that are not names are still the inner file system's to judge.
+    let long = vec![b'n'; 300];
+    assert!(c.lookup(d.ino, &long).await.is_err());
+    assert_eq!(c.inner().calls("lookup"), 2);
+    // Another client adds a name: missed within the TTL …
+    mkfile(c.inner(), d.ino, "z", b"").await;
+    not_found(c.lookup(d.ino, b"z").await);
+    // … until this client's next create finds the directory changed behind its back.
+    mkfile(&c, d.ino, "b", b"").await;
+    assert!(c.lookup(d.ino, b"z").await.is_ok());
+    not_found(c.lookup(d.ino, b"w").await);
+    assert_eq!(c.inner().calls("lookup"), 4, "no longer complete: asked");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_complete_directory_ends_with_its_ttl_and_with_changes_it_cannot_follow() {
+    let c = cache();
+    let ttl = c.config().entry_ttl;
+    let lookups = |c: &MetaCache<Toy>| c.inner().calls("lookup");
+    // The TTL counts from the last confirmation.
+    let d = c.mkdir(ROOT_INO, b"d", 0o755, ME).await.unwrap().attr;
+    tokio::time::advance(ttl / 2).await;
+    mkfile(&c, d.ino, "a", b"").await;
+    tokio::time::advance(ttl / 2 + ttl / 4).await;
+    not_found(c.lookup(d.ino, b"x").await);
+    assert_eq!(lookups(&c), 0);
+    tokio::time::advance(ttl / 4).await;
+    not_found(c.lookup(d.ino, b"x").await);
+    assert_eq!(lookups(&c), 1, "expired: asked");
+    // A remove, a rename, a setattr, a failed create: each ends it.
+    for (i, change) in ["unlink", "rename", "setattr", "exists"].iter().enumerate() {
+        let name = format!("e{i}");
+        let e = c
+            .mkdir(ROOT_INO, name.as_bytes(), 0o755, ME)
+            .await
+            .unwrap()
+            .attr;
+        mkfile(&c, e.ino, "f", b"").await;
+        not_found(c.lookup(e.ino, b"x").await);
+        match *change {
+            "unlink" => {
+                c.unlink(e.ino, b"f").await.unwrap();
+            }
+            "rename" => {
+                c.rename(e.ino, b"f", e.ino, b"g").await.unwrap();
+            }
+            "setattr" => {
+                let set = SetAttr {
+                    mode: Some(0o700),
+                    ..SetAttr::default()
+                };
+                c.setattr(e.ino, set).await.unwrap();
+            }
+            _ => {
+                let r = c.create(e.ino, b"f", 0o644, ME, OpenFlags::WRITE).await;
+                assert!(matches!(r, Err(FsError::Meta(MetaError::Exists))));
+            }
+        }
+        let before = lookups(&c);
+        not_found(c.lookup(e.ino, b"x").await);
+        assert_eq!(lookups(&c), before + 1, "after {change}: asked");
+    }
+    // A hard link's create cannot tell what it found: asked afterwards.
+    let e = c.mkdir(ROOT_INO, b"l", 0o755, ME).await.unwrap().attr;
+    let f = mkfile(&c, ROOT_INO, "target", b"").await;
+    c.link(f.ino, e.ino, b"h").await.unwrap();
+    let before = lookups(&c);
+    not_found(c.lookup(e.ino, b"x").await);
+    assert_eq!(lookups(&c), before + 1);
 }
 
 #[tokio::test(start_paused = true)]

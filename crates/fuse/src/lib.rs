@@ -983,6 +983,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
     ) {
         let (name, caller) = (name_of(name), caller(req));
         let perm = mode & !umask & 0o7777;
+        let exclusive = flags & libc::O_EXCL != 0;
         self.spawn(|i| async move {
             let flags = i.open_flags(flags);
             match i.fs.create(Ino(parent.0), &name, perm, caller, flags).await {
@@ -993,6 +994,12 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
                     FileHandle(fh.0),
                     FopenFlags::empty(),
                 ),
+                // The kernel's lookup found no such name, but another client made it since (or
+                // a cache's answer was that old). Without O_EXCL, open(2) must open the file that
+                // is there: ESTALE makes the kernel look the name up again and retry once.
+                Err(FsError::Meta(MetaError::Exists)) if !exclusive => {
+                    reply.error(Errno::ESTALE);
+                }
                 Err(e) => reply.error(err(&e)),
             }
         });

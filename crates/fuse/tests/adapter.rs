@@ -164,12 +164,23 @@ impl FileSystem for Toy {
     ) -> FsResult<(Entry, Fh)> {
         let attr = self.new_inode(parent, name, FileType::File, mode)?;
         let fh = self.open_ino(attr.ino, flags);
-        Ok((Entry { attr, parent: None }, fh))
+        Ok((
+            Entry {
+                attr,
+                parent: None,
+                parent_was: None,
+            },
+            fh,
+        ))
     }
 
     async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, _caller: Caller) -> FsResult<Entry> {
         let attr = self.new_inode(parent, name, FileType::Dir, mode)?;
-        Ok(Entry { attr, parent: None })
+        Ok(Entry {
+            attr,
+            parent: None,
+            parent_was: None,
+        })
     }
 
     async fn symlink(
@@ -187,6 +198,7 @@ impl FileSystem for Toy {
         Ok(Entry {
             attr: a,
             parent: None,
+            parent_was: None,
         })
     }
 
@@ -202,6 +214,7 @@ impl FileSystem for Toy {
         Ok(Entry {
             attr: a.clone(),
             parent: None,
+            parent_was: None,
         })
     }
 

@@ -338,10 +338,14 @@ pub enum Reply {
         dentry: Dentry,
         attr: Option<Attr>,
     },
-    /// `Create`: the new inode's attributes, and its parent's after the change.
+    /// `Create`: the new inode's attributes, and its parent's after the change. `parent_was` is
+    /// the parent's ctime just before the change: when it is the ctime a client last saw, no
+    /// other change of the parent's entries came in between (a change of a directory's entries
+    /// always moves its ctime forward).
     Created {
         attr: Attr,
         parent: Attr,
+        parent_was: u64,
     },
     /// `Remove`: the removed dentry, its inode's attributes after the drop when local, and the
     /// parent's attributes after the change.

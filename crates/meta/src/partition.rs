@@ -158,6 +158,7 @@ impl MetaPartition {
                 if self.dentries.contains_key(key.as_slice()) {
                     return Err(MetaError::Exists);
                 }
+                let parent_was = dir.ctime;
                 let node = Inode::new(*kind, *mode, *uid, *gid, parent.0, now);
                 let attr = match self.create_inode(node, *rdev, target)? {
                     Reply::Attr(a) => a,
@@ -172,7 +173,11 @@ impl MetaPartition {
                     other => return Ok(other),
                 };
                 // The new inode's attributes are as allocated.
-                Ok(Reply::Created { attr, parent })
+                Ok(Reply::Created {
+                    attr,
+                    parent,
+                    parent_was,
+                })
             }
             Command::Remove { parent, name, dir } => self.remove(now, *parent, name, *dir),
             Command::LinkInode { ino } => self.link_inode(now, *ino),
@@ -550,7 +555,7 @@ impl MetaPartition {
             return Err(MetaError::TooManyLinks);
         }
         node.nlink += 1;
-        node.ctime = now;
+        node.ctime = node.ctime.max(now);
         Ok(Reply::Attr(node.attr(i, rdev)))
     }
 
@@ -565,7 +570,7 @@ impl MetaPartition {
             FileType::Dir => 0,
             _ => node.nlink - 1,
         };
-        node.ctime = now;
+        node.ctime = node.ctime.max(now);
         let attr = node.attr(i, rdev);
         if attr.nlink == 0 {
             self.orphans.insert(i);
@@ -771,10 +776,15 @@ impl MetaPartition {
                 self.dentries.insert(dst_key.to_box(), moved);
             }
         }
-        self.touch_dir(now, sp, -moved_dir);
-        self.touch_dir(now, dp, moved_dir - is_dir(replaced));
+        if sp == dp {
+            // One change of one directory: one stamp (see `touch_dir`).
+            self.touch_dir(now, sp, -is_dir(replaced));
+        } else {
+            self.touch_dir(now, sp, -moved_dir);
+            self.touch_dir(now, dp, moved_dir - is_dir(replaced));
+        }
         if let Some(node) = self.local_mut(moved.ino()) {
-            node.ctime = now;
+            node.ctime = node.ctime.max(now);
             if moved_dir == 1 {
                 node.parent = dp;
             }
@@ -819,7 +829,7 @@ impl MetaPartition {
         node.gid = set.gid.unwrap_or(node.gid);
         node.atime = set.atime.unwrap_or(node.atime);
         node.mtime = set.mtime.unwrap_or(node.mtime);
-        node.ctime = now;
+        node.ctime = node.ctime.max(now);
         let (attr, new_keys) = (node.attr(i, rdev), node.extents.len() as u64);
         self.heap = self.heap - old_keys * EXTENT_BYTES + new_keys * EXTENT_BYTES;
         self.to_free.extend(freed);
@@ -852,7 +862,7 @@ impl MetaPartition {
         node.size = node.size.max(keys.last().map_or(0, ExtentKey::end));
         node.extents = keys.into_boxed_slice();
         node.mtime = now;
-        node.ctime = now;
+        node.ctime = node.ctime.max(now);
         let (attr, new_keys) = (node.attr(i, rdev), node.extents.len() as u64);
         self.heap = self.heap - old_keys * EXTENT_BYTES + new_keys * EXTENT_BYTES;
         self.to_free.extend(freed);
@@ -885,7 +895,7 @@ impl MetaPartition {
         self.heap += (key.len + value.len()) as u64;
         self.xattrs.insert(key.to_box(), value.into());
         if let Some(node) = self.local_mut(Ino(i)) {
-            node.ctime = now;
+            node.ctime = node.ctime.max(now);
         }
         Ok(Reply::Done)
     }
@@ -899,7 +909,7 @@ impl MetaPartition {
             .ok_or(MetaError::NoXattr)?;
         self.heap -= (key.len + value.len()) as u64;
         if let Some(node) = self.local_mut(Ino(i)) {
-            node.ctime = now;
+            node.ctime = node.ctime.max(now);
         }
         Ok(Reply::Done)
     }
@@ -1035,11 +1045,22 @@ impl MetaPartition {
 
     /// Stamps a directory's mtime and ctime after a dentry change and adjusts its nlink by the
     /// change in its subdirectories (validated by the caller).
+    ///
+    /// The stamp is `now`, or one past the directory's ctime when that is not earlier: every
+    /// change of a directory's entries moves its ctime forward, and no other change moves it back
+    /// (ctime never decreases). So a client that knows the directory's entries as of ctime `v` and
+    /// learns that its own change found ctime `v` (`Reply::Created::parent_was`) knows that no
+    /// other change came in between.
     fn touch_dir(&mut self, now: u64, dir: u64, subdirs: i32) {
         if let Some(node) = self.inodes.get_mut(dir) {
             node.nlink = node.nlink.saturating_add_signed(subdirs);
-            node.mtime = now;
-            node.ctime = now;
+            let t = if node.ctime >= now {
+                node.ctime.saturating_add(1)
+            } else {
+                now
+            };
+            node.mtime = t;
+            node.ctime = t;
         }
     }
 

@@ -1713,8 +1713,10 @@ impl Model {
     fn touch(&mut self, now: u64, dir: u64, delta: i64) {
         let n = self.inodes.get_mut(&dir).unwrap();
         n.nlink = (i64::from(n.nlink) + delta) as u32;
-        n.mtime = now;
-        n.ctime = now;
+        // Every change of a directory's entries moves its ctime forward.
+        let t = if n.ctime >= now { n.ctime + 1 } else { now };
+        n.mtime = t;
+        n.ctime = t;
     }
 
     fn check_target(&self, d: Dentry) -> Result<(), MetaError> {
@@ -1775,6 +1777,7 @@ impl Model {
                     unreachable!("CreateInode answers attributes")
                 };
                 let ino = a.ino;
+                let parent_was = self.inodes[&p].ctime;
                 let add = Command::CreateDentry {
                     parent,
                     name,
@@ -1784,7 +1787,11 @@ impl Model {
                 let Reply::Attr(parent) = self.apply(now, &add)? else {
                     unreachable!("CreateDentry answers the parent's attributes")
                 };
-                Ok(Reply::Created { attr: a, parent })
+                Ok(Reply::Created {
+                    attr: a,
+                    parent,
+                    parent_was,
+                })
             }
             Command::Remove { parent, name, dir } => {
                 let p = self.dir(parent, &name)?;
@@ -1880,7 +1887,7 @@ impl Model {
                     return Err(MetaError::TooManyLinks);
                 }
                 n.nlink += 1;
-                n.ctime = now;
+                n.ctime = n.ctime.max(now);
                 Ok(Reply::Attr(self.attr(i)))
             }
             Command::UnlinkInode { ino } => {
@@ -1891,7 +1898,7 @@ impl Model {
                 }
                 let n = self.inodes.get_mut(&i).unwrap();
                 n.nlink = if dir { 0 } else { n.nlink - 1 };
-                n.ctime = now;
+                n.ctime = n.ctime.max(now);
                 Ok(Reply::Attr(self.attr(i)))
             }
             Command::EvictInode { ino } => {
@@ -2022,12 +2029,16 @@ impl Model {
                 self.dirs.get_mut(&sp).unwrap().remove(&src_name);
                 self.dirs.entry(dp).or_default().insert(dst_name, moved);
                 let replaced_dir = replaced.is_some_and(|r| r.kind == FileType::Dir);
-                self.touch(now, sp, -i64::from(moved_dir));
-                self.touch(now, dp, i64::from(moved_dir) - i64::from(replaced_dir));
+                if sp == dp {
+                    self.touch(now, sp, -i64::from(replaced_dir));
+                } else {
+                    self.touch(now, sp, -i64::from(moved_dir));
+                    self.touch(now, dp, i64::from(moved_dir) - i64::from(replaced_dir));
+                }
                 if self.owns(moved.ino)
                     && let Some(n) = self.inodes.get_mut(&moved.ino.0)
                 {
-                    n.ctime = now;
+                    n.ctime = n.ctime.max(now);
                     if moved_dir {
                         n.parent = dp;
                     }
@@ -2070,7 +2081,7 @@ impl Model {
                 n.gid = set.gid.unwrap_or(n.gid);
                 n.atime = set.atime.unwrap_or(n.atime);
                 n.mtime = set.mtime.unwrap_or(n.mtime);
-                n.ctime = now;
+                n.ctime = n.ctime.max(now);
                 Ok(Reply::Attr(self.attr(i)))
             }
             Command::AppendExtents { ino, extents } => {
@@ -2116,7 +2127,7 @@ impl Model {
                     .size
                     .max(n.keys.iter().map(ExtentKey::end).max().unwrap_or(0));
                 n.mtime = now;
-                n.ctime = now;
+                n.ctime = n.ctime.max(now);
                 self.to_free.extend(freed);
                 Ok(Reply::Attr(self.attr(i)))
             }
@@ -2140,7 +2151,7 @@ impl Model {
                     _ => {}
                 }
                 n.xattrs.insert(name, value);
-                n.ctime = now;
+                n.ctime = n.ctime.max(now);
                 Ok(Reply::Done)
             }
             Command::RemoveXattr { ino, name } => {
@@ -2150,7 +2161,7 @@ impl Model {
                 }
                 let n = self.inodes.get_mut(&i).unwrap();
                 n.xattrs.remove(&name).ok_or(MetaError::NoXattr)?;
-                n.ctime = now;
+                n.ctime = n.ctime.max(now);
                 Ok(Reply::Done)
             }
             Command::AckFreed { count, first } => {
@@ -3187,12 +3198,24 @@ fn one_step_create(parent: Ino, name: &str, kind: FileType) -> Command {
 fn create_in_one_step_and_its_errors() {
     let mut p = part();
     // The reply carries the new inode and the parent as it is after the change.
-    let created = |p: &mut MetaPartition, now: u64, cmd: Command| match ok(p, now, cmd) {
-        Reply::Created { attr, parent } => {
-            assert_eq!(getattr(p, parent.ino), Ok(parent));
-            attr
+    let created = |p: &mut MetaPartition, now: u64, cmd: Command| {
+        let Command::Create { parent: dir, .. } = &cmd else {
+            panic!("not a create: {cmd:?}")
+        };
+        let was = getattr(p, *dir).unwrap().ctime;
+        match ok(p, now, cmd) {
+            Reply::Created {
+                attr,
+                parent,
+                parent_was,
+            } => {
+                assert_eq!(parent_was, was, "the parent's ctime before the change");
+                assert!(parent.ctime > was, "a new entry moves the parent's ctime");
+                assert_eq!(getattr(p, parent.ino), Ok(parent));
+                attr
+            }
+            other => panic!("not a create's reply: {other:?}"),
         }
-        other => panic!("not a create's reply: {other:?}"),
     };
     let f = created(&mut p, 10, one_step_create(ROOT, "f", FileType::File));
     assert_eq!((f.nlink, f.mode, f.uid), (1, 0o640, 3));
@@ -3338,4 +3361,56 @@ fn lookup_plus_has_attributes_only_for_local_inodes() {
         other => panic!("{other:?}"),
     }
     assert_eq!(p.query(&q("none")), Err(MetaError::NotFound));
+}
+
+#[test]
+fn a_change_of_a_directorys_entries_always_moves_its_ctime_forward() {
+    let mut p = part();
+    let ctime = |p: &MetaPartition| getattr(p, ROOT).unwrap().ctime;
+    ok(&mut p, 100, one_step_create(ROOT, "a", FileType::File));
+    assert_eq!(ctime(&p), 100);
+    // Same clock reading: one past.
+    ok(&mut p, 100, one_step_create(ROOT, "b", FileType::File));
+    assert_eq!(ctime(&p), 101);
+    // A clock behind the directory's ctime (another leader's clock): still forward.
+    ok(
+        &mut p,
+        50,
+        Command::Remove {
+            parent: ROOT,
+            name: b"a".to_vec(),
+            dir: false,
+        },
+    );
+    assert_eq!(ctime(&p), 102);
+    // Other changes never move it back.
+    ok(
+        &mut p,
+        60,
+        Command::SetAttr {
+            ino: ROOT,
+            set: SetAttr {
+                mode: Some(0o40_700),
+                ..SetAttr::default()
+            },
+        },
+    );
+    assert_eq!(ctime(&p), 102);
+    // A rename inside one directory is one change.
+    ok(
+        &mut p,
+        200,
+        Command::Rename {
+            src_parent: ROOT,
+            src_name: b"b".to_vec(),
+            dst_parent: ROOT,
+            dst_name: b"c".to_vec(),
+        },
+    );
+    assert_eq!(ctime(&p), 200);
+    match ok(&mut p, 200, one_step_create(ROOT, "d", FileType::Dir)) {
+        Reply::Created { parent_was, .. } => assert_eq!(parent_was, 200),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(ctime(&p), 201);
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::Args;
-use nacre_client::{MetaCache, Metrics, NetFs, NetVolume};
+use nacre_client::{MetaCache, MetaCacheConfig, Metrics, NetFs, NetVolume};
 use nacre_fuse::{MountOptions, Mounted};
 use nacre_master::MasterClient;
 use nacre_master::admin::{Admin, CreateVolume};
@@ -16,10 +16,11 @@ use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 /// How a volume is mounted (shared by `nacre mount` and `nacre up --mount`).
 #[derive(Clone, Debug, Args)]
 pub struct MountFlags {
-    /// Seconds the kernel caches attributes.
+    /// Seconds the kernel and the client cache attributes.
     #[arg(long, default_value_t = 1.0)]
     pub attr_ttl: f64,
-    /// Seconds the kernel caches names (dentries).
+    /// Seconds the kernel and the client cache names (dentries), and answer for missing names in
+    /// directories this client made.
     #[arg(long, default_value_t = 1.0)]
     pub entry_ttl: f64,
     /// Kernel write-back caching: faster small writes, but data reaches the cluster (and other
@@ -121,8 +122,14 @@ impl VolumeMount {
                 .map_err(|e| anyhow::anyhow!("cannot open volume {volume}: {e}"))?;
             let mut registry = prometheus_client::registry::Registry::default();
             msgr.register_metrics(&mut registry);
+            // The client's cache keeps names and attributes as long as the kernel does.
+            let cache = MetaCacheConfig {
+                attr_ttl: opts.attr_ttl,
+                entry_ttl: opts.entry_ttl,
+                ..MetaCacheConfig::default()
+            };
             let fs = Arc::new(Metrics::new(
-                MetaCache::new(NetFs::new(Arc::new(vol))),
+                MetaCache::with_config(NetFs::new(Arc::new(vol)), cache),
                 &mut registry,
             ));
             let (metrics_addr, http_stop) = serve_metrics(&flags.metrics_listen, registry).await?;

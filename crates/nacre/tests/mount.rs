@@ -142,13 +142,19 @@ struct Up {
 
 impl Up {
     fn start(dir: &Path) -> Self {
+        Self::start_with(dir, &[])
+    }
+
+    /// `start` with more arguments for `nacre up`.
+    fn start_with(dir: &Path, args: &[&str]) -> Self {
         let mnt = dir.join("mnt");
         let mut proc = Proc::spawn(
             Command::new(BIN)
                 .args(["up", "--dir"])
                 .arg(dir)
                 .arg("--mount")
-                .arg(&mnt),
+                .arg(&mnt)
+                .args(args),
         );
         proc.wait_line("mounted volume", Duration::from_secs(120));
         Self {
@@ -807,4 +813,48 @@ assert os.stat(p).st_size == 0, os.stat(p)
 print("ok")
 "#,
     ]);
+}
+
+#[test]
+fn a_name_another_client_made_after_a_cached_miss_is_opened_not_refused() {
+    require_fuse!();
+    let _serial = serial();
+    let tmp = tempfile::tempdir().unwrap();
+    let _cleanup = Unmount(tmp.path().join(".nacre/mnt"));
+    // Long TTLs, so that the cache's answer is certainly still held below.
+    let up = Up::start_with(
+        &tmp.path().join(".nacre"),
+        &["--entry-ttl", "60", "--attr-ttl", "60"],
+    );
+    let d = up.mnt.join("d");
+    fs::create_dir(&d).unwrap();
+    assert_eq!(errno_of(fs::metadata(d.join("f"))), libc::ENOENT);
+    // Another client (`nacre fs`, finding the cluster in ./.nacre) makes d/f.
+    let local = tmp.path().join("local");
+    fs::write(&local, b"theirs").unwrap();
+    run(Command::new(BIN)
+        .current_dir(tmp.path())
+        .args(["fs", "put"])
+        .arg(&local)
+        .arg("/d/f"));
+    // This mount made d and still answers, within its TTL, that f is missing …
+    assert_eq!(errno_of(fs::metadata(d.join("f"))), libc::ENOENT);
+    // … but O_CREAT without O_EXCL opens the file that is there, and O_EXCL is refused.
+    let mut f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(d.join("f"))
+        .unwrap();
+    let mut got = String::new();
+    std::io::Read::read_to_string(&mut f, &mut got).unwrap();
+    assert_eq!(got, "theirs");
+    drop(f);
+    let excl = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(d.join("f"));
+    assert_eq!(errno_of(excl), libc::EEXIST);
+    up.down();
 }

@@ -3,9 +3,21 @@
 //! on open").
 //!
 //! **Served from the cache:** `getattr` (a fresh attribute), `lookup` (a fresh dentry *and* a fresh
-//! attribute of its inode). `lookup`, `getattr`, `readdir` and the creating calls fill it. Missing
-//! names are not cached (no negative entries). `open` drops the inode's attribute, so the next
-//! `getattr` after an open reads the truth.
+//! attribute of its inode). `lookup`, `getattr`, `readdir` and the creating calls fill it. `open`
+//! drops the inode's attribute, so the next `getattr` after an open reads the truth.
+//!
+//! **Missing names** are answered without asking only in a *complete* directory: one whose every
+//! entry this client knows, as of the directory's ctime at some moment. A directory becomes
+//! complete when this client makes it (`mkdir`: empty, at the ctime it was made with) and stays
+//! complete through this client's own creates in it, as long as each create reports that it found
+//! the directory at exactly the ctime the cache holds (`Entry::parent_was`): the meta partition
+//! moves a directory's ctime forward on every change of its entries, so nothing else changed it in
+//! between. Any other change that passes through (remove, rename, setattr, a create that could not
+//! tell), a lookup that finds a name the cache did not know, or the TTL running out since the last
+//! such confirmation, ends it. A name another client adds to a complete directory is thus missed
+//! for at most the dentry TTL, as a name it removes is still served for at most that long. Through
+//! FUSE this saves the meta request of the `LOOKUP` the kernel sends before every create and
+//! mkdir of a new name.
 //!
 //! **Invalidation.** Every mutation passing through drops what it may change, after the inner call
 //! returns and whether or not it failed (a failed call may have been applied):
@@ -41,7 +53,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use nacre_meta::{Attr, MetaError, SetAttr, XattrMode};
+use nacre_meta::{Attr, FileType, MetaError, SetAttr, XattrMode};
 use nacre_types::Ino;
 use tokio::time::Instant;
 
@@ -94,6 +106,20 @@ pub struct MetaCache<F> {
 /// Stripes of invalidation stamps (per table); more stripes, fewer fills dropped needlessly.
 const STRIPES: usize = 1024;
 
+/// Most complete directories kept, and most names kept per complete directory.
+const COMPLETE_DIRS: usize = 4096;
+const COMPLETE_NAMES: usize = 16_384;
+
+/// A directory whose every entry this client knows (see the module docs).
+#[derive(Debug)]
+struct Complete {
+    /// The directory's ctime when `names` were its entries.
+    ctime: u64,
+    names: std::collections::HashSet<Vec<u8>>,
+    /// Until when a missing name is answered without asking.
+    expires: Instant,
+}
+
 #[derive(Debug)]
 struct State {
     attrs: Clock<Ino, Attr>,
@@ -105,6 +131,8 @@ struct State {
     entry_stamps: Vec<u64>,
     /// The inode of every handle opened through this layer (writes invalidate its attributes).
     handles: HashMap<Fh, Ino>,
+    /// Complete directories; an invalidation of a directory's attribute ends its completeness.
+    complete: HashMap<Ino, Complete>,
 }
 
 fn attr_stripe(ino: Ino) -> usize {
@@ -123,6 +151,30 @@ impl State {
         self.seq += 1;
         self.attr_stamps[attr_stripe(ino)] = self.seq;
         self.attrs.remove(&ino);
+        self.complete.remove(&ino);
+    }
+
+    /// Records `dir` as complete (at `c.ctime`, with `c.names`), unless the table is full of
+    /// unexpired ones or the directory has too many names to keep.
+    fn set_complete(&mut self, dir: Ino, c: Complete, now: Instant) {
+        if c.names.len() > COMPLETE_NAMES {
+            return;
+        }
+        if self.complete.len() >= COMPLETE_DIRS && !self.complete.contains_key(&dir) {
+            self.complete.retain(|_, c| c.expires > now);
+            if self.complete.len() >= COMPLETE_DIRS {
+                return;
+            }
+        }
+        self.complete.insert(dir, c);
+    }
+
+    /// Whether `name` is known to be missing from `parent` at `now`.
+    fn known_missing(&self, parent: Ino, name: &[u8], now: Instant) -> bool {
+        self.complete
+            .get(&parent)
+            .is_some_and(|c| c.expires > now && !c.names.contains(name))
+            && nacre_meta::ops::check_name(name).is_ok()
     }
 
     fn inval_entry(&mut self, parent: Ino, name: &[u8]) {
@@ -191,6 +243,7 @@ impl<F: FileSystem> MetaCache<F> {
                 attr_stamps: vec![0; STRIPES],
                 entry_stamps: vec![0; STRIPES],
                 handles: HashMap::new(),
+                complete: HashMap::new(),
             }),
             cfg,
             hits: AtomicU64::new(0),
@@ -225,6 +278,7 @@ impl<F: FileSystem> MetaCache<F> {
         st.entry_stamps.fill(seq);
         st.attrs.clear();
         st.entries.clear();
+        st.complete.clear();
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -277,14 +331,37 @@ impl<F: FileSystem> MetaCache<F> {
 
     /// After a create-like call: the new dentry and attribute cached, the parent's attribute
     /// replaced by the one the call returned (dropped when it returned none, or failed).
+    ///
+    /// The parent stays complete when it was and the call found it at the ctime the cache holds;
+    /// a new directory starts complete.
     fn created(&self, since: u64, began: Instant, parent: Ino, name: &[u8], e: Option<&Entry>) {
         let mut st = self.lock();
         let dir = e.and_then(|e| e.parent.as_ref());
+        // Taken out before the parent's attribute is replaced (which would drop it).
+        let was_complete = st.complete.remove(&parent);
         match e {
             Some(e) => {
                 st.replace_entry(since, parent, name, e.attr.ino, self.entry_expiry(began));
                 let changed = [(e.attr.ino, Some(&e.attr)), (parent, dir)];
                 st.replace_attrs(since, &changed, self.attr_expiry(began));
+                let now = Instant::now();
+                if let (Some(mut c), Some(was), Some(after)) = (was_complete, e.parent_was, dir)
+                    && c.ctime == was
+                    && after.ctime > was
+                {
+                    c.names.insert(name.to_vec());
+                    c.ctime = after.ctime;
+                    c.expires = self.entry_expiry(began);
+                    st.set_complete(parent, c, now);
+                }
+                if e.attr.kind == FileType::Dir && e.parent_was.is_some() {
+                    let fresh = Complete {
+                        ctime: e.attr.ctime,
+                        names: std::collections::HashSet::new(),
+                        expires: self.entry_expiry(began),
+                    };
+                    st.set_complete(e.attr.ino, fresh, now);
+                }
             }
             None => st.inval_attr(parent),
         }
@@ -322,6 +399,10 @@ impl<F: FileSystem> FileSystem for MetaCache<F> {
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 return Ok(a.clone());
             }
+            if st.known_missing(parent, name, now) {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                return Err(FsError::Meta(MetaError::NotFound));
+            }
             (st.seq, now)
         };
         self.misses.fetch_add(1, Ordering::Relaxed);
@@ -329,6 +410,14 @@ impl<F: FileSystem> FileSystem for MetaCache<F> {
         let mut st = self.lock();
         match &r {
             Ok(a) => {
+                if st
+                    .complete
+                    .get(&parent)
+                    .is_some_and(|c| !c.names.contains(name))
+                {
+                    // Someone else added it: this client no longer knows every entry.
+                    st.complete.remove(&parent);
+                }
                 st.fill_entry(since, parent, name, a.ino, self.entry_expiry(began));
                 st.fill_attr(since, a, self.attr_expiry(began));
             }

@@ -1601,7 +1601,14 @@ mod tests {
             self.op(|m, _| {
                 let attr = m.add(parent, name, Node::File(Vec::new()))?;
                 let fh = m.open(attr.ino.0, flags);
-                Ok((Entry { attr, parent: None }, fh))
+                Ok((
+                    Entry {
+                        attr,
+                        parent: None,
+                        parent_was: None,
+                    },
+                    fh,
+                ))
             })
             .await
         }
@@ -1609,7 +1616,11 @@ mod tests {
         async fn mkdir(&self, parent: Ino, name: &[u8], _: u32, _: Caller) -> FsResult<Entry> {
             self.op(|m, _| {
                 let attr = m.add(parent, name, Node::Dir(BTreeMap::new()))?;
-                Ok(Entry { attr, parent: None })
+                Ok(Entry {
+                    attr,
+                    parent: None,
+                    parent_was: None,
+                })
             })
             .await
         }
