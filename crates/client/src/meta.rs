@@ -124,6 +124,17 @@ pub struct Entry {
     pub parent_was: Option<u64>,
 }
 
+impl Entry {
+    /// An entry whose call learnt nothing about the directory.
+    pub fn bare(attr: Attr) -> Self {
+        Self {
+            attr,
+            parent: None,
+            parent_was: None,
+        }
+    }
+}
+
 /// What a new inode is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NewInode {
@@ -403,11 +414,7 @@ impl<T: MetaTransport> MetaFs<T> {
             Err(FsError::Unavailable(CallError::Unknown(m))) => {
                 // Did the dentry make it? Only a definite "no" allows undoing the inode.
                 match self.dentry_is(parent, name, attr.ino).await {
-                    Ok(true) => Ok(Entry {
-                        attr,
-                        parent: None,
-                        parent_was: None,
-                    }),
+                    Ok(true) => Ok(Entry::bare(attr)),
                     Ok(false) => {
                         self.undo_inode(attr.ino).await;
                         Err(CallError::Unknown(m).into())
@@ -457,11 +464,7 @@ impl<T: MetaTransport> MetaFs<T> {
             Err(FsError::Unavailable(CallError::Unknown(m))) => {
                 match self.dentry_is(parent, name, ino).await {
                     Ok(true) => {
-                        return Ok(Entry {
-                            attr,
-                            parent: None,
-                            parent_was: None,
-                        });
+                        return Ok(Entry::bare(attr));
                     }
                     Ok(false) => FsError::from(CallError::Unknown(m)),
                     // Cannot tell: keep the extra link (a leak, not a dangling dentry).

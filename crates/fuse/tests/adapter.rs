@@ -164,23 +164,12 @@ impl FileSystem for Toy {
     ) -> FsResult<(Entry, Fh)> {
         let attr = self.new_inode(parent, name, FileType::File, mode)?;
         let fh = self.open_ino(attr.ino, flags);
-        Ok((
-            Entry {
-                attr,
-                parent: None,
-                parent_was: None,
-            },
-            fh,
-        ))
+        Ok((Entry::bare(attr), fh))
     }
 
     async fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, _caller: Caller) -> FsResult<Entry> {
         let attr = self.new_inode(parent, name, FileType::Dir, mode)?;
-        Ok(Entry {
-            attr,
-            parent: None,
-            parent_was: None,
-        })
+        Ok(Entry::bare(attr))
     }
 
     async fn symlink(
@@ -195,11 +184,7 @@ impl FileSystem for Toy {
         s.links.insert(a.ino, target.to_vec());
         a.size = target.len() as u64;
         s.attrs.insert(a.ino, a.clone());
-        Ok(Entry {
-            attr: a,
-            parent: None,
-            parent_was: None,
-        })
+        Ok(Entry::bare(a))
     }
 
     async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Entry> {
@@ -211,11 +196,7 @@ impl FileSystem for Toy {
         dir.insert(new_name.to_vec(), ino);
         let a = s.attrs.get_mut(&ino).ok_or_else(not_found)?;
         a.nlink += 1;
-        Ok(Entry {
-            attr: a.clone(),
-            parent: None,
-            parent_was: None,
-        })
+        Ok(Entry::bare(a.clone()))
     }
 
     async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {

@@ -1601,14 +1601,7 @@ mod tests {
             self.op(|m, _| {
                 let attr = m.add(parent, name, Node::File(Vec::new()))?;
                 let fh = m.open(attr.ino.0, flags);
-                Ok((
-                    Entry {
-                        attr,
-                        parent: None,
-                        parent_was: None,
-                    },
-                    fh,
-                ))
+                Ok((Entry::bare(attr), fh))
             })
             .await
         }
@@ -1616,11 +1609,7 @@ mod tests {
         async fn mkdir(&self, parent: Ino, name: &[u8], _: u32, _: Caller) -> FsResult<Entry> {
             self.op(|m, _| {
                 let attr = m.add(parent, name, Node::Dir(BTreeMap::new()))?;
-                Ok(Entry {
-                    attr,
-                    parent: None,
-                    parent_was: None,
-                })
+                Ok(Entry::bare(attr))
             })
             .await
         }
