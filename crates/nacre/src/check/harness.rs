@@ -203,16 +203,13 @@ impl Harness {
             let (addr, http) = if netns.is_some() {
                 (format!("{ip}:7000"), format!("{ip}:7001"))
             } else {
-                (
-                    format!(
+                let addr = || -> anyhow::Result<String> {
+                    Ok(format!(
                         "{ip}:{}",
                         free_port(&ip).context("cannot find a free port")?
-                    ),
-                    format!(
-                        "{ip}:{}",
-                        free_port(&ip).context("cannot find a free port")?
-                    ),
-                )
+                    ))
+                };
+                (addr()?, addr()?)
             };
             if role == Role::Data
                 && i == 0
