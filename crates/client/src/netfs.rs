@@ -549,26 +549,27 @@ impl Inner {
     }
 
     /// Renames `parent/name`, a file this client has open, to a hidden name (see the module docs);
-    /// not when it is `keep`. Returns the parent's attributes after the rename, when learnt.
+    /// not when it is `keep`. Returns the parent's attributes after the rename (when learnt) if
+    /// it hid the file, `None` if there was nothing to hide.
     async fn hide_if_open(
         &self,
         parent: Ino,
         name: &[u8],
         keep: Option<Ino>,
-    ) -> FsResult<Vec<Attr>> {
+    ) -> FsResult<Option<Vec<Attr>>> {
         if self.files.lock().is_ok_and(|f| f.is_empty()) {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let d = match self.meta.lookup_dentry(parent, name).await {
             Ok(d) => d,
-            Err(FsError::Meta(MetaError::NotFound)) => return Ok(Vec::new()),
+            Err(FsError::Meta(MetaError::NotFound)) => return Ok(None),
             Err(e) => return Err(e),
         };
         let Some(f) = self.open_file(d.ino) else {
-            return Ok(Vec::new());
+            return Ok(None);
         };
         if d.kind != FileType::File || keep == Some(d.ino) {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let mut hidden = HIDDEN_PREFIX.to_vec();
         hidden.extend_from_slice(d.ino.0.to_string().as_bytes());
@@ -576,7 +577,7 @@ impl Inner {
         if let Ok(mut h) = f.hidden.lock() {
             *h = Some((parent, hidden));
         }
-        Ok(dirs)
+        Ok(Some(dirs))
     }
 }
 
@@ -648,11 +649,12 @@ impl Inner {
     }
 
     async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
-        if !self.files.lock().is_ok_and(|f| f.is_empty()) {
-            let d = self.meta.lookup_dentry(parent, name).await?;
-            if d.kind == FileType::File && self.open_file(d.ino).is_some() {
-                return self.hide_if_open(parent, name, None).await;
-            }
+        // A file this client has open is hidden, not unlinked. When it is not open (or its last
+        // handle was released meanwhile: FUSE sends RELEASE after close(2) returns), the name is
+        // removed; returning without removing it once left a "deleted" SQLite journal in place,
+        // which the next transaction took for a hot journal and rolled back.
+        if let Some(dirs) = self.hide_if_open(parent, name, None).await? {
+            return Ok(dirs);
         }
         self.meta.unlink(parent, name).await
     }
