@@ -14,4 +14,4 @@ pub use fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
 pub use layers::{MetaCache, MetaCacheConfig, Metrics};
 pub use meta::{CallError, Entry, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};
 pub use net::{DataPartitionInfo, NetVolume};
-pub use netfs::{NetFs, NetFsConfig};
+pub use netfs::{HideHook, HideStep, NetFs, NetFsConfig};

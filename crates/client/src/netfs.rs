@@ -95,6 +95,32 @@ struct Inner {
     next_fh: AtomicU64,
     handles: Mutex<HashMap<Fh, Handle>>,
     files: Mutex<HashMap<Ino, Arc<OpenFile>>>,
+    hide_hook: HideHookSlot,
+}
+
+/// Where an unlink or rename that hides an open file is between its meta requests; a test hook
+/// ([`NetFs::set_hide_hook`]) can stop it there to let another call land in between.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HideStep {
+    /// The name was looked up; whether the file is open is not checked yet.
+    LookedUp,
+    /// The name was renamed to the hidden one; the open file does not know it yet.
+    Renamed,
+}
+
+/// Called at each [`HideStep`]; the step waits for the returned future.
+#[doc(hidden)]
+pub type HideHook =
+    Arc<dyn Fn(HideStep) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+#[derive(Default)]
+struct HideHookSlot(Mutex<Option<HideHook>>);
+
+impl std::fmt::Debug for HideHookSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HideHookSlot")
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -207,6 +233,7 @@ impl NetFs {
                 next_fh: AtomicU64::new(1),
                 handles: Mutex::default(),
                 files: Mutex::default(),
+                hide_hook: HideHookSlot::default(),
             }),
         }
     }
@@ -218,6 +245,15 @@ impl NetFs {
 
     pub fn volume(&self) -> &Arc<NetVolume> {
         &self.inner.vol
+    }
+
+    /// Installs (or with `None` removes) a hook that runs between the steps of hiding an open
+    /// file, for tests that make a release land there.
+    #[doc(hidden)]
+    pub fn set_hide_hook(&self, hook: Option<HideHook>) {
+        if let Ok(mut h) = self.inner.hide_hook.0.lock() {
+            *h = hook;
+        }
     }
 
     /// Runs `op` on its own task and waits for it; dropping the returned future detaches the
@@ -565,6 +601,7 @@ impl Inner {
             Err(FsError::Meta(MetaError::NotFound)) => return Ok(None),
             Err(e) => return Err(e),
         };
+        self.hide_step(HideStep::LookedUp).await;
         let Some(f) = self.open_file(d.ino) else {
             return Ok(None);
         };
@@ -574,10 +611,31 @@ impl Inner {
         let mut hidden = HIDDEN_PREFIX.to_vec();
         hidden.extend_from_slice(d.ino.0.to_string().as_bytes());
         let dirs = self.meta.rename(parent, name, parent, &hidden).await?;
+        self.hide_step(HideStep::Renamed).await;
         if let Ok(mut h) = f.hidden.lock() {
             *h = Some((parent, hidden));
         }
+        // The last handle may have been released since the check above, and its release found
+        // no hidden name to remove. `release` leaves `files` before it takes `hidden`, and this
+        // sets `hidden` before it looks at `files`, so exactly one of the two removes the name.
+        let still_open = self
+            .files
+            .lock()
+            .is_ok_and(|files| files.get(&d.ino).is_some_and(|g| Arc::ptr_eq(g, &f)));
+        if !still_open {
+            let left = f.hidden.lock().ok().and_then(|mut h| h.take());
+            if let Some((parent, name)) = left {
+                return Ok(Some(self.meta.unlink(parent, &name).await?));
+            }
+        }
         Ok(Some(dirs))
+    }
+
+    async fn hide_step(&self, step: HideStep) {
+        let hook = self.hide_hook.0.lock().ok().and_then(|h| h.clone());
+        if let Some(hook) = hook {
+            hook(step).await;
+        }
     }
 }
 

@@ -9,7 +9,8 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use nacre_client::{Caller, FileSystem, NetFs, NetVolume, OpenFlags};
+use nacre_client::netfs::HIDDEN_PREFIX;
+use nacre_client::{Caller, FileSystem, HideStep, NetFs, NetVolume, OpenFlags};
 use nacre_data::store::ExtentStore;
 use nacre_master::MasterClient;
 use nacre_meta::{ROOT_INO, SetAttr};
@@ -291,6 +292,50 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
         assert_eq!(after.len(), listed.len());
         let raw = fs.meta().readdir(ROOT_INO, None, 0).await.unwrap();
         assert_eq!(raw.len(), listed.len(), "the hidden name is removed too");
+
+        // An unlink racing the last release of the file it removes (FUSE sends RELEASE after
+        // close(2) returns; SQLite deletes its journal right after closing it): wherever between
+        // the unlink's steps the release lands, the name and the inode go, and no hidden name is
+        // left behind. Landing after the lookup once kept the name (a "deleted" journal that
+        // rolled a committed transaction back); landing after the rename leaked the hidden file.
+        for step in [HideStep::LookedUp, HideStep::Renamed] {
+            let name = format!("race-{step:?}");
+            let (a, h) = fs
+                .create(ROOT_INO, name.as_bytes(), 0o600, me, OpenFlags::READ_WRITE)
+                .await
+                .unwrap();
+            let (reached_tx, mut reached) = tokio::sync::mpsc::unbounded_channel();
+            let go = Arc::new(tokio::sync::Notify::new());
+            let hold = go.clone();
+            fs.set_hide_hook(Some(Arc::new(move |at| {
+                let (tx, hold) = (reached_tx.clone(), hold.clone());
+                Box::pin(async move {
+                    if at == step {
+                        let _ = tx.send(());
+                        hold.notified().await;
+                    }
+                })
+            })));
+            let unlink = tokio::spawn({
+                let (fs, name) = (fs.clone(), name.clone());
+                async move { fs.unlink(ROOT_INO, name.as_bytes()).await }
+            });
+            reached.recv().await.unwrap();
+            fs.release(h).await.unwrap();
+            go.notify_one();
+            unlink.await.unwrap().unwrap();
+            fs.set_hide_hook(None);
+            assert!(
+                fs.lookup(ROOT_INO, name.as_bytes()).await.is_err(),
+                "{name}"
+            );
+            let raw = other.meta().readdir(ROOT_INO, None, 0).await.unwrap();
+            assert!(
+                raw.iter().all(|e| !e.name.starts_with(HIDDEN_PREFIX)),
+                "{name}: a hidden name is left"
+            );
+            assert!(fs.getattr(a.attr.ino).await.is_err(), "{name}: inode left");
+        }
 
         // Buffered bytes that cannot be committed (another client removed the file) fail the
         // call that commits them, and the next flush reports it again: never a silent success.
