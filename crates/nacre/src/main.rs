@@ -1,5 +1,15 @@
 //! `nacre`: one binary for every role of a nacre cluster, its CLI and its benchmarks.
 
+/// Prints a line for the operator of a long-running command (`server`, `up`, `mount`). Unlike `println!`
+/// it never panics: a closed stdout (the terminal or the pipe reading it went away) must not take
+/// a running cluster down with it.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
 mod admin;
 mod bench;
 mod check;
@@ -365,12 +375,14 @@ fn server(a: ServerArgs) -> anyhow::Result<()> {
     nacre_raft::store::exit_process_on_log_failure(true);
     runtime()?.block_on(async {
         let node = Node::start(&cfg).await?;
-        println!(
+        say!(
             "nacre node {} ({:?}) listening on {}",
-            node.name, node.role, node.addr
+            node.name,
+            node.role,
+            node.addr
         );
         if let Some(m) = &node.http_addr {
-            println!("http: http://{m}/metrics");
+            say!("http: http://{m}/metrics");
         }
         stop_signal().await;
         node.stop().await
@@ -464,9 +476,9 @@ fn up(a: UpArgs) -> anyhow::Result<()> {
             "mount": a.mount.as_ref().map(|m| m.display().to_string()),
         });
         write_atomic(&path, serde_json::to_string_pretty(&info)?.as_bytes())?;
-        println!("nacre is up (state in {})", a.dir.display());
+        say!("nacre is up (state in {})", a.dir.display());
         for n in all() {
-            println!(
+            say!(
                 "  {:<8} {:<21} http://{}/metrics",
                 n.name,
                 n.addr,
@@ -474,7 +486,7 @@ fn up(a: UpArgs) -> anyhow::Result<()> {
             );
         }
         if let Some(h) = &master.http_addr {
-            println!("  admin API http://{h}/api/v1/status");
+            say!("  admin API http://{h}/api/v1/status");
         }
         let mounted = match &a.mount {
             Some(dir) => {
@@ -487,13 +499,13 @@ fn up(a: UpArgs) -> anyhow::Result<()> {
                 .await
                 {
                     Ok(m) => {
-                        println!(
+                        say!(
                             "mounted volume {} on {}",
                             a.volume,
                             m.mounted.dir().display()
                         );
                         if let Some(h) = &m.metrics_addr {
-                            println!("  client metrics http://{h}/metrics");
+                            say!("  client metrics http://{h}/metrics");
                         }
                         Some(m)
                     }
@@ -506,18 +518,18 @@ fn up(a: UpArgs) -> anyhow::Result<()> {
             }
             None => None,
         };
-        println!("try: nacre cluster status; nacre vol create demo; nacre vol info demo");
-        println!(
+        say!("try: nacre cluster status; nacre vol create demo; nacre vol info demo");
+        say!(
             "Ctrl-C (or `nacre down --dir {}`) stops it.",
             a.dir.display()
         );
         let _ = stop.await;
-        println!("stopping…");
+        say!("stopping…");
         let mut r = Ok(());
         // Unmount first: the file system needs the nodes to flush what is still open.
         if let Some(m) = mounted {
             match m.stop().await {
-                Ok(()) => println!("unmounted"),
+                Ok(()) => say!("unmounted"),
                 Err(e) => r = Err(e),
             }
         }

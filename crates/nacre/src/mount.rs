@@ -295,22 +295,22 @@ pub fn run_mount(a: MountArgs) -> anyhow::Result<()> {
     crate::runtime()?.block_on(async move {
         let stop = tokio::spawn(crate::stop_signal());
         let m = VolumeMount::start(masters, &a.volume, &a.dir, &a.flags).await?;
-        println!(
+        say!(
             "mounted volume {} on {} (Ctrl-C or `umount {}` ends it)",
             a.volume,
             m.mounted.dir().display(),
             m.mounted.dir().display()
         );
         if let Some(h) = &m.metrics_addr {
-            println!("client metrics: http://{h}/metrics");
+            say!("client metrics: http://{h}/metrics");
         }
         let ended = m.mounted.ended();
         tokio::select! {
-            _ = stop => println!("unmounting…"),
-            _ = ended => println!("unmounted from outside"),
+            _ = stop => say!("unmounting…"),
+            _ = ended => say!("unmounted from outside"),
         }
         m.stop().await?;
-        println!("unmounted");
+        say!("unmounted");
         Ok(())
     })
 }

@@ -195,6 +195,9 @@ fn up_starts_a_cluster_the_admin_commands_find() {
     let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
     let first = lines.next().unwrap().unwrap();
     assert!(first.starts_with("nacre is up"), "{first}");
+    // Nobody reads its output from here on (a terminal closed, a pipe's reader gone): the
+    // cluster keeps running, and the "stopping…" it prints at SIGTERM does not kill it half way.
+    drop(lines);
     let admin = |args: &[&str]| run_ok(Command::new(BIN).args(args).current_dir(dir.path()));
     let out = admin(&["vol", "create", "demo", "--wait", "20"]);
     assert!(out.contains("volume demo created"), "{out}");
