@@ -7,6 +7,8 @@
 pub mod garbage;
 pub mod harness;
 pub mod port;
+#[cfg(test)]
+mod port_tests;
 pub mod workload;
 
 use std::path::PathBuf;

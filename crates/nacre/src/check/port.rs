@@ -6,16 +6,21 @@
 //! `Address already in use`). Ports below the ephemeral range are only ever taken by an explicit
 //! bind, so picking there leaves only other explicit binds to race with.
 //!
+//! A process forked while a probe socket is open (another test thread spawning a child) holds a
+//! copy of it until the child execs, so a port just handed out can be in use for that moment.
+//! Its test therefore lives in `port_tests.rs`, in the binary's unit tests, where no test forks,
+//! and not in the integration tests that share this file.
+//!
 //! Shared with the integration tests through `#[path]`, so it uses std only.
 
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Lowest port handed out: clear of the well-known and most registered service ports.
-const FLOOR: u32 = 20_000;
+pub(super) const FLOOR: u32 = 20_000;
 
 /// Where the kernel's ephemeral range starts (Linux default when the sysctl cannot be read).
-fn ephemeral_start() -> u32 {
+pub(super) fn ephemeral_start() -> u32 {
     std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse().ok())
@@ -43,33 +48,4 @@ pub fn free_port(ip: &str) -> std::io::Result<u16> {
         }
     }
     Ok(TcpListener::bind((ip, 0))?.local_addr()?.port())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ports_are_distinct_bindable_and_below_the_ephemeral_range() {
-        let top = ephemeral_start();
-        let below = top > FLOOR + 1_000;
-        // Each port is bound again at once and held, so a port handed out twice, or one that was
-        // not free, fails the bind. Outside the ephemeral range only an explicit bind elsewhere
-        // on the machine could take it in between; inside it (no room below the range) any
-        // outgoing connection could, so the bind is checked only in the first case.
-        let mut held = Vec::new();
-        let mut ports = Vec::new();
-        for _ in 0..50 {
-            let p = free_port("127.0.0.1").expect("a free port");
-            if below {
-                assert!(u32::from(p) >= FLOOR && u32::from(p) < top, "{p}");
-                held.push(TcpListener::bind(("127.0.0.1", p)).expect("the port is free"));
-            }
-            ports.push(p);
-        }
-        let mut sorted = ports.clone();
-        sorted.sort_unstable();
-        sorted.dedup();
-        assert_eq!(sorted.len(), ports.len(), "a port was handed out twice");
-    }
 }
