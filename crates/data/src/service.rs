@@ -167,6 +167,8 @@ struct Part {
     repairing: tokio::sync::Mutex<()>,
     /// Leadership hand-offs asked because the store failed (to pick the follower).
     handoffs: AtomicU64,
+    /// The group's published leader and term (read by `lead`).
+    gate: Option<Arc<nacre_raft::ReadGate>>,
 }
 
 impl Part {
@@ -362,6 +364,7 @@ impl DataNode {
             Ok(()) | Err(RaftError::GroupExists(_)) => {}
             Err(e) => return Err(e.to_string()),
         }
+        let gate = raft.read_gate(spec.id.0).await.map_err(|e| e.to_string())?;
         let part = Arc::new(Part {
             id: spec.id,
             replicas: Mutex::new(spec.replicas.clone()),
@@ -377,6 +380,7 @@ impl DataNode {
             bytes: AtomicU64::new(0),
             repairing: tokio::sync::Mutex::new(()),
             handoffs: AtomicU64::new(0),
+            gate,
         });
         if let Ok(mut parts) = self.inner.parts.lock() {
             parts.insert(spec.id, part);
@@ -541,12 +545,22 @@ impl DataNode {
     }
 
     /// Checks that this node leads the partition and has aligned it under the current term.
+    ///
+    /// The leader and term come from what the Raft thread published after its last message or
+    /// Ready round, not from a request to it: under load that thread spends most of its time in
+    /// log writes, and every request would wait for one (up to a sync) before its proposal was
+    /// even made. A view that is a moment stale is harmless: a proposal on a node that has just
+    /// stopped leading fails `NotLeader`, and one that has just started leading is turned away
+    /// with a hint the client follows again.
     async fn lead(&self, part: &Part) -> Result<(), RemoteError> {
         let raft = self.raft().map_err(unavailable)?;
-        let (leader, term) = raft
-            .leader_term(part.id.0)
-            .await
-            .map_err(|e| self.remote(part, e))?;
+        let (leader, term) = match &part.gate {
+            Some(gate) => gate.leader_term(),
+            None => raft
+                .leader_term(part.id.0)
+                .await
+                .map_err(|e| self.remote(part, e))?,
+        };
         if leader != raft.id() {
             return Err(self.not_leader(part, leader));
         }

@@ -173,15 +173,36 @@ impl Default for NodeConfig {
 /// acknowledged before the read began (a write is acknowledged once applied on the leader); what
 /// the leader commits later is concurrent with the read. No other leader can commit anything before
 /// the lease ends ([`NodeConfig::read_lease`]).
+///
+/// The gate also carries the group's leader and term as this node last saw them (after its last
+/// message or Ready round), so a service can turn away requests this node cannot lead without a
+/// round trip to the Raft thread, which may be busy writing its log.
 #[derive(Debug, Default)]
 pub struct ReadGate {
     until: std::sync::Mutex<Option<Instant>>,
+    leader_term: std::sync::Mutex<(u64, u64)>,
 }
 
 impl ReadGate {
     /// Whether a read of the state machine at `now` is linearizable.
     pub fn open_at(&self, now: Instant) -> bool {
         self.lock().is_some_and(|until| now < until)
+    }
+
+    /// The group's leader (0 if unknown) and term as this node last saw them. Only a hint for
+    /// routing: a proposal made on it still fails if this node has stopped leading.
+    pub fn leader_term(&self) -> (u64, u64) {
+        *self
+            .leader_term
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn set_leader_term(&self, leader: u64, term: u64) {
+        *self
+            .leader_term
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = (leader, term);
     }
 
     fn set(&self, until: Option<Instant>) {
@@ -296,6 +317,7 @@ impl<S> Group<S> {
             _ => None,
         };
         self.gate.set(until);
+        self.gate.set_leader_term(r.leader_id, r.term);
     }
 
     /// Closes the gate unless this node still leads with no transfer under way (after a message or
@@ -305,6 +327,7 @@ impl<S> Group<S> {
         if r.state != StateRole::Leader || r.lead_transferee.is_some() {
             self.gate.set(None);
         }
+        self.gate.set_leader_term(r.leader_id, r.term);
     }
 
     fn wake(&mut self) {

@@ -299,6 +299,17 @@ fn raft_thesis_3_10_leader_transfer_moves_leadership_to_the_chosen_replica() {
     c.propose(old, 1, "a=1").unwrap();
     c.pump();
     let to = c.live().into_iter().find(|&id| id != old).unwrap();
+    // Every node publishes the leader and term it knows in its read gate (what services check
+    // before proposing, without asking the Raft thread), and follows the transfer.
+    let gates: Vec<_> = c
+        .live()
+        .into_iter()
+        .map(|id| (id, c.node(id).read_gate(1).unwrap()))
+        .collect();
+    let term = c.node(old).term(1);
+    for (id, g) in &gates {
+        assert_eq!(g.leader_term(), (old, term), "node {id}");
+    }
     c.node(old).transfer_leader(1, to).unwrap();
     c.tick(5);
     assert_eq!(c.leader(1), to);
@@ -307,6 +318,11 @@ fn raft_thesis_3_10_leader_transfer_moves_leadership_to_the_chosen_replica() {
     assert_eq!(c.results[&(to, pid)], Ok(Vec::new()));
     for id in c.live() {
         assert_eq!(c.map(id, 1).len(), 2, "node {id}");
+    }
+    let new_term = c.node(to).term(1);
+    assert!(new_term > term);
+    for (id, g) in &gates {
+        assert_eq!(g.leader_term(), (to, new_term), "node {id}");
     }
     // Only a leader can hand leadership over.
     assert!(matches!(
