@@ -1574,11 +1574,19 @@ impl DataNode {
             async move {
                 let part = node.hosted_part(req.partition)?;
                 node.lead(&part).await?;
-                // Every overwrite committed before the read is applied here before it is served.
-                let raft = node.raft().map_err(unavailable)?;
-                raft.read(part.id.0, |_| ())
-                    .await
-                    .map_err(|e| node.remote(&part, e))?;
+                // Every overwrite committed before the read is applied here before it is served:
+                // at once while the read gate is open (this leader holds its lease and has applied
+                // everything committed), else through a read round on the Raft thread.
+                let open = part
+                    .gate
+                    .as_ref()
+                    .is_some_and(|g| g.open_at(std::time::Instant::now()));
+                if !open {
+                    let raft = node.raft().map_err(unavailable)?;
+                    raft.read(part.id.0, |_| ())
+                        .await
+                        .map_err(|e| node.remote(&part, e))?;
+                }
                 part.ops.fetch_add(1, Ordering::Relaxed);
                 match node.read(&part, &req).await {
                     Ok(b) => Ok((Ok(()), Payload::new(b))),
