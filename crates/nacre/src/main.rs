@@ -1,8 +1,8 @@
 //! `nacre`: one binary for every role of a nacre cluster, its CLI and its benchmarks.
 
-/// Prints a line for the operator of a long-running command (`server`, `up`, `mount`). Unlike `println!`
-/// it never panics: a closed stdout (the terminal or the pipe reading it went away) must not take
-/// a running cluster down with it.
+/// Prints a line for the operator of a long-running command (`server`, `up`, `mount`). Unlike
+/// `println!` it never panics: a closed stdout (the terminal or the pipe reading it went away) must
+/// not take a running cluster down with it.
 macro_rules! say {
     ($($t:tt)*) => {{
         use std::io::Write as _;
