@@ -29,6 +29,8 @@ pub fn errno(e: &FsError) -> i32 {
             MetaError::NoXattr => libc::ENODATA,
             MetaError::TooManyLinks => libc::EMLINK,
             MetaError::Invalid(_) => libc::EINVAL,
+            // Still delegated to another client after the wait: try again later.
+            MetaError::Delegated(_) => libc::EAGAIN,
         },
         FsError::Unavailable(_) => libc::EIO,
         FsError::Data(d) => match d {

@@ -20,6 +20,15 @@ pub const MAX_SYMLINK: usize = 4096;
 /// Longest extended attribute name and value, in bytes.
 pub const MAX_XATTR_NAME: usize = 255;
 pub const MAX_XATTR_VALUE: usize = 64 * 1024;
+/// How long a directory delegation lasts after it was granted or last renewed, in the leader's
+/// time (ns). A client counts it from when it *sent* the command that granted or renewed it, and
+/// stops relying on it [`DELEGATION_MARGIN_NS`] before that ends.
+pub const DELEGATION_NS: u64 = 10_000_000_000;
+/// How long before a delegation's end (as the client counts it) the client stops relying on it:
+/// room for the leaders' clocks to disagree.
+pub const DELEGATION_MARGIN_NS: u64 = 1_000_000_000;
+/// Most inode numbers one `Reserve` hands out.
+pub const MAX_RESERVE: u32 = 65_536;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[repr(u8)]
@@ -248,7 +257,73 @@ pub enum Command {
     SetEnd {
         end: u64,
     },
+    /// `cmd` on behalf of `client` (not 0). Commands without it come from no client in particular.
+    ///
+    /// **Directory delegations.** A directory may be *delegated* to one client until a time:
+    /// while it is, only that client may change the directory's entries or remove the directory
+    /// (every other command that would — `Create`, `CreateAt`, `CreateDentry`, `DeleteDentry`,
+    /// `UpdateDentry`, `Remove`, `Rename` with it as a parent, a `Remove` or `UnlinkInode` or
+    /// rename-replace of the directory itself — fails with `Delegated(dir)` and changes nothing).
+    /// So the holder knows every entry of the directory without asking, and may answer and
+    /// change it ahead of the partition (write-behind). A `Create` or `CreateAt` of a directory
+    /// on behalf of a client grants the new directory to that client until `now +
+    /// DELEGATION_NS`; a successful change of the entries of a directory delegated to the client
+    /// renews it to `now + DELEGATION_NS`, unless it was recalled. A delegation whose time has
+    /// passed is gone (forgotten lazily, in a way every replica computes alike); removing the
+    /// directory drops it. `As` inside `As` or `Batch` is `Invalid`.
+    As {
+        client: u64,
+        cmd: Box<Command>,
+    },
+    /// The commands of one client's write-behind queue, applied in order, each as `As { client,
+    /// op }`, in one log entry; replies `Reply::Batch` with one result per command (a failed
+    /// command changes nothing, the others still apply). `seq` grows by one per batch a client
+    /// sends to this partition; a batch whose `seq` is at or below the last one applied for the
+    /// client is not applied again and replies `Reply::Batch` with no results (a retry after an
+    /// unknown outcome). A client's last `seq` is forgotten once it sent nothing for
+    /// `SESSION_NS`. `Batch` or `As` inside a batch is `Invalid`.
+    Batch {
+        client: u64,
+        seq: u64,
+        ops: Vec<Command>,
+    },
+    /// Hands out the next `count` (1..=`MAX_RESERVE`) inode numbers of the range without making
+    /// inodes: the caller creates them later with `CreateAt` (the numbers of a caller that never
+    /// does are lost, which is harmless). `NoInodes` when fewer than `count` are left, `Invalid`
+    /// for a count of 0 or over `MAX_RESERVE`. Replies `Reserved`.
+    Reserve {
+        count: u32,
+    },
+    /// `Create` with an inode number from an earlier `Reserve` (in the range, below the next
+    /// number to hand out, and not an inode now: `Invalid` otherwise). Replies `Created`.
+    CreateAt {
+        ino: Ino,
+        parent: Ino,
+        name: Vec<u8>,
+        kind: FileType,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+        rdev: u32,
+        target: Vec<u8>,
+    },
+    /// Another client wants to change a directory delegated to someone else: the delegation is
+    /// no longer renewed and ends at its current time (the holder learns it from the next batch
+    /// that touches the directory: `Reply::Batch::recalled`). `Done` also when the directory is
+    /// not delegated.
+    Recall {
+        dir: Ino,
+    },
+    /// On behalf of a client (`As`, `Batch`): gives back the delegations of `dirs` this client
+    /// holds (recalled or not), so that other clients need not wait for them to end. Directories
+    /// not delegated to the client, or outside the range, are left alone. Replies `Done`.
+    Release {
+        dirs: Vec<Ino>,
+    },
 }
+
+/// How long a client's last batch number is remembered after its last batch (leader time, ns).
+pub const SESSION_NS: u64 = 3_600_000_000_000;
 
 /// A read of a partition (served by the leader, linearizably).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -308,6 +383,12 @@ pub enum Query {
         limit: u32,
     },
     Stats,
+    /// The directories delegated to `client` that another client recalled (`Reply::Inos`, in
+    /// order; one that ended may be listed until it is forgotten): what the holder should give
+    /// back.
+    Recalled {
+        client: u64,
+    },
 }
 
 /// Figures a partition reports (to the master, in heartbeats, and to `nacre bench meta`).
@@ -369,6 +450,17 @@ pub enum Reply {
     Names(Vec<Vec<u8>>),
     Inos(Vec<Ino>),
     Stats(PartitionStats),
+    /// `Batch`: one result per command, in order (none when the batch was applied before), and the
+    /// directories touched by the batch whose delegation to this client is recalled or gone.
+    Batch {
+        results: Vec<Result<Reply, MetaError>>,
+        recalled: Vec<Ino>,
+    },
+    /// `Reserve`: the inode numbers `[start, end)`.
+    Reserved {
+        start: u64,
+        end: u64,
+    },
 }
 
 /// Why a meta operation failed. The FUSE layer maps these to errno (only there).
@@ -398,6 +490,10 @@ pub enum MetaError {
     TooManyLinks,
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// The directory is delegated to another client, which may be changing it ahead of this
+    /// partition: send `Recall` and retry (the delegation ends within `DELEGATION_NS`).
+    #[error("directory {0} is delegated to another client; retry")]
+    Delegated(Ino),
 }
 
 /// Checks a dentry name: 1..=255 bytes, not `.` or `..`, no `/` or NUL.

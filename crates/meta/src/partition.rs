@@ -22,13 +22,37 @@
 //! about 72 (inode) + 70 (an 18-byte dentry key and its share of the B-tree) + 40 (extent key) =
 //! 182 bytes of heap, 142 without the extent key; see [`MetaPartition::memory_estimate`].
 //!
+//! # Delegations and write-behind batches
+//!
+//! A directory created by a client (`Create`/`CreateAt` in `As` or `Batch`) is *delegated* to it
+//! for [`DELEGATION_NS`]: until then only that client may change its entries or remove it, so the
+//! client may change it ahead of the partition and send the changes later, in a `Batch` (see
+//! `Command::As`). Each change of its entries by the holder renews the delegation, unless another
+//! client asked for it back (`Recall`). A batch carries a per-client number so that a retried
+//! batch is not applied twice; the last number of each client (its *session*) is kept for
+//! [`SESSION_NS`] after its last batch.
+//!
+//! Both expire with time, and time is only the `now` a command carries: whether a delegation or a
+//! session still holds is always decided by comparing its time with `now`, never by whether it is
+//! still stored. Expired ones are forgotten after every command that succeeds (a failed command
+//! changes nothing, not even this), by popping them from the front of an index ordered by time:
+//! O(log n) per command, amortized. Forgetting after a success also matters for safety when the
+//! leader's clock goes back (a new leader): a change that another client could make because a
+//! delegation had ended forgets that delegation at once, so that an earlier `now` can never
+//! bring it back and let the holder renew it without knowing of that change.
+//!
 //! # Invariants (checked by [`MetaPartition::verify`], and on every restore)
-//! - Every inode number is in `[start, end)`, at least 1, and below `next`; numbers are never reused.
+//! - Every inode number is in `[start, end)`, at least 1, and below `next`. Numbers are handed out
+//!   once (by `CreateInode`, `Create` and `Reserve`); `CreateAt` makes an inode of a number handed
+//!   out before that is not an inode now.
 //! - An inode is deleted exactly when its nlink is 0, and then it is on the orphan list.
 //! - A live directory's nlink is 2 + the number of its subdirectory dentries (all of which live
 //!   here, as dentries live with their parent). A dentry's parent is a live local directory.
 //! - Extent keys of a file are sorted by file offset, non-empty, non-overlapping, and end at or
 //!   before the file size; other kinds have none. Only symlinks have (non-empty) targets.
+//! - Every delegation is of a live directory of this partition, to a client other than 0; every
+//!   session is of a client other than 0; the time indexes list exactly the delegations' ends and
+//!   the sessions' last batch times.
 //!
 //! What this partition cannot see is the client's job: dentries pointing to inodes of other
 //! partitions, directory loops through other partitions (a rename checks the ancestry only as far
@@ -46,17 +70,18 @@ use serde::ser::SerializeSeq;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::ops::{
-    Attr, Command, Dentry, DirEntry, ExtentKey, FileType, MAX_NAME, MAX_SYMLINK, MAX_XATTR_NAME,
-    MAX_XATTR_VALUE, MetaError, PartitionStats, Query, ROOT_INO, Reply, SetAttr, XattrMode,
-    check_name,
+    Attr, Command, DELEGATION_NS, Dentry, DirEntry, ExtentKey, FileType, MAX_NAME, MAX_RESERVE,
+    MAX_SYMLINK, MAX_XATTR_NAME, MAX_XATTR_VALUE, MetaError, PartitionStats, Query, ROOT_INO,
+    Reply, SESSION_NS, SetAttr, XattrMode, check_name,
 };
 
 /// Most links an inode may have; a directory may thus hold `MAX_LINKS - 2` subdirectories.
 pub const MAX_LINKS: u32 = 65_000;
 
 /// Version of the format written by [`MetaPartition::snapshot`]: a postcard `u32` version, then
-/// the partition (a new layout gets a new version and a decoder of its own).
-pub const SNAPSHOT_VERSION: u32 = 1;
+/// the partition (a new layout gets a new version and a decoder of its own). Version 2 added the
+/// delegations and the sessions at the end; version 1 snapshots still restore (with none).
+pub const SNAPSHOT_VERSION: u32 = 2;
 
 /// Permission bits kept from a mode; the file type is [`FileType`], not mode bits.
 const MODE_MASK: u32 = 0o7777;
@@ -85,6 +110,17 @@ pub struct MetaPartition {
     orphans: BTreeSet<u64>,
     /// Extent keys no inode refers to any more, to free on the data nodes (oldest first).
     to_free: VecDeque<ExtentKey>,
+    /// Directory → the client it is delegated to (some may have ended: see `Delegation::live`).
+    delegations: BTreeMap<u64, Delegation>,
+    /// Client → its last batch (some may be forgotten already: see `Session::live`).
+    sessions: BTreeMap<u64, Session>,
+    /// `(until, dir)` of every delegation, so that the ended ones are found at the front. Derived
+    /// from `delegations` (so not in snapshots).
+    #[serde(skip)]
+    delegation_ends: BTreeSet<(u64, u64)>,
+    /// `(at, client)` of every session, likewise.
+    #[serde(skip)]
+    session_times: BTreeSet<(u64, u64)>,
     /// Bytes of the variable-size allocations: dentry and xattr keys and values, symlink targets,
     /// extent keys. Kept up to date so that `stats` does not walk the trees; derived from the rest
     /// (so not in snapshots).
@@ -120,10 +156,113 @@ impl MetaPartition {
     ///
     /// Replies: the inode's attributes after `CreateInode`, `LinkInode`, `UnlinkInode` (nlink 0:
     /// now deleted), `SetAttr` and `AppendExtents`; the old dentry after `DeleteDentry` and
-    /// `UpdateDentry`; `Replaced` after `Rename`; `Freed` after `EvictInode`; else `Done`.
+    /// `UpdateDentry`; `Created` after `Create` and `CreateAt`; `Removed` after `Remove`;
+    /// `Renamed` after `Rename`; `Freed` after `EvictInode`; `Reserved` after `Reserve`; `Batch`
+    /// after `Batch`; the wrapped command's reply after `As`; else `Done`.
     /// An inode operation on a number outside the range fails with `WrongPartition`, as does a
-    /// dentry operation whose parent is outside it. Modes keep their permission bits only.
+    /// dentry operation whose parent is outside it, and `Recall` of a directory outside it (a
+    /// misrouted request, as for every other command). Modes keep their permission bits only.
+    ///
+    /// A command that changes the entries of a directory, or removes one, while it is delegated
+    /// to another client fails with `Delegated` before any other check: the holder may have
+    /// changes of that directory not sent yet, so no other answer would be right. After every
+    /// command that succeeds, the delegations and sessions that ended by `now` are forgotten (see
+    /// the module documentation).
     pub fn apply(&mut self, now: u64, cmd: &Command) -> Result<Reply, MetaError> {
+        let reply = match cmd {
+            Command::As { client, cmd } => {
+                if *client == 0 {
+                    return Err(MetaError::Invalid("a command on behalf of client 0".into()));
+                }
+                self.apply_as(now, *client, cmd)
+            }
+            Command::Batch { client, seq, ops } => self.batch(now, *client, *seq, ops),
+            _ => self.apply_as(now, 0, cmd),
+        }?;
+        self.expire(now);
+        Ok(reply)
+    }
+
+    /// `cmd` on behalf of `client` (0: none): refused if it would change a directory delegated to
+    /// another client; on success, grants a directory it created and renews the delegations of
+    /// the directories whose entries it changed (for a client).
+    fn apply_as(&mut self, now: u64, client: u64, cmd: &Command) -> Result<Reply, MetaError> {
+        self.check_delegations(now, client, cmd)?;
+        if let Command::Release { dirs } = cmd {
+            for dir in dirs {
+                if client != 0
+                    && self
+                        .delegations
+                        .get(&dir.0)
+                        .is_some_and(|d| d.holder == client)
+                {
+                    self.drop_delegation(dir.0);
+                }
+            }
+        }
+        let reply = self.execute(now, cmd)?;
+        if client != 0 {
+            for dir in entry_dirs(cmd) {
+                if let Some(d) = self.held(now, client, dir) {
+                    self.set_delegation(dir.0, d.renewed(now));
+                }
+            }
+            if let Reply::Created { attr, .. } = &reply
+                && attr.kind == FileType::Dir
+            {
+                self.set_delegation(attr.ino.0, Delegation::granted(client, now));
+            }
+        }
+        Ok(reply)
+    }
+
+    /// `Command::Batch`. Only a malformed batch fails as a whole (and changes nothing);
+    /// each command's failure is its result.
+    fn batch(
+        &mut self,
+        now: u64,
+        client: u64,
+        seq: u64,
+        ops: &[Command],
+    ) -> Result<Reply, MetaError> {
+        if client == 0 {
+            return Err(MetaError::Invalid("a batch of client 0".into()));
+        }
+        if ops.iter().any(nests) {
+            return Err(MetaError::Invalid("As or Batch inside a batch".into()));
+        }
+        if self
+            .sessions
+            .get(&client)
+            .is_some_and(|s| s.live(now) && s.seq >= seq)
+        {
+            // Applied before: a retry after an unknown outcome.
+            return Ok(Reply::Batch {
+                results: Vec::new(),
+                recalled: Vec::new(),
+            });
+        }
+        let mut touched = BTreeSet::new();
+        let mut results = Vec::with_capacity(ops.len());
+        for op in ops {
+            touched.extend(entry_dirs(op));
+            results.push(self.apply_as(now, client, op));
+        }
+        if let Some(old) = self.sessions.insert(client, Session { seq, at: now }) {
+            self.session_times.remove(&(old.at, client));
+        }
+        self.session_times.insert((now, client));
+        // The directories the client may have changed ahead of the partition and may no longer
+        // treat as its own (`BTreeSet`: sorted, once each).
+        let recalled = touched
+            .into_iter()
+            .filter(|&dir| self.held(now, client, dir).is_none())
+            .collect();
+        Ok(Reply::Batch { results, recalled })
+    }
+
+    /// One command of any client (`As` and `Batch` are unwrapped by the callers).
+    fn execute(&mut self, now: u64, cmd: &Command) -> Result<Reply, MetaError> {
         match cmd {
             Command::CreateInode {
                 kind,
@@ -135,8 +274,10 @@ impl MetaPartition {
                 target,
             } => {
                 let node = Inode::new(*kind, *mode, *uid, *gid, parent.0, now);
-                self.create_inode(node, *rdev, target)
+                self.create_inode(node, *rdev, target, None)
+                    .map(Reply::Attr)
             }
+            // One arm, so that both share every check (`CreateAt` only picks the number).
             Command::Create {
                 parent,
                 name,
@@ -146,38 +287,24 @@ impl MetaPartition {
                 gid,
                 rdev,
                 target,
+            }
+            | Command::CreateAt {
+                parent,
+                name,
+                kind,
+                mode,
+                uid,
+                gid,
+                rdev,
+                target,
+                ..
             } => {
-                // Check everything the dentry needs before allocating, so that nothing changes on
-                // failure.
-                let p = self.owned(*parent)?;
-                let key = Key::dentry(p, name)?;
-                let dir = self.live_dir(p)?;
-                if *kind == FileType::Dir && dir.nlink >= MAX_LINKS {
-                    return Err(MetaError::TooManyLinks);
-                }
-                if self.dentries.contains_key(key.as_slice()) {
-                    return Err(MetaError::Exists);
-                }
-                let parent_was = dir.ctime;
+                let at = match cmd {
+                    Command::CreateAt { ino, .. } => Some(*ino),
+                    _ => None,
+                };
                 let node = Inode::new(*kind, *mode, *uid, *gid, parent.0, now);
-                let attr = match self.create_inode(node, *rdev, target)? {
-                    Reply::Attr(a) => a,
-                    other => return Ok(other),
-                };
-                let d = Dentry {
-                    ino: attr.ino,
-                    kind: *kind,
-                };
-                let parent = match self.create_dentry(now, *parent, name, d)? {
-                    Reply::Attr(a) => a,
-                    other => return Ok(other),
-                };
-                // The new inode's attributes are as allocated.
-                Ok(Reply::Created {
-                    attr,
-                    parent,
-                    parent_was,
-                })
+                self.create(now, (*parent, name), node, *rdev, target, at)
             }
             Command::Remove { parent, name, dir } => self.remove(now, *parent, name, *dir),
             Command::LinkInode { ino } => self.link_inode(now, *ino),
@@ -188,15 +315,17 @@ impl MetaPartition {
                 name,
                 ino,
                 kind,
-            } => self.create_dentry(
-                now,
-                *parent,
-                name,
-                Dentry {
-                    ino: *ino,
-                    kind: *kind,
-                },
-            ),
+            } => self
+                .create_dentry(
+                    now,
+                    *parent,
+                    name,
+                    Dentry {
+                        ino: *ino,
+                        kind: *kind,
+                    },
+                )
+                .map(Reply::Attr),
             Command::DeleteDentry {
                 parent,
                 name,
@@ -238,6 +367,21 @@ impl MetaPartition {
                 Ok(Reply::Done)
             }
             Command::SetEnd { end } => self.set_end(*end),
+            Command::Reserve { count } => self.reserve(*count),
+            Command::Recall { dir } => {
+                let i = self.owned(*dir)?;
+                if let Some(d) = self.delegations.get_mut(&i)
+                    && d.live(now)
+                {
+                    // Ends at its time; `until` stays, so the index stays right.
+                    d.recalled = true;
+                }
+                Ok(Reply::Done)
+            }
+            Command::Release { .. } => Ok(Reply::Done), // done by `apply_as`, which knows who
+            Command::As { .. } | Command::Batch { .. } => {
+                Err(MetaError::Invalid("As and Batch do not nest".into()))
+            }
         }
     }
 
@@ -342,6 +486,13 @@ impl MetaPartition {
                     .collect(),
             )),
             Query::Stats => Ok(Reply::Stats(self.stats())),
+            Query::Recalled { client } => Ok(Reply::Inos(
+                self.delegations
+                    .iter()
+                    .filter(|(_, d)| d.holder == *client && d.recalled)
+                    .map(|(dir, _)| Ino(*dir))
+                    .collect(),
+            )),
         }
     }
 
@@ -386,6 +537,17 @@ impl MetaPartition {
                 size_of::<Box<[u8]>>(),
             )
             + btree_bytes(self.orphans.len(), size_of::<u64>(), 0)
+            + btree_bytes(
+                self.delegations.len(),
+                size_of::<u64>(),
+                size_of::<Delegation>(),
+            )
+            + btree_bytes(self.sessions.len(), size_of::<u64>(), size_of::<Session>())
+            + btree_bytes(
+                self.delegation_ends.len() + self.session_times.len(),
+                size_of::<(u64, u64)>(),
+                0,
+            )
             + self.to_free.capacity() as u64 * EXTENT_BYTES
             + self.heap
     }
@@ -396,24 +558,21 @@ impl MetaPartition {
         postcard::to_allocvec(&(SNAPSHOT_VERSION, self)).expect("a partition always serializes")
     }
 
-    /// Rebuilds a partition from [`snapshot`](Self::snapshot) bytes; `Invalid` for anything that
-    /// does not decode to a partition satisfying every invariant ([`verify`](Self::verify)).
+    /// Rebuilds a partition from [`snapshot`](Self::snapshot) bytes, of this version or of
+    /// version 1 (which had no delegations and no sessions); `Invalid` for anything that does not
+    /// decode to a partition satisfying every invariant ([`verify`](Self::verify)).
     pub fn restore(bytes: &[u8]) -> Result<Self, MetaError> {
-        let bad = |e: postcard::Error| MetaError::Invalid(format!("bad snapshot: {e}"));
-        let (version, rest) = postcard::take_from_bytes::<u32>(bytes).map_err(bad)?;
-        if version != SNAPSHOT_VERSION {
-            return Err(MetaError::Invalid(format!(
-                "bad snapshot: unknown version {version}"
-            )));
-        }
+        let (version, rest) = postcard::take_from_bytes::<u32>(bytes).map_err(bad_snapshot)?;
         // Decoded in two steps (not as `Self`) so that a broken invariant keeps its message.
-        let (image, rest) = postcard::take_from_bytes::<Image>(rest).map_err(bad)?;
-        if !rest.is_empty() {
-            return Err(MetaError::Invalid(format!(
-                "bad snapshot: {} trailing bytes",
-                rest.len()
-            )));
-        }
+        let image = match version {
+            1 => decode::<Trees>(rest)?.into(),
+            SNAPSHOT_VERSION => decode::<Image>(rest)?,
+            _ => {
+                return Err(MetaError::Invalid(format!(
+                    "bad snapshot: unknown version {version}"
+                )));
+            }
+        };
         Self::try_from(image)
     }
 
@@ -504,6 +663,23 @@ impl MetaPartition {
                 return broken(format!("xattr {name:?} of inode {i}"));
             }
         }
+        for (&dir, d) in &self.delegations {
+            let live_dir = self.owns(Ino(dir))
+                && matches!(self.inodes.get(dir), Some(n) if n.kind == FileType::Dir && n.nlink > 0);
+            if !live_dir || d.holder == 0 {
+                return broken(format!(
+                    "delegation {d:?} of {dir}: not a live local directory, or to client 0"
+                ));
+            }
+        }
+        if self.sessions.contains_key(&0) {
+            return broken("a session of client 0".into());
+        }
+        let ends = self.delegations.iter().map(|(&dir, d)| (d.until, dir));
+        let times = self.sessions.iter().map(|(&client, s)| (s.at, client));
+        if !indexes(&self.delegation_ends, ends) || !indexes(&self.session_times, times) {
+            return broken("the time indexes of the delegations and sessions".into());
+        }
         let heap = self.count_heap();
         if heap != self.heap {
             return broken(format!("heap bytes {} counted as {heap}", self.heap));
@@ -513,12 +689,15 @@ impl MetaPartition {
 
     // --- Commands ---------------------------------------------------------------------------
 
+    /// Makes inode `node`: number `at` (from an earlier `Reserve`), or the next one. Checks
+    /// everything before it changes anything.
     fn create_inode(
         &mut self,
         mut node: Inode,
         rdev: u32,
         target: &[u8],
-    ) -> Result<Reply, MetaError> {
+        at: Option<Ino>,
+    ) -> Result<Attr, MetaError> {
         let symlink = node.kind == FileType::Symlink;
         if symlink && (target.is_empty() || target.len() > MAX_SYMLINK) {
             return Err(MetaError::InvalidName);
@@ -526,11 +705,14 @@ impl MetaPartition {
         if !symlink && !target.is_empty() {
             return Err(MetaError::Invalid("only a symlink has a target".into()));
         }
-        if self.next >= self.end {
-            return Err(MetaError::NoInodes);
+        let ino = match at {
+            None if self.next >= self.end => return Err(MetaError::NoInodes),
+            None => self.next,
+            Some(ino) => self.reserved(ino)?,
+        };
+        if at.is_none() {
+            self.next += 1;
         }
-        let ino = self.next;
-        self.next += 1;
         if symlink {
             // What lstat reports for a symlink: the length of its target.
             node.size = target.len() as u64;
@@ -542,7 +724,63 @@ impl MetaPartition {
         }
         let attr = self.attr(ino, &node);
         self.inodes.insert(ino, node);
-        Ok(Reply::Attr(attr))
+        Ok(attr)
+    }
+
+    /// `Command::Create` (`at` is `None`) and `Command::CreateAt`: inode `node` (numbered as by
+    /// `create_inode`) and its dentry `name` under `parent`, in one step.
+    fn create(
+        &mut self,
+        now: u64,
+        (parent, name): (Ino, &[u8]),
+        node: Inode,
+        rdev: u32,
+        target: &[u8],
+        at: Option<Ino>,
+    ) -> Result<Reply, MetaError> {
+        // Check everything the dentry needs before making the inode, so that nothing changes on
+        // failure.
+        let p = self.owned(parent)?;
+        let key = Key::dentry(p, name)?;
+        let dir = self.live_dir(p)?;
+        let kind = node.kind;
+        if kind == FileType::Dir && dir.nlink >= MAX_LINKS {
+            return Err(MetaError::TooManyLinks);
+        }
+        if self.dentries.contains_key(key.as_slice()) {
+            return Err(MetaError::Exists);
+        }
+        let parent_was = dir.ctime;
+        let attr = self.create_inode(node, rdev, target, at)?;
+        let d = Dentry {
+            ino: attr.ino,
+            kind,
+        };
+        // Cannot fail now: the parent, the name and the new inode were checked.
+        let parent = self.create_dentry(now, parent, name, d)?;
+        Ok(Reply::Created {
+            attr,
+            parent,
+            parent_was,
+        })
+    }
+
+    /// `Command::Reserve`: the next `count` numbers, without inodes.
+    fn reserve(&mut self, count: u32) -> Result<Reply, MetaError> {
+        if count == 0 || count > MAX_RESERVE {
+            return Err(MetaError::Invalid(format!(
+                "cannot reserve {count} inode numbers (1 to {MAX_RESERVE})"
+            )));
+        }
+        if self.end - self.next < u64::from(count) {
+            return Err(MetaError::NoInodes);
+        }
+        let start = self.next;
+        self.next += u64::from(count);
+        Ok(Reply::Reserved {
+            start,
+            end: self.next,
+        })
     }
 
     fn link_inode(&mut self, now: u64, ino: Ino) -> Result<Reply, MetaError> {
@@ -574,6 +812,8 @@ impl MetaPartition {
         let attr = node.attr(i, rdev);
         if attr.nlink == 0 {
             self.orphans.insert(i);
+            // A deleted directory has no entries left to delegate.
+            self.drop_delegation(i);
         }
         Ok(Reply::Attr(attr))
     }
@@ -654,13 +894,14 @@ impl MetaPartition {
         })
     }
 
+    /// `Command::CreateDentry`: the parent's attributes after the change.
     fn create_dentry(
         &mut self,
         now: u64,
         parent: Ino,
         name: &[u8],
         d: Dentry,
-    ) -> Result<Reply, MetaError> {
+    ) -> Result<Attr, MetaError> {
         let p = self.owned(parent)?;
         let key = Key::dentry(p, name)?;
         let dir = self.live_dir(p)?;
@@ -675,7 +916,7 @@ impl MetaPartition {
         self.heap += key.len as u64;
         self.dentries.insert(key.to_box(), d.into());
         self.touch_dir(now, p, i32::from(subdir));
-        Ok(Reply::Attr(self.dir_attr(p)?))
+        self.dir_attr(p)
     }
 
     fn delete_dentry(
@@ -951,6 +1192,112 @@ impl MetaPartition {
         Ok(Reply::Done)
     }
 
+    // --- Delegations and sessions ----------------------------------------------------------
+
+    /// `dir`'s delegation if it is `client`'s, has not ended and was not recalled: one the
+    /// client may rely on, and that its changes renew.
+    fn held(&self, now: u64, client: u64, dir: Ino) -> Option<Delegation> {
+        self.delegations
+            .get(&dir.0)
+            .filter(|d| d.live(now) && d.holder == client && !d.recalled)
+            .copied()
+    }
+
+    /// `Delegated(dir)` if `cmd` would change the entries of `dir`, or remove it, while it is
+    /// delegated to another client than `client`.
+    fn check_delegations(&self, now: u64, client: u64, cmd: &Command) -> Result<(), MetaError> {
+        if self.delegations.is_empty() {
+            // The common case costs no lookups.
+            return Ok(());
+        }
+        for dir in entry_dirs(cmd).chain(self.removed_dir(cmd)) {
+            if self
+                .delegations
+                .get(&dir.0)
+                .is_some_and(|d| d.live(now) && d.holder != client)
+            {
+                return Err(MetaError::Delegated(dir));
+            }
+        }
+        Ok(())
+    }
+
+    /// The local directory `cmd` would remove (or replace) if it succeeded, which its holder
+    /// alone may do: the directory of a `Remove` with `dir`, the destination directory a
+    /// `Rename` would replace, the inode of an `UnlinkInode` (only directories are delegated).
+    fn removed_dir(&self, cmd: &Command) -> Option<Ino> {
+        let dentry = |parent: Ino, name: &[u8]| {
+            let key = Key::dentry(self.owned(parent).ok()?, name).ok()?;
+            self.dentries.get(key.as_slice()).copied()
+        };
+        let dir = |d: DentryVal| (d.kind() == FileType::Dir).then_some(d.ino());
+        match cmd {
+            Command::Remove {
+                parent,
+                name,
+                dir: true,
+            } => dentry(*parent, name).and_then(dir),
+            Command::Rename {
+                src_parent,
+                src_name,
+                dst_parent,
+                dst_name,
+            } => {
+                let moved = dentry(*src_parent, src_name)?;
+                // Onto another name of the same inode (or itself), a rename changes nothing.
+                dentry(*dst_parent, dst_name)
+                    .filter(|r| r.ino() != moved.ino())
+                    .and_then(dir)
+            }
+            Command::UnlinkInode { ino } => Some(*ino),
+            _ => None,
+        }
+    }
+
+    /// Records `d` as `dir`'s delegation, replacing any other.
+    fn set_delegation(&mut self, dir: u64, d: Delegation) {
+        if let Some(old) = self.delegations.insert(dir, d) {
+            self.delegation_ends.remove(&(old.until, dir));
+        }
+        self.delegation_ends.insert((d.until, dir));
+    }
+
+    fn drop_delegation(&mut self, dir: u64) {
+        if let Some(old) = self.delegations.remove(&dir) {
+            self.delegation_ends.remove(&(old.until, dir));
+        }
+    }
+
+    /// Forgets the delegations and sessions that ended by `now`, from the front of their time
+    /// indexes: each is forgotten once, so this costs O(log n) per command, amortized.
+    fn expire(&mut self, now: u64) {
+        while let Some(&(until, dir)) = self.delegation_ends.first()
+            && until <= now
+        {
+            self.delegation_ends.pop_first();
+            self.delegations.remove(&dir);
+        }
+        while let Some(&(at, client)) = self.session_times.first()
+            && !session_live(at, now)
+        {
+            self.session_times.pop_first();
+            self.sessions.remove(&client);
+        }
+    }
+
+    /// `ino` as `CreateAt` may use it: handed out before (by `Reserve`, or as any number below
+    /// `next`) and not an inode now.
+    fn reserved(&self, ino: Ino) -> Result<u64, MetaError> {
+        if self.owns(ino) && ino.0 >= 1 && ino.0 < self.next && self.inodes.get(ino.0).is_none() {
+            Ok(ino.0)
+        } else {
+            Err(MetaError::Invalid(format!(
+                "{ino} is not a reserved inode number free in [{}, {})",
+                self.start, self.next
+            )))
+        }
+    }
+
     // --- Helpers ----------------------------------------------------------------------------
 
     fn owned(&self, ino: Ino) -> Result<u64, MetaError> {
@@ -1106,6 +1453,42 @@ impl MetaPartition {
         let extents: usize = self.inodes.iter().map(|(_, n)| n.extents.len()).sum();
         (dentries + targets + xattrs) as u64 + extents as u64 * EXTENT_BYTES
     }
+}
+
+/// The directories whose entries `cmd` changes, or would if it succeeded (at most two). Their
+/// delegations decide whether it may, and its success renews them.
+fn entry_dirs(cmd: &Command) -> impl Iterator<Item = Ino> + use<> {
+    let (first, second) = match cmd {
+        Command::Create { parent, .. }
+        | Command::CreateAt { parent, .. }
+        | Command::CreateDentry { parent, .. }
+        | Command::DeleteDentry { parent, .. }
+        | Command::UpdateDentry { parent, .. }
+        | Command::Remove { parent, .. } => (Some(*parent), None),
+        Command::Rename {
+            src_parent,
+            dst_parent,
+            ..
+        } => (
+            Some(*src_parent),
+            (dst_parent != src_parent).then_some(*dst_parent),
+        ),
+        _ => (None, None),
+    };
+    first.into_iter().chain(second)
+}
+
+/// Whether `cmd` wraps commands (which only the top level may).
+fn nests(cmd: &Command) -> bool {
+    matches!(cmd, Command::As { .. } | Command::Batch { .. })
+}
+
+/// Whether `index` lists exactly `entries` (distinct ones).
+fn indexes(
+    index: &BTreeSet<(u64, u64)>,
+    mut entries: impl ExactSizeIterator<Item = (u64, u64)>,
+) -> bool {
+    entries.len() == index.len() && entries.all(|e| index.contains(&e))
 }
 
 /// `limit` as a count to take, 0 meaning all.
@@ -1658,12 +2041,69 @@ fn cut_extent(key: &ExtentKey, from: u64, to: u64) -> ExtentKey {
     cut(key, offset, offset + (to - from))
 }
 
+// --- Delegations and sessions --------------------------------------------------------------
+
+/// A directory delegated to a client (see `Command::As`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Delegation {
+    /// The client (never 0).
+    holder: u64,
+    /// When it ends (leader time, ns): it holds while `now < until`.
+    until: u64,
+    /// Another client asked for the directory (`Recall`): no longer renewed.
+    recalled: bool,
+}
+
+impl Delegation {
+    fn granted(holder: u64, now: u64) -> Self {
+        Self {
+            holder,
+            until: now.saturating_add(DELEGATION_NS),
+            recalled: false,
+        }
+    }
+
+    /// Renewed at `now`. Never shortened, though after a leader change `now` may be behind the
+    /// time that set `until`: a later end costs nothing (only the holder may change the
+    /// directory meanwhile), and it leaves more room to leaders' clocks that disagree by more
+    /// than the margin.
+    fn renewed(self, now: u64) -> Self {
+        Self {
+            until: self.until.max(now.saturating_add(DELEGATION_NS)),
+            ..self
+        }
+    }
+
+    fn live(&self, now: u64) -> bool {
+        now < self.until
+    }
+}
+
+/// A client's last applied batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Session {
+    seq: u64,
+    /// When it was applied (leader time, ns).
+    at: u64,
+}
+
+impl Session {
+    fn live(&self, now: u64) -> bool {
+        session_live(self.at, now)
+    }
+}
+
+/// Whether a session whose last batch was applied `at` is remembered at `now`.
+fn session_live(at: u64, now: u64) -> bool {
+    now < at.saturating_add(SESSION_NS)
+}
+
 // --- Snapshots -----------------------------------------------------------------------------------
 
-/// A decoded snapshot before its invariants are checked: [`MetaPartition`]'s serialized fields,
-/// in the same order.
+/// Version 1 of the snapshot layout, which version 2 continues: [`MetaPartition`]'s serialized
+/// fields up to `to_free`, in the same order, decoded before the invariants are checked.
 #[derive(Deserialize)]
-struct Image {
+struct Trees {
     start: u64,
     end: u64,
     next: u64,
@@ -1676,10 +2116,36 @@ struct Image {
     to_free: VecDeque<ExtentKey>,
 }
 
+/// A decoded snapshot (version 2) before its invariants are checked: all of [`MetaPartition`]'s
+/// serialized fields. Postcard writes a nested struct as its fields, so this is version 1's
+/// layout followed by the new fields.
+#[derive(Deserialize)]
+struct Image {
+    trees: Trees,
+    delegations: BTreeMap<u64, Delegation>,
+    sessions: BTreeMap<u64, Session>,
+}
+
+/// A version 1 snapshot: no delegations, no sessions.
+impl From<Trees> for Image {
+    fn from(trees: Trees) -> Self {
+        Self {
+            trees,
+            delegations: BTreeMap::new(),
+            sessions: BTreeMap::new(),
+        }
+    }
+}
+
 impl TryFrom<Image> for MetaPartition {
     type Error = MetaError;
 
-    fn try_from(i: Image) -> Result<Self, MetaError> {
+    fn try_from(image: Image) -> Result<Self, MetaError> {
+        let Image {
+            trees: i,
+            delegations,
+            sessions,
+        } = image;
         let mut p = Self {
             start: i.start,
             end: i.end,
@@ -1691,10 +2157,30 @@ impl TryFrom<Image> for MetaPartition {
             xattrs: i.xattrs,
             orphans: i.orphans,
             to_free: i.to_free,
+            delegation_ends: delegations.iter().map(|(&dir, d)| (d.until, dir)).collect(),
+            session_times: sessions.iter().map(|(&c, s)| (s.at, c)).collect(),
+            delegations,
+            sessions,
             heap: 0,
         };
         p.heap = p.count_heap();
         p.verify()?;
         Ok(p)
     }
+}
+
+fn bad_snapshot(e: postcard::Error) -> MetaError {
+    MetaError::Invalid(format!("bad snapshot: {e}"))
+}
+
+/// `T` from all of `bytes`.
+fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, MetaError> {
+    let (t, rest) = postcard::take_from_bytes::<T>(bytes).map_err(bad_snapshot)?;
+    if !rest.is_empty() {
+        return Err(MetaError::Invalid(format!(
+            "bad snapshot: {} trailing bytes",
+            rest.len()
+        )));
+    }
+    Ok(t)
 }
