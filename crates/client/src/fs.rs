@@ -192,8 +192,16 @@ pub trait FileSystem: Send + Sync + 'static {
     /// Makes everything written through `fh` durable and visible to other clients (`close(2)`).
     fn flush(&self, fh: Fh) -> impl Future<Output = FsResult<()>> + Send;
 
-    /// As `flush` (every write is replicated and synced before it is acknowledged).
+    /// As `flush`, and makes every earlier change of names and attributes durable too (a file
+    /// system may acknowledge those before they are: write-behind).
     fn fsync(&self, fh: Fh) -> impl Future<Output = FsResult<()>> + Send;
+
+    /// Makes every earlier change of names and attributes durable (`fsync` on a directory, and
+    /// unmount). Nothing to do where each change is durable when its call returns.
+    fn sync_dir(&self, dir: Ino) -> impl Future<Output = FsResult<()>> + Send {
+        let _ = dir;
+        async { Ok(()) }
+    }
 
     /// Flushes and forgets the handle.
     fn release(&self, fh: Fh) -> impl Future<Output = FsResult<()>> + Send;

@@ -18,9 +18,14 @@
 //! finds out (a lookup tells whether a dentry exists) or leaves the state as is, erring on the side
 //! of an unreachable inode (a space leak, cleaned later) rather than a dentry without an inode.
 
+mod behind;
+
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use behind::Behind;
 
 use nacre_meta::ops::{ExtentKey, XattrMode};
 use nacre_meta::{Attr, Command, Dentry, DirEntry, FileType, MetaError, Query, Reply, SetAttr};
@@ -182,19 +187,37 @@ fn unexpected(r: &Reply) -> FsError {
 /// File system metadata of one volume.
 #[derive(Debug)]
 pub struct MetaFs<T> {
-    t: T,
+    t: Arc<T>,
     /// Round-robin cursor over writable partitions for new inodes.
     next: AtomicUsize,
     /// Inodes whose eviction failed: (partition, inode), retried by [`MetaFs::evict_orphans`].
     orphans: Mutex<Vec<Ino>>,
+    /// Write-behind in delegated directories, when on (see the `behind` module).
+    behind: Option<Arc<Behind>>,
 }
 
+/// How long a change waits for a directory delegated to another client: the delegation's
+/// length and a second more (the holder gives it back sooner when asked to).
+const DELEGATED_WAIT: Duration =
+    Duration::from_nanos(nacre_meta::ops::DELEGATION_NS + 1_000_000_000);
+
 impl<T: MetaTransport> MetaFs<T> {
+    /// Every change is applied before its call returns.
     pub fn new(t: T) -> Self {
         Self {
-            t,
+            t: Arc::new(t),
             next: AtomicUsize::new(0),
             orphans: Mutex::new(Vec::new()),
+            behind: None,
+        }
+    }
+
+    /// Creates and removes names in the directories this client makes ahead of the partitions
+    /// (write-behind under directory delegations); [`MetaFs::settle`] waits for them.
+    pub fn with_write_behind(t: T) -> Self {
+        Self {
+            behind: Some(Arc::new(Behind::new())),
+            ..Self::new(t)
         }
     }
 
@@ -212,11 +235,44 @@ impl<T: MetaTransport> MetaFs<T> {
             .ok_or(FsError::Meta(MetaError::NotFound))
     }
 
+    /// Applies `cmd` on `p` after this client's commands queued for `p`. A directory delegated
+    /// to another client is recalled and the command retried until the delegation ends.
     async fn write(&self, p: PartitionId, cmd: Command) -> FsResult<Reply> {
-        Ok(self.t.write(p, cmd).await??)
+        self.before(p, Some(&cmd)).await;
+        let makes_dir = matches!(
+            cmd,
+            Command::Create {
+                kind: FileType::Dir,
+                ..
+            }
+        );
+        let cmd = self.on_behalf(cmd);
+        let deadline = Instant::now() + DELEGATED_WAIT;
+        let mut pause = Duration::from_millis(2);
+        loop {
+            let sent = Instant::now();
+            match self.t.write(p, cmd.clone()).await? {
+                Err(MetaError::Delegated(dir)) if Instant::now() + pause < deadline => {
+                    // Not applied. Ask the holder to give it back; retry meanwhile.
+                    if let Err(e) = self.t.write(p, Command::Recall { dir }).await {
+                        tracing::debug!(%dir, error = %e, "recall not sent");
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(100));
+                }
+                Err(e) => return Err(e.into()),
+                Ok(r) => {
+                    if makes_dir && let Reply::Created { attr, .. } = &r {
+                        self.made_dir(p, attr, sent);
+                    }
+                    return Ok(r);
+                }
+            }
+        }
     }
 
     async fn read(&self, p: PartitionId, q: Query) -> FsResult<Reply> {
+        self.before(p, None).await;
         Ok(self.t.read(p, q).await??)
     }
 
@@ -241,6 +297,9 @@ impl<T: MetaTransport> MetaFs<T> {
 
     /// The dentry `name` under `parent`.
     pub async fn lookup_dentry(&self, parent: Ino, name: &[u8]) -> FsResult<Dentry> {
+        if let Some(known) = self.lookup_behind(parent, name) {
+            return known;
+        }
         let q = Query::Lookup {
             parent,
             name: name.to_vec(),
@@ -266,6 +325,9 @@ impl<T: MetaTransport> MetaFs<T> {
     /// Attributes of `name` under `parent`: one round trip when the inode lives with its parent,
     /// two otherwise.
     pub async fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
+        if let Some(Err(e)) = self.lookup_behind(parent, name) {
+            return Err(e);
+        }
         match self.lookup_plus(parent, name).await? {
             (_, Some(a)) => Ok(a),
             (d, None) => self.getattr(d.ino).await,
@@ -354,6 +416,9 @@ impl<T: MetaTransport> MetaFs<T> {
     /// then its dentry.
     pub async fn create(&self, parent: Ino, name: &[u8], new: &NewInode) -> FsResult<Entry> {
         nacre_meta::ops::check_name(name)?;
+        if let Some(done) = self.create_behind(parent, name, new).await {
+            return done;
+        }
         let pp = self.partition_of(parent)?;
         let parts = self.t.partitions();
         let local = if new.kind == FileType::Dir && parent == nacre_meta::ROOT_INO {
@@ -484,6 +549,9 @@ impl<T: MetaTransport> MetaFs<T> {
     /// inode keeps a link it no longer needs: a leak, never a dangling name). Returns the parent's
     /// attributes after the removal.
     pub async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
+        if let Some(done) = self.remove_behind(parent, name, false) {
+            return done;
+        }
         let cmd = Command::Remove {
             parent,
             name: name.to_vec(),
@@ -528,13 +596,19 @@ impl<T: MetaTransport> MetaFs<T> {
     /// emptiness check, the dentry, then the inode. Returns the parent's attributes after the
     /// removal when the one-step path learnt them.
     pub async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
+        if let Some(done) = self.remove_behind(parent, name, true) {
+            return done;
+        }
         let cmd = Command::Remove {
             parent,
             name: name.to_vec(),
             dir: true,
         };
         let ino = match self.write_ino(parent, cmd).await {
-            Ok(Reply::Removed { parent, .. }) => return Ok(vec![parent]),
+            Ok(Reply::Removed { parent, dentry, .. }) => {
+                self.forget_dir(dentry.ino);
+                return Ok(vec![parent]);
+            }
             Ok(other) => return Err(unexpected(&other)),
             Err(FsError::Meta(MetaError::WrongPartition(ino))) => ino,
             Err(e) => return Err(e),

@@ -56,6 +56,10 @@ pub struct NetFsConfig {
     pub read_ahead: u32,
     /// Largest piece read from a data node in one request.
     pub read_piece: u32,
+    /// Create and remove names in the directories this client makes ahead of the meta
+    /// partitions (`MetaFs::with_write_behind`); fsync waits for them. Off by default: a
+    /// long-lived client (a mount) turns it on and settles before it goes.
+    pub write_behind: bool,
 }
 
 impl Default for NetFsConfig {
@@ -65,6 +69,7 @@ impl Default for NetFsConfig {
             inflight: 8,
             read_ahead: 4 << 20,
             read_piece: 1 << 20,
+            write_behind: false,
         }
     }
 }
@@ -227,7 +232,11 @@ impl NetFs {
     pub fn with_config(vol: Arc<NetVolume>, cfg: NetFsConfig) -> Self {
         Self {
             inner: Arc::new(Inner {
-                meta: MetaFs::new(vol.clone()),
+                meta: if cfg.write_behind {
+                    MetaFs::with_write_behind(vol.clone())
+                } else {
+                    MetaFs::new(vol.clone())
+                },
                 vol,
                 cfg,
                 next_fh: AtomicU64::new(1),
@@ -1093,8 +1102,15 @@ impl FileSystem for NetFs {
     }
 
     async fn fsync(&self, fh: Fh) -> FsResult<()> {
-        self.in_turn(fh, move |i| async move { i.flush(fh).await })
-            .await
+        self.in_turn(fh, move |i| async move {
+            i.flush(fh).await?;
+            i.meta.settle().await
+        })
+        .await
+    }
+
+    async fn sync_dir(&self, _dir: Ino) -> FsResult<()> {
+        self.inner.meta.settle().await
     }
 
     async fn release(&self, fh: Fh) -> FsResult<()> {

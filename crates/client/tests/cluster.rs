@@ -455,3 +455,213 @@ async fn partition_leaders_evict_orphans_that_clients_left_behind() {
         .await
         .unwrap();
 }
+
+/// The partition of `ino` in the volume's map, and the address of its leader.
+fn leader_of(map: &ClusterMap, ino: Ino) -> String {
+    let (_, p) = map
+        .meta_partitions
+        .iter()
+        .find(|(_, p)| p.start <= ino.0 && ino.0 < p.end)
+        .unwrap();
+    map.nodes[&p.leader.unwrap()].addr.clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_written_behind_survive_a_partition_leader_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let net = MemNetwork::new(37);
+    let TestCluster {
+        master_msgr,
+        master_stop,
+        mut metas,
+        cli,
+        mc,
+        map,
+        ..
+    } = cluster_with_volume(&net, dir.path(), 2).await;
+    let vol = NetVolume::connect(cli.client(), mc.clone(), "vol")
+        .await
+        .unwrap();
+    let fs = Arc::new(MetaFs::with_write_behind(vol));
+    let d = fs
+        .create(ROOT_INO, b"d", &NewInode::dir(0o755, 0, 0))
+        .await
+        .unwrap();
+    // Made next to its parent on its own behalf: delegated to this client.
+    let e = fs
+        .create(d.attr.ino, b"e", &NewInode::dir(0o755, 0, 0))
+        .await
+        .unwrap()
+        .attr
+        .ino;
+
+    // 8 tasks make files and directories in `e` (answered at once, applied behind); the leader
+    // of e's partition dies in the middle.
+    let victim_addr = leader_of(&map, e);
+    let (half_tx, mut half_rx) = watch::channel(0usize);
+    let mut tasks = Vec::new();
+    for t in 0..8 {
+        let (fs, half_tx) = (fs.clone(), half_tx.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut acked: Vec<(Ino, Vec<u8>, Ino)> = Vec::new();
+            for i in 0..40 {
+                let name = format!("f-{t}-{i}").into_bytes();
+                let new = if i % 8 == 0 {
+                    NewInode::dir(0o755, 0, 0)
+                } else {
+                    NewInode::file(0o644, 0, 0)
+                };
+                match fs.create(e, &name, &new).await {
+                    Ok(a) => acked.push((e, name, a.attr.ino)),
+                    Err(FsError::Unavailable(_)) => {}
+                    Err(err) => panic!("create {name:?}: {err}"),
+                }
+                half_tx.send_modify(|n| *n += 1);
+            }
+            acked
+        }));
+    }
+    half_rx.wait_for(|n| *n >= 8 * 40 / 3).await.unwrap();
+    let victim = metas
+        .iter()
+        .position(|m| victim_addr.starts_with(&m.host))
+        .unwrap();
+    net.isolate(&metas[victim].host);
+    let _ = metas[victim].stop.send(true);
+    let mut acked = Vec::new();
+    for t in tasks {
+        acked.extend(t.await.unwrap());
+    }
+    assert!(
+        acked.len() > 8 * 40 / 2,
+        "{} creates acknowledged",
+        acked.len()
+    );
+    fs.settle()
+        .await
+        .expect("every change written behind is applied");
+
+    // Another client finds every acknowledged name, pointing to the inode it was answered with.
+    let vol2 = NetVolume::connect(cli.client(), mc.clone(), "vol")
+        .await
+        .unwrap();
+    let other = MetaFs::new(vol2);
+    for (parent, name, ino) in &acked {
+        let a = other.lookup(*parent, name).await.unwrap_or_else(|err| {
+            panic!(
+                "acknowledged create of {:?} lost: {err}",
+                String::from_utf8_lossy(name)
+            )
+        });
+        assert_eq!(a.ino, *ino);
+    }
+    // Creates that failed with an unknown outcome (made the synchronous way) may be there too.
+    assert!(other.readdir(e, None, 0).await.unwrap().len() >= acked.len());
+
+    let _ = master_stop.send(true);
+    let old = metas.remove(victim);
+    net.heal_host(&old.host);
+    old.shut().await;
+    for m in metas {
+        m.shut().await;
+    }
+    tokio::task::spawn_blocking(move || cli.shutdown())
+        .await
+        .unwrap();
+    tokio::task::spawn_blocking(move || master_msgr.shutdown())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delegated_directory_is_given_back_to_another_client_that_changes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let net = MemNetwork::new(41);
+    let TestCluster {
+        master_msgr,
+        master_stop,
+        metas,
+        cli,
+        mc,
+        ..
+    } = cluster_with_volume(&net, dir.path(), 1).await;
+    let connect = || NetVolume::connect(cli.client(), mc.clone(), "vol");
+    let a = MetaFs::with_write_behind(connect().await.unwrap());
+    let b = MetaFs::new(connect().await.unwrap());
+    let file = NewInode::file(0o644, 0, 0);
+    let dir_ = NewInode::dir(0o755, 0, 0);
+    let d = a.create(ROOT_INO, b"d", &dir_).await.unwrap().attr.ino;
+    let e = a.create(d, b"e", &dir_).await.unwrap().attr.ino;
+    // Made behind: nobody else can find `e` before this.
+    a.settle().await.unwrap();
+
+    // Behind: a file, a directory with a file in it, both removed again, another file.
+    a.create(e, b"keep", &file).await.unwrap();
+    let sub = a.create(e, b"sub", &dir_).await.unwrap().attr.ino;
+    a.create(sub, b"f", &file).await.unwrap();
+    assert_eq!(
+        a.rmdir(e, b"sub").await,
+        Err(FsError::Meta(nacre_meta::MetaError::NotEmpty)),
+        "known not empty without asking"
+    );
+    a.unlink(sub, b"f").await.unwrap();
+    a.rmdir(e, b"sub").await.unwrap();
+    // Answered without the cluster: made while the client is cut off, applied once it is back.
+    net.isolate("cli");
+    a.create(e, b"x", &file).await.unwrap();
+    net.heal_host("cli");
+    assert_eq!(
+        a.create(e, b"x", &file).await.map(|_| ()),
+        Err(FsError::Meta(nacre_meta::MetaError::Exists))
+    );
+    assert_eq!(
+        a.lookup_dentry(e, b"nothing").await,
+        Err(FsError::Meta(nacre_meta::MetaError::NotFound))
+    );
+
+    // The other client's change waits for the delegation to be given back (asked for through the
+    // partition; far sooner than the delegation would run out), after a's queued changes.
+    let started = std::time::Instant::now();
+    assert_eq!(
+        b.create(e, b"x", &file).await.map(|_| ()),
+        Err(FsError::Meta(nacre_meta::MetaError::Exists)),
+        "a's name, applied before the directory was given back"
+    );
+    b.create(e, b"y", &file).await.unwrap();
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_nanos(nacre_meta::ops::DELEGATION_NS / 2),
+        "waited {waited:?}"
+    );
+    let mut names: Vec<Vec<u8>> = b
+        .readdir(e, None, 0)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|x| x.name)
+        .collect();
+    names.sort();
+    assert_eq!(names, vec![b"keep".to_vec(), b"x".to_vec(), b"y".to_vec()]);
+    // a no longer answers for `e` by itself: it finds b's name.
+    assert_eq!(
+        a.create(e, b"y", &file).await.map(|_| ()),
+        Err(FsError::Meta(nacre_meta::MetaError::Exists))
+    );
+    a.unlink(e, b"y").await.unwrap();
+    a.settle().await.unwrap();
+    assert_eq!(
+        b.lookup(e, b"y").await.map(|_| ()),
+        Err(FsError::Meta(nacre_meta::MetaError::NotFound))
+    );
+
+    let _ = master_stop.send(true);
+    for m in metas {
+        m.shut().await;
+    }
+    tokio::task::spawn_blocking(move || cli.shutdown())
+        .await
+        .unwrap();
+    tokio::task::spawn_blocking(move || master_msgr.shutdown())
+        .await
+        .unwrap();
+}

@@ -808,16 +808,21 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         reply.ok();
     }
 
-    /// Every change is durable once its call returns: nothing to sync.
+    /// Names created or removed ahead of the meta partitions (write-behind) become durable.
     fn fsyncdir(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         _fh: FileHandle,
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        reply.ok();
+        self.spawn(|i| async move {
+            match i.fs.sync_dir(Ino(ino.0)).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {

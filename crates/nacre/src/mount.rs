@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::Args;
-use nacre_client::{MetaCache, MetaCacheConfig, Metrics, NetFs, NetVolume};
+use nacre_client::{
+    FileSystem, MetaCache, MetaCacheConfig, Metrics, NetFs, NetFsConfig, NetVolume,
+};
 use nacre_fuse::{MountOptions, Mounted};
 use nacre_master::MasterClient;
 use nacre_master::admin::{Admin, CreateVolume};
@@ -30,6 +32,12 @@ pub struct MountFlags {
     /// Threads reading FUSE requests.
     #[arg(long, default_value_t = 2)]
     pub fuse_threads: usize,
+    /// Apply every create, mkdir, unlink and rmdir before answering it. By default names made
+    /// and removed in directories this client made are answered at once and applied behind, in
+    /// order, within milliseconds (durable at fsync or unmount; docs/ARCHITECTURE.md,
+    /// "Write-behind under directory delegations").
+    #[arg(long)]
+    pub sync_meta: bool,
     /// HTTP address serving the client's metrics (`/metrics`: file system operations, errors,
     /// latencies and bytes, and its messenger); empty for none.
     #[arg(long, default_value = "127.0.0.1:0")]
@@ -88,6 +96,7 @@ pub struct VolumeMount {
     http_stop: Option<tokio::sync::oneshot::Sender<()>>,
     msgr: Messenger,
     evictor: tokio::task::JoinHandle<()>,
+    fs: Arc<Metrics<MetaCache<NetFs>>>,
 }
 
 impl VolumeMount {
@@ -129,7 +138,16 @@ impl VolumeMount {
                 ..MetaCacheConfig::default()
             };
             let fs = Arc::new(Metrics::new(
-                MetaCache::with_config(NetFs::new(Arc::new(vol)), cache),
+                MetaCache::with_config(
+                    NetFs::with_config(
+                        Arc::new(vol),
+                        NetFsConfig {
+                            write_behind: !flags.sync_meta,
+                            ..NetFsConfig::default()
+                        },
+                    ),
+                    cache,
+                ),
                 &mut registry,
             ));
             let (metrics_addr, http_stop) = serve_metrics(&flags.metrics_listen, registry).await?;
@@ -140,17 +158,18 @@ impl VolumeMount {
             let mounted =
                 tokio::task::spawn_blocking(move || nacre_fuse::mount(fs, rt, &dir, &opts))
                     .await??;
-            let evictor = tokio::spawn(evict_orphans(for_evictor));
-            anyhow::Ok((mounted, metrics_addr, http_stop, evictor))
+            let evictor = tokio::spawn(evict_orphans(for_evictor.clone()));
+            anyhow::Ok((mounted, metrics_addr, http_stop, evictor, for_evictor))
         }
         .await;
         match r {
-            Ok((mounted, metrics_addr, http_stop, evictor)) => Ok(Self {
+            Ok((mounted, metrics_addr, http_stop, evictor, fs)) => Ok(Self {
                 mounted,
                 metrics_addr,
                 http_stop,
                 msgr,
                 evictor,
+                fs,
             }),
             Err(e) => {
                 shutdown(msgr).await;
@@ -159,13 +178,15 @@ impl VolumeMount {
         }
     }
 
-    /// Unmounts (lazily if files are still open) and closes the client.
+    /// Unmounts (lazily if files are still open), applies the metadata changes still written
+    /// behind, and closes the client.
     pub async fn stop(self) -> anyhow::Result<()> {
         let Self {
             mounted,
             http_stop,
             msgr,
             evictor,
+            fs,
             ..
         } = self;
         evictor.abort();
@@ -173,6 +194,9 @@ impl VolumeMount {
             let _ = stop.send(());
         }
         let r = tokio::task::spawn_blocking(move || mounted.unmount()).await;
+        if let Err(e) = fs.sync_dir(nacre_meta::ROOT_INO).await {
+            tracing::warn!(error = %e, "metadata changes written behind were lost at unmount");
+        }
         shutdown(msgr).await;
         r??;
         Ok(())

@@ -616,6 +616,10 @@ impl<F: FileSystem> FileSystem for MetaCache<F> {
         r
     }
 
+    async fn sync_dir(&self, dir: Ino) -> FsResult<()> {
+        self.inner.sync_dir(dir).await
+    }
+
     async fn release(&self, fh: Fh) -> FsResult<()> {
         let r = self.inner.release(fh).await;
         self.written(fh, true);

@@ -347,6 +347,10 @@ impl<F: FileSystem> FileSystem for Metrics<F> {
         self.track(Op::Release, self.inner.release(fh)).await
     }
 
+    async fn sync_dir(&self, dir: Ino) -> FsResult<()> {
+        self.track(Op::Fsync, self.inner.sync_dir(dir)).await
+    }
+
     async fn statfs(&self) -> FsResult<StatFs> {
         self.track(Op::Statfs, self.inner.statfs()).await
     }

@@ -1,0 +1,742 @@
+//! Write-behind of metadata changes in delegated directories (docs/ARCHITECTURE.md,
+//! "Write-behind under directory delegations").
+//!
+//! A directory this client makes is delegated to it by its partition (`Command::As`): until the
+//! delegation ends, no other client may change its entries. So the client knows every entry of
+//! such an *owned* directory, and it creates and removes names there without waiting for the
+//! partition: it checks the change against what it knows, answers the caller at once, and queues
+//! the command. One task per partition sends the queue as `Command::Batch`es, one batch in
+//! flight, in order; new inodes take numbers the client reserved beforehand (`Reserve`,
+//! `CreateAt`). Every other request of this client to a partition waits until the commands queued
+//! for it before the request have been applied (so a later lookup, rename or data commit finds
+//! them); `MetaFs::settle` waits for all of them (fsync).
+//!
+//! A failed queued command cannot fail the call that queued it any more: it is logged, kept as
+//! the client's write-behind error (reported by the next `settle`, so by the next fsync), and
+//! the directories it touched are no longer trusted. With a live delegation only a lost cluster
+//! makes that happen.
+//!
+//! Delegations end: the client counts one from when it sent the command that granted or renewed
+//! it and stops relying on it `DELEGATION_MARGIN_NS` early; a partition that another client asked
+//! to `Recall` one says so in its batch replies and to the poller, which then queues a `Release`
+//! behind the directory's pending commands.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use nacre_meta::ops::{DELEGATION_MARGIN_NS, DELEGATION_NS};
+use nacre_meta::{Attr, Command, Dentry, FileType, MetaError, Query, Reply};
+use nacre_types::{Ino, PartitionId};
+
+use super::{CallError, Entry, FsError, FsResult, MetaFs, MetaTransport, NewInode};
+
+/// Most commands in one batch.
+const BATCH_MAX: usize = 512;
+/// Inode numbers asked for at a time, and the stock below which more are asked for.
+const RESERVE: u32 = 1024;
+const RESERVE_LOW: u64 = 256;
+/// Queued commands per partition above which callers wait for the queue to shrink.
+const QUEUE_MAX: u64 = 8192;
+/// Most names followed in one owned directory; past that it is given up (and changed in step).
+const NAMES_MAX: usize = 200_000;
+/// How long a batch is retried (unavailable partition, unknown outcome) before it is given up.
+const RETRY_FOR: Duration = Duration::from_secs(30);
+/// How often the poller asks the partitions which delegations were recalled.
+const POLL: Duration = Duration::from_millis(100);
+/// Longest wait for room in a queue or for reserved inode numbers.
+const WAIT_MAX: Duration = Duration::from_secs(10);
+
+/// The write-behind state of one [`MetaFs`].
+#[derive(Debug)]
+pub(crate) struct Behind {
+    /// Who this client is to the partitions (random, not 0).
+    pub(crate) client: u64,
+    st: Mutex<State>,
+    /// Woken whenever a batch or a reservation finishes.
+    progress: tokio::sync::Notify,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    parts: HashMap<PartitionId, Part>,
+    owned: HashMap<Ino, Owned>,
+    /// The first failure of a queued command since the last `settle`.
+    failed: Option<String>,
+    polling: bool,
+}
+
+#[derive(Debug, Default)]
+struct Part {
+    queue: Vec<Queued>,
+    sending: bool,
+    /// Number of the last batch sent.
+    seq: u64,
+    /// Commands queued so far, and how many of them have been sent and answered.
+    queued: u64,
+    done: u64,
+    /// Reserved inode numbers, `[start, end)` ranges.
+    free: VecDeque<(u64, u64)>,
+    reserving: bool,
+    /// The partition has no inode number left to reserve.
+    exhausted: bool,
+}
+
+impl Part {
+    fn stock(&self) -> u64 {
+        self.free.iter().map(|(s, e)| e - s).sum()
+    }
+
+    fn take_ino(&mut self) -> Option<Ino> {
+        let (s, e) = self.free.front_mut()?;
+        let ino = *s;
+        *s += 1;
+        if *s == *e {
+            self.free.pop_front();
+        }
+        Some(Ino(ino))
+    }
+}
+
+#[derive(Debug)]
+struct Queued {
+    cmd: Command,
+    /// The directory whose entries the command changes (its delegation is what makes it safe).
+    dir: Ino,
+    /// A directory the command makes (delegated to this client when it is applied).
+    born: Option<Ino>,
+}
+
+/// A directory delegated to this client, with every entry it has.
+#[derive(Debug)]
+struct Owned {
+    part: PartitionId,
+    /// When this client stops relying on the delegation.
+    until: Instant,
+    names: HashMap<Box<[u8]>, Known>,
+    /// The directory's attributes as this client's changes left them.
+    attr: Attr,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Known {
+    ino: Ino,
+    kind: FileType,
+    /// A file this client made here and never linked elsewhere: one link, which a remove drops.
+    single: bool,
+}
+
+/// How long a delegation granted or renewed by a command sent at `sent` can be relied on.
+fn lease_end(sent: Instant) -> Instant {
+    sent + Duration::from_nanos(DELEGATION_NS - DELEGATION_MARGIN_NS)
+}
+
+fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// A directory's attributes after a change of its entries, as the partition will make them.
+fn touched(attr: &mut Attr, subdirs: i32) {
+    attr.nlink = attr.nlink.saturating_add_signed(subdirs);
+    let now = now_ns();
+    let t = if attr.ctime >= now {
+        attr.ctime.saturating_add(1)
+    } else {
+        now
+    };
+    attr.mtime = t;
+    attr.ctime = t;
+}
+
+/// The directories whose entries `cmd` changes.
+pub(crate) fn entry_dirs(cmd: &Command) -> Vec<Ino> {
+    match cmd {
+        Command::Create { parent, .. }
+        | Command::CreateAt { parent, .. }
+        | Command::CreateDentry { parent, .. }
+        | Command::DeleteDentry { parent, .. }
+        | Command::UpdateDentry { parent, .. }
+        | Command::Remove { parent, .. } => vec![*parent],
+        Command::Rename {
+            src_parent,
+            dst_parent,
+            ..
+        } => vec![*src_parent, *dst_parent],
+        _ => Vec::new(),
+    }
+}
+
+impl Behind {
+    pub(crate) fn new() -> Self {
+        // A random number without a random number crate: the standard library seeds every
+        // `RandomState` from the operating system.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(std::process::id() as u128 ^ u128::from(now_ns()));
+        Self {
+            client: h.finish().max(1),
+            st: Mutex::default(),
+            progress: tokio::sync::Notify::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves plain data behind; carry on with it.
+        self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits until `ready` holds (checked under the lock), at most `max`; whether it held.
+    async fn wait_until(&self, max: Duration, mut ready: impl FnMut(&mut State) -> bool) -> bool {
+        let deadline = tokio::time::Instant::now() + max;
+        loop {
+            let notified = self.progress.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if ready(&mut self.lock()) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return ready(&mut self.lock());
+            }
+        }
+    }
+
+    /// Stops trusting `dir`, and gives its delegation back behind the commands queued for it
+    /// (which still go out, in order) so that other clients need not wait for it to run out.
+    /// The caller [`kick`]s the pumps.
+    fn disown(st: &mut State, dir: Ino) {
+        let Some(o) = st.owned.remove(&dir) else {
+            return;
+        };
+        if o.until <= Instant::now() {
+            return;
+        }
+        let part = st.parts.entry(o.part).or_default();
+        part.queue.push(Queued {
+            cmd: Command::Release { dirs: vec![dir] },
+            dir,
+            born: None,
+        });
+        part.queued += 1;
+    }
+
+    /// The live owned directory `dir`, forgetting it when its delegation ran out.
+    fn owned(st: &mut State, dir: Ino) -> Option<&mut Owned> {
+        if st
+            .owned
+            .get(&dir)
+            .is_some_and(|o| o.until <= Instant::now())
+        {
+            st.owned.remove(&dir);
+        }
+        st.owned.get_mut(&dir)
+    }
+}
+
+impl<T: MetaTransport> MetaFs<T> {
+    fn behind(&self) -> Option<&Arc<Behind>> {
+        self.behind.as_ref()
+    }
+
+    /// The command as this client sends it: on its behalf when it writes behind.
+    pub(super) fn on_behalf(&self, cmd: Command) -> Command {
+        match self.behind() {
+            Some(b) => Command::As {
+                client: b.client,
+                cmd: Box::new(cmd),
+            },
+            None => cmd,
+        }
+    }
+
+    /// Before a request to `p`: waits until the commands queued for `p` so far are applied, and
+    /// stops trusting the owned directories `cmd` changes (it changes them in step with the
+    /// partition). Bounded by the batches' own retry limit.
+    pub(super) async fn before(&self, p: PartitionId, cmd: Option<&Command>) {
+        let Some(b) = self.behind() else { return };
+        let target = {
+            let mut st = b.lock();
+            if let Some(cmd) = cmd {
+                for d in entry_dirs(cmd) {
+                    Behind::disown(&mut st, d);
+                }
+                kick(&self.t, b, &mut st);
+            }
+            match st.parts.get(&p) {
+                Some(part) if part.done < part.queued => part.queued,
+                _ => return,
+            }
+        };
+        b.wait_until(RETRY_FOR + WAIT_MAX, |st| {
+            st.parts.get(&p).is_none_or(|part| part.done >= target)
+        })
+        .await;
+    }
+
+    /// After a `Create` this client sent on its own behalf made a directory: the partition
+    /// delegated it to this client, which owns it (empty) from now on.
+    pub(super) fn made_dir(&self, p: PartitionId, attr: &Attr, sent: Instant) {
+        let Some(b) = self.behind() else { return };
+        if attr.kind != FileType::Dir {
+            return;
+        }
+        let mut st = b.lock();
+        st.owned.insert(
+            attr.ino,
+            Owned {
+                part: p,
+                until: lease_end(sent),
+                names: HashMap::new(),
+                attr: attr.clone(),
+            },
+        );
+        self.start_poller(b, &mut st);
+        self.reserve_more(b, &mut st, p);
+    }
+
+    /// A directory removed the synchronous way is no longer owned.
+    pub(super) fn forget_dir(&self, dir: Ino) {
+        if let Some(b) = self.behind() {
+            b.lock().owned.remove(&dir);
+        }
+    }
+
+    /// Waits until every queued command was applied (or given up); returns the write-behind
+    /// error since the last call, if any. What fsync calls.
+    pub async fn settle(&self) -> FsResult<()> {
+        let Some(b) = self.behind() else {
+            return Ok(());
+        };
+        let targets: Vec<(PartitionId, u64)> = b
+            .lock()
+            .parts
+            .iter()
+            .map(|(p, part)| (*p, part.queued))
+            .collect();
+        b.wait_until(RETRY_FOR + WAIT_MAX, |st| {
+            targets
+                .iter()
+                .all(|(p, t)| st.parts.get(p).is_none_or(|part| part.done >= *t))
+        })
+        .await;
+        match b.lock().failed.take() {
+            Some(e) => Err(FsError::Unavailable(CallError::Unknown(format!(
+                "a metadata change written behind failed: {e}"
+            )))),
+            None => Ok(()),
+        }
+    }
+
+    /// The dentry `name` under an owned `parent`, answered from what this client knows; `None`
+    /// when `parent` is not owned.
+    pub(super) fn lookup_behind(&self, parent: Ino, name: &[u8]) -> Option<FsResult<Dentry>> {
+        let b = self.behind()?;
+        let mut st = b.lock();
+        let o = Behind::owned(&mut st, parent)?;
+        Some(match o.names.get(name) {
+            Some(k) => Ok(Dentry {
+                ino: k.ino,
+                kind: k.kind,
+            }),
+            None => Err(MetaError::NotFound.into()),
+        })
+    }
+
+    /// Creates `name` in an owned `parent` behind the partition's back; `None` when it must go
+    /// the synchronous way (not owned, or no inode number to be had).
+    pub(super) async fn create_behind(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        new: &NewInode,
+    ) -> Option<FsResult<Entry>> {
+        let b = self.behind()?.clone();
+        let deadline = Instant::now() + WAIT_MAX;
+        let mut asked = false;
+        loop {
+            let wait_for = {
+                let mut st = b.lock();
+                let o = Behind::owned(&mut st, parent)?;
+                if o.names.contains_key(name) {
+                    return Some(Err(MetaError::Exists.into()));
+                }
+                let p = o.part;
+                let full = o.names.len() >= NAMES_MAX;
+                let part = st.parts.entry(p).or_default();
+                if part.queued - part.done >= QUEUE_MAX && !full {
+                    Some(p)
+                } else if let Some(ino) = part.take_ino().filter(|_| !full) {
+                    return self
+                        .queue_create(&b, &mut st, p, parent, name, new, ino)
+                        .map(Ok);
+                } else if !full && !part.exhausted && !(asked && !part.reserving) {
+                    asked = true;
+                    self.reserve_more(&b, &mut st, p);
+                    Some(p)
+                } else {
+                    // No number to be had (the range is used up, or asking failed), or too many
+                    // names to follow: the synchronous way, in step with the partition.
+                    Behind::disown(&mut st, parent);
+                    kick(&self.t, &b, &mut st);
+                    return None;
+                }
+            };
+            let Some(p) = wait_for else { continue };
+            let ready = b
+                .wait_until(deadline.saturating_duration_since(Instant::now()), |st| {
+                    st.parts.get(&p).is_none_or(|part| {
+                        part.queued - part.done < QUEUE_MAX
+                            && (!part.free.is_empty() || !part.reserving)
+                    })
+                })
+                .await;
+            if !ready {
+                let mut st = b.lock();
+                Behind::disown(&mut st, parent);
+                kick(&self.t, &b, &mut st);
+                return None;
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn queue_create(
+        &self,
+        b: &Arc<Behind>,
+        st: &mut State,
+        p: PartitionId,
+        parent: Ino,
+        name: &[u8],
+        new: &NewInode,
+        ino: Ino,
+    ) -> Option<Entry> {
+        let now = now_ns();
+        let dir = new.kind == FileType::Dir;
+        let attr = Attr {
+            ino,
+            kind: new.kind,
+            mode: new.mode & 0o7777,
+            uid: new.uid,
+            gid: new.gid,
+            size: if new.kind == FileType::Symlink {
+                new.target.len() as u64
+            } else {
+                0
+            },
+            nlink: if dir { 2 } else { 1 },
+            rdev: new.rdev,
+            atime: now,
+            mtime: now,
+            ctime: now,
+            generation: 0,
+        };
+        let o = st.owned.get_mut(&parent)?;
+        let parent_was = o.attr.ctime;
+        o.names.insert(
+            name.into(),
+            Known {
+                ino,
+                kind: new.kind,
+                single: new.kind == FileType::File,
+            },
+        );
+        touched(&mut o.attr, i32::from(dir));
+        let (parent_attr, until) = (o.attr.clone(), o.until);
+        if dir {
+            // Nobody can see the new directory before its command is applied, and it is
+            // delegated to this client when it is: owned from now on.
+            st.owned.insert(
+                ino,
+                Owned {
+                    part: p,
+                    until,
+                    names: HashMap::new(),
+                    attr: attr.clone(),
+                },
+            );
+        }
+        let cmd = Command::CreateAt {
+            ino,
+            parent,
+            name: name.to_vec(),
+            kind: new.kind,
+            mode: new.mode,
+            uid: new.uid,
+            gid: new.gid,
+            rdev: new.rdev,
+            target: new.target.clone(),
+        };
+        self.enqueue(
+            b,
+            st,
+            p,
+            Queued {
+                cmd,
+                dir: parent,
+                born: dir.then_some(ino),
+            },
+        );
+        Some(Entry {
+            attr,
+            parent: Some(parent_attr),
+            parent_was: Some(parent_was),
+        })
+    }
+
+    /// Removes `name` from an owned `parent` behind the partition's back when this client knows
+    /// it can (a file it made there, an owned empty directory); `None` when it must go the
+    /// synchronous way. Returns the parent's attributes after the change.
+    pub(super) fn remove_behind(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        dir: bool,
+    ) -> Option<FsResult<Vec<Attr>>> {
+        let b = self.behind()?.clone();
+        let mut st = b.lock();
+        let o = Behind::owned(&mut st, parent)?;
+        let p = o.part;
+        let Some(k) = o.names.get(name).copied() else {
+            return Some(Err(MetaError::NotFound.into()));
+        };
+        match (dir, k.kind == FileType::Dir) {
+            (true, false) => return Some(Err(MetaError::NotDir.into())),
+            (false, true) => return Some(Err(MetaError::IsDir.into())),
+            _ => {}
+        }
+        if dir {
+            match Behind::owned(&mut st, k.ino) {
+                Some(child) if !child.names.is_empty() => {
+                    return Some(Err(MetaError::NotEmpty.into()));
+                }
+                Some(child) if child.part == p => {}
+                _ => {
+                    Behind::disown(&mut st, parent);
+                    kick(&self.t, &b, &mut st);
+                    return None;
+                }
+            }
+        } else if !k.single {
+            Behind::disown(&mut st, parent);
+            kick(&self.t, &b, &mut st);
+            return None;
+        }
+        if dir {
+            // Its commands (all before this one in the queue) still go out.
+            Behind::disown(&mut st, k.ino);
+        }
+        let o = st.owned.get_mut(&parent)?;
+        o.names.remove(name);
+        touched(&mut o.attr, if dir { -1 } else { 0 });
+        let parent_attr = o.attr.clone();
+        let cmd = Command::Remove {
+            parent,
+            name: name.to_vec(),
+            dir,
+        };
+        self.enqueue(
+            &b,
+            &mut st,
+            p,
+            Queued {
+                cmd,
+                dir: parent,
+                born: None,
+            },
+        );
+        Some(Ok(vec![parent_attr]))
+    }
+
+    fn enqueue(&self, b: &Arc<Behind>, st: &mut State, p: PartitionId, q: Queued) {
+        let part = st.parts.entry(p).or_default();
+        part.queue.push(q);
+        part.queued += 1;
+        let low = part.stock() < RESERVE_LOW;
+        kick(&self.t, b, st);
+        if low {
+            self.reserve_more(b, st, p);
+        }
+    }
+
+    /// Asks `p` for more inode numbers in the background, unless that is under way.
+    fn reserve_more(&self, b: &Arc<Behind>, st: &mut State, p: PartitionId) {
+        let part = st.parts.entry(p).or_default();
+        if part.reserving || part.exhausted || part.stock() >= RESERVE_LOW {
+            return;
+        }
+        part.reserving = true;
+        let (t, b) = (self.t.clone(), b.clone());
+        tokio::spawn(async move {
+            // Fewer when the range has fewer left; none at all when it is used up.
+            let mut count = RESERVE;
+            let got = loop {
+                match t.write(p, Command::Reserve { count }).await {
+                    Ok(Err(MetaError::NoInodes)) if count > 1 => count /= 2,
+                    other => break other,
+                }
+            };
+            let mut st = b.lock();
+            let part = st.parts.entry(p).or_default();
+            part.reserving = false;
+            match got {
+                Ok(Ok(Reply::Reserved { start, end })) if start < end => {
+                    part.free.push_back((start, end));
+                }
+                Ok(Err(MetaError::NoInodes)) => part.exhausted = true,
+                other => {
+                    tracing::debug!(partition = %p, reply = ?other, "no inode numbers reserved")
+                }
+            }
+            drop(st);
+            b.progress.notify_waiters();
+        });
+    }
+
+    fn start_poller(&self, b: &Arc<Behind>, st: &mut State) {
+        if st.polling {
+            return;
+        }
+        st.polling = true;
+        tokio::spawn(poll(self.t.clone(), b.clone()));
+    }
+}
+
+/// Starts a pump for every partition with queued commands and none running.
+fn kick<T: MetaTransport>(t: &Arc<T>, b: &Arc<Behind>, st: &mut State) {
+    for (p, part) in st.parts.iter_mut() {
+        if !part.sending && !part.queue.is_empty() {
+            part.sending = true;
+            tokio::spawn(pump(t.clone(), b.clone(), *p));
+        }
+    }
+}
+
+/// Sends partition `p`'s queue, one batch at a time, until it is empty.
+async fn pump<T: MetaTransport>(t: Arc<T>, b: Arc<Behind>, p: PartitionId) {
+    loop {
+        let (seq, batch) = {
+            let mut st = b.lock();
+            let part = st.parts.entry(p).or_default();
+            if part.queue.is_empty() {
+                part.sending = false;
+                return;
+            }
+            let n = part.queue.len().min(BATCH_MAX);
+            part.seq += 1;
+            (part.seq, part.queue.drain(..n).collect::<Vec<Queued>>())
+        };
+        let cmd = Command::Batch {
+            client: b.client,
+            seq,
+            ops: batch.iter().map(|q| q.cmd.clone()).collect(),
+        };
+        let sent = Instant::now();
+        let outcome = send(&*t, p, cmd).await;
+        let mut st = b.lock();
+        match outcome {
+            Ok((results, recalled)) => {
+                for (q, r) in batch.iter().zip(results.iter()) {
+                    if let Err(e) = r {
+                        tracing::warn!(partition = %p, cmd = ?q.cmd, error = %e, "a metadata change written behind failed");
+                        st.failed.get_or_insert_with(|| format!("{:?}: {e}", q.cmd));
+                        Behind::disown(&mut st, q.dir);
+                    }
+                }
+                for d in &recalled {
+                    Behind::disown(&mut st, *d);
+                }
+                let until = lease_end(sent);
+                for q in &batch {
+                    for d in std::iter::once(q.dir).chain(q.born) {
+                        if let Some(o) = st.owned.get_mut(&d)
+                            && !recalled.contains(&d)
+                            && o.until < until
+                        {
+                            o.until = until;
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(partition = %p, commands = batch.len(), error = %e, "metadata changes written behind were given up");
+                st.failed.get_or_insert(e);
+                for q in &batch {
+                    Behind::disown(&mut st, q.dir);
+                    if let Some(d) = q.born {
+                        Behind::disown(&mut st, d);
+                    }
+                }
+            }
+        }
+        if let Some(part) = st.parts.get_mut(&p) {
+            part.done += batch.len() as u64;
+        }
+        // Releases queued for other partitions by the disowning above.
+        kick(&t, &b, &mut st);
+        drop(st);
+        b.progress.notify_waiters();
+    }
+}
+
+/// One batch, retried with the same number (the partition applies it once) while the partition
+/// is unavailable or the outcome unknown, for at most `RETRY_FOR`.
+async fn send<T: MetaTransport>(
+    t: &T,
+    p: PartitionId,
+    cmd: Command,
+) -> Result<(Vec<Result<Reply, MetaError>>, Vec<Ino>), String> {
+    let deadline = Instant::now() + RETRY_FOR;
+    let mut pause = Duration::from_millis(5);
+    loop {
+        match t.write(p, cmd.clone()).await {
+            Ok(Ok(Reply::Batch { results, recalled })) => return Ok((results, recalled)),
+            Ok(Ok(other)) => return Err(format!("unexpected reply {other:?}")),
+            Ok(Err(e)) => return Err(e.to_string()),
+            Err(e) => {
+                if Instant::now() + pause >= deadline {
+                    return Err(e.to_string());
+                }
+                tracing::debug!(partition = %p, error = %e, "batch retried");
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// While this client owns directories: forgets the ones whose delegation ran out, and asks
+/// their partitions which were recalled, to give those back behind their pending commands.
+async fn poll<T: MetaTransport>(t: Arc<T>, b: Arc<Behind>) {
+    loop {
+        tokio::time::sleep(POLL).await;
+        let parts: Vec<PartitionId> = {
+            let mut st = b.lock();
+            let now = Instant::now();
+            st.owned.retain(|_, o| o.until > now);
+            if st.owned.is_empty() {
+                st.polling = false;
+                return;
+            }
+            let mut parts: Vec<PartitionId> = st.owned.values().map(|o| o.part).collect();
+            parts.sort_unstable();
+            parts.dedup();
+            parts
+        };
+        for p in parts {
+            let q = Query::Recalled { client: b.client };
+            let Ok(Ok(Reply::Inos(dirs))) = t.read(p, q).await else {
+                continue;
+            };
+            if dirs.is_empty() {
+                continue;
+            }
+            let mut st = b.lock();
+            for d in &dirs {
+                Behind::disown(&mut st, *d);
+            }
+            kick(&t, &b, &mut st);
+        }
+    }
+}
