@@ -249,13 +249,17 @@ impl<T: MetaTransport> MetaFs<T> {
         let cmd = self.on_behalf(cmd);
         let deadline = Instant::now() + DELEGATED_WAIT;
         let mut pause = Duration::from_millis(2);
+        let mut recalled = Vec::new();
         loop {
             let sent = Instant::now();
             match self.t.write(p, cmd.clone()).await? {
                 Err(MetaError::Delegated(dir)) if Instant::now() + pause < deadline => {
-                    // Not applied. Ask the holder to give it back; retry meanwhile.
-                    if let Err(e) = self.t.write(p, Command::Recall { dir }).await {
-                        tracing::debug!(%dir, error = %e, "recall not sent");
+                    // Not applied. Ask the holder to give it back (once); retry meanwhile.
+                    if !recalled.contains(&dir) {
+                        recalled.push(dir);
+                        if let Err(e) = self.t.write(p, Command::Recall { dir }).await {
+                            tracing::debug!(%dir, error = %e, "recall not sent");
+                        }
                     }
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(100));
@@ -463,6 +467,7 @@ impl<T: MetaTransport> MetaFs<T> {
 
     /// Create with the inode in another partition: inode first, then dentry.
     async fn create_remote(&self, parent: Ino, name: &[u8], new: &NewInode) -> FsResult<Entry> {
+        let sent = Instant::now();
         let attr = self.create_inode(parent, new).await?;
         let cmd = Command::CreateDentry {
             parent,
@@ -471,11 +476,15 @@ impl<T: MetaTransport> MetaFs<T> {
             kind: new.kind,
         };
         match self.write_ino(parent, cmd).await {
-            Ok(r) => Ok(Entry {
-                attr,
-                parent: Self::attr(r).ok(),
-                parent_was: None,
-            }),
+            Ok(r) => {
+                // A directory's inode made on this client's behalf is delegated to it.
+                self.made_dir(self.partition_of(attr.ino)?, &attr, sent);
+                Ok(Entry {
+                    attr,
+                    parent: Self::attr(r).ok(),
+                    parent_was: None,
+                })
+            }
             Err(FsError::Unavailable(CallError::Unknown(m))) => {
                 // Did the dentry make it? Only a definite "no" allows undoing the inode.
                 match self.dentry_is(parent, name, attr.ino).await {

@@ -266,8 +266,8 @@ pub enum Command {
     /// rename-replace of the directory itself — fails with `Delegated(dir)` and changes nothing).
     /// So the holder knows every entry of the directory without asking, and may answer and
     /// change it ahead of the partition (write-behind). A `Create` or `CreateAt` of a directory
-    /// on behalf of a client grants the new directory to that client until `now +
-    /// DELEGATION_NS`; a successful change of the entries of a directory delegated to the client
+    /// (or a `CreateInode` of one, whose name the client then adds in another partition) on
+    /// behalf of a client grants the new directory to that client until `now + DELEGATION_NS`; a successful change of the entries of a directory delegated to the client
     /// renews it to `now + DELEGATION_NS`, unless it was recalled. A delegation whose time has
     /// passed is gone (forgotten lazily, in a way every replica computes alike); removing the
     /// directory drops it. `As` inside `As` or `Batch` is `Invalid`.

@@ -207,7 +207,14 @@ impl MetaPartition {
                     self.set_delegation(dir.0, d.renewed(now));
                 }
             }
-            if let Reply::Created { attr, .. } = &reply
+            // A new directory (made with its name, or as the inode a client names elsewhere
+            // next): nobody else can know it yet.
+            let made = match (&reply, cmd) {
+                (Reply::Created { attr, .. }, _)
+                | (Reply::Attr(attr), Command::CreateInode { .. }) => Some(attr),
+                _ => None,
+            };
+            if let Some(attr) = made
                 && attr.kind == FileType::Dir
             {
                 self.set_delegation(attr.ino.0, Delegation::granted(client, now));

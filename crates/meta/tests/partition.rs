@@ -3677,9 +3677,11 @@ fn a_client_that_creates_a_directory_holds_it() {
     assert_eq!(sub, Ino(start));
     assert!(recalled.is_empty(), "d is A's: {recalled:?}");
     refused(&mut p, T, as_client(B, file_in(sub, "x")), sub);
-    // Made without a client, or as an inode and then a dentry: not delegated.
+    // Made without a client: not delegated.
     let free = made(ok(&mut p, T, one_step_create(ROOT, "free", FileType::Dir))).ino;
     ok(&mut p, T, as_client(B, file_in(free, "x")));
+    // Made as an inode on A's behalf, its name added next (in another partition, typically):
+    // A's as well.
     let cmd = as_client(
         A,
         Command::CreateInode {
@@ -3698,7 +3700,8 @@ fn a_client_that_creates_a_directory_holds_it() {
         T,
         as_client(A, dentry(ROOT, "split", split, FileType::Dir)),
     );
-    ok(&mut p, T, as_client(B, file_in(split, "x")));
+    refused(&mut p, T, as_client(B, file_in(split, "x")), split);
+    ok(&mut p, T, as_client(A, file_in(split, "x")));
 }
 
 #[test]

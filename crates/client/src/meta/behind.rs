@@ -293,7 +293,12 @@ impl<T: MetaTransport> MetaFs<T> {
             },
         );
         self.start_poller(b, &mut st);
+        // Numbers in every partition new names may go to, so that the first of them need not
+        // wait for a reservation.
         self.reserve_more(b, &mut st, p);
+        for w in self.t.partitions().iter().filter(|w| w.writable) {
+            self.reserve_more(b, &mut st, w.id);
+        }
     }
 
     /// A directory removed the synchronous way is no longer owned.
@@ -371,7 +376,7 @@ impl<T: MetaTransport> MetaFs<T> {
                     return self
                         .queue_create(&b, &mut st, p, parent, name, new, ino)
                         .map(Ok);
-                } else if !full && !part.exhausted && !(asked && !part.reserving) {
+                } else if !full && !part.exhausted && (!asked || part.reserving) {
                     asked = true;
                     self.reserve_more(&b, &mut st, p);
                     Some(p)
