@@ -1097,6 +1097,16 @@ impl FileSystem for NetFs {
     }
 
     async fn flush(&self, fh: Fh) -> FsResult<()> {
+        // Nothing written and no call of this file under way (close of a new empty file, or of
+        // one only read): nothing to commit, so no task.
+        if let Ok(h) = self.inner.handle(fh)
+            && h.file.next_turn.load(Ordering::Relaxed) == *h.file.serving.borrow()
+            && let Ok(st) = h.file.state.try_lock()
+            && st.run.is_none()
+            && st.error.is_none()
+        {
+            return Ok(());
+        }
         self.in_turn(fh, move |i| async move { i.flush(fh).await })
             .await
     }
