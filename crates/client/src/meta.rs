@@ -171,6 +171,36 @@ impl NewInode {
         }
     }
 
+    /// The one-step command that makes it as `name` under `parent`: `Create`, or `CreateAt` with
+    /// a reserved number.
+    fn command(&self, parent: Ino, name: &[u8], at: Option<Ino>) -> Command {
+        let (name, target) = (name.to_vec(), self.target.clone());
+        let (kind, mode, uid, gid, rdev) = (self.kind, self.mode, self.uid, self.gid, self.rdev);
+        match at {
+            Some(ino) => Command::CreateAt {
+                ino,
+                parent,
+                name,
+                kind,
+                mode,
+                uid,
+                gid,
+                rdev,
+                target,
+            },
+            None => Command::Create {
+                parent,
+                name,
+                kind,
+                mode,
+                uid,
+                gid,
+                rdev,
+                target,
+            },
+        }
+    }
+
     pub fn symlink(target: &[u8], uid: u32, gid: u32) -> Self {
         Self {
             kind: FileType::Symlink,
@@ -435,17 +465,7 @@ impl<T: MetaTransport> MetaFs<T> {
             parts.iter().any(|p| p.id == pp && p.writable)
         };
         if local {
-            let cmd = Command::Create {
-                parent,
-                name: name.to_vec(),
-                kind: new.kind,
-                mode: new.mode,
-                uid: new.uid,
-                gid: new.gid,
-                rdev: new.rdev,
-                target: new.target.clone(),
-            };
-            match self.write(pp, cmd).await {
+            match self.write(pp, new.command(parent, name, None)).await {
                 Err(FsError::Meta(MetaError::NoInodes)) => {} // full: allocate elsewhere
                 Ok(Reply::Created {
                     attr,

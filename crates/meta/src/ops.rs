@@ -496,6 +496,17 @@ pub enum MetaError {
     Delegated(Ino),
 }
 
+/// A directory's mtime and ctime after a change of its entries at `now`: `now`, or one past the
+/// old ctime when the clock is not ahead of it, so that the ctime always moves forward (a client
+/// that writes behind predicts the partition's value with it).
+pub fn dir_changed_at(ctime: u64, now: u64) -> u64 {
+    if ctime >= now {
+        ctime.saturating_add(1)
+    } else {
+        now
+    }
+}
+
 /// Checks a dentry name: 1..=255 bytes, not `.` or `..`, no `/` or NUL.
 pub fn check_name(name: &[u8]) -> Result<(), MetaError> {
     if name.len() > MAX_NAME {

@@ -1408,11 +1408,7 @@ impl MetaPartition {
     fn touch_dir(&mut self, now: u64, dir: u64, subdirs: i32) {
         if let Some(node) = self.inodes.get_mut(dir) {
             node.nlink = node.nlink.saturating_add_signed(subdirs);
-            let t = if node.ctime >= now {
-                node.ctime.saturating_add(1)
-            } else {
-                now
-            };
+            let t = crate::ops::dir_changed_at(node.ctime, now);
             node.mtime = t;
             node.ctime = t;
         }

@@ -141,12 +141,7 @@ fn now_ns() -> u64 {
 /// A directory's attributes after a change of its entries, as the partition will make them.
 fn touched(attr: &mut Attr, subdirs: i32) {
     attr.nlink = attr.nlink.saturating_add_signed(subdirs);
-    let now = now_ns();
-    let t = if attr.ctime >= now {
-        attr.ctime.saturating_add(1)
-    } else {
-        now
-    };
+    let t = nacre_meta::ops::dir_changed_at(attr.ctime, now_ns());
     attr.mtime = t;
     attr.ctime = t;
 }
@@ -462,17 +457,7 @@ impl<T: MetaTransport> MetaFs<T> {
                 },
             );
         }
-        let cmd = Command::CreateAt {
-            ino,
-            parent,
-            name: name.to_vec(),
-            kind: new.kind,
-            mode: new.mode,
-            uid: new.uid,
-            gid: new.gid,
-            rdev: new.rdev,
-            target: new.target.clone(),
-        };
+        let cmd = new.command(parent, name, Some(ino));
         self.enqueue(
             b,
             st,
