@@ -191,6 +191,25 @@ struct TestCluster {
     map: ClusterMap,
 }
 
+/// Stops the master and every meta node (waiting until their logs are closed) and both messengers.
+async fn stop_all(
+    master_stop: watch::Sender<bool>,
+    metas: Vec<MetaProc>,
+    cli: Messenger,
+    master_msgr: Messenger,
+) {
+    let _ = master_stop.send(true);
+    for m in metas {
+        m.shut().await;
+    }
+    tokio::task::spawn_blocking(move || cli.shutdown())
+        .await
+        .unwrap();
+    tokio::task::spawn_blocking(move || master_msgr.shutdown())
+        .await
+        .unwrap();
+}
+
 /// A master, three meta nodes, and a volume `vol` with `meta_partitions` partitions × 3 replicas.
 async fn cluster_with_volume(
     net: &MemNetwork,
@@ -366,16 +385,7 @@ async fn acknowledged_creates_survive_a_partition_leader_crash() {
         assert_eq!(a.ino, *ino);
     }
 
-    let _ = master_stop.send(true);
-    for m in metas {
-        m.shut().await;
-    }
-    tokio::task::spawn_blocking(move || cli.shutdown())
-        .await
-        .unwrap();
-    tokio::task::spawn_blocking(move || master_msgr.shutdown())
-        .await
-        .unwrap();
+    stop_all(master_stop, metas, cli, master_msgr).await;
 }
 
 fn victim_index(host: &str) -> usize {
@@ -444,16 +454,7 @@ async fn partition_leaders_evict_orphans_that_clients_left_behind() {
         other => panic!("{other:?}"),
     }
 
-    let _ = master_stop.send(true);
-    for m in metas {
-        m.shut().await;
-    }
-    tokio::task::spawn_blocking(move || cli.shutdown())
-        .await
-        .unwrap();
-    tokio::task::spawn_blocking(move || master_msgr.shutdown())
-        .await
-        .unwrap();
+    stop_all(master_stop, metas, cli, master_msgr).await;
 }
 
 /// The partition of `ino` in the volume's map, and the address of its leader.
@@ -473,7 +474,7 @@ async fn changes_written_behind_survive_a_partition_leader_crash() {
     let TestCluster {
         master_msgr,
         master_stop,
-        mut metas,
+        metas,
         cli,
         mc,
         map,
@@ -558,19 +559,8 @@ async fn changes_written_behind_survive_a_partition_leader_crash() {
     // Creates that failed with an unknown outcome (made the synchronous way) may be there too.
     assert!(other.readdir(e, None, 0).await.unwrap().len() >= acked.len());
 
-    let _ = master_stop.send(true);
-    let old = metas.remove(victim);
-    net.heal_host(&old.host);
-    old.shut().await;
-    for m in metas {
-        m.shut().await;
-    }
-    tokio::task::spawn_blocking(move || cli.shutdown())
-        .await
-        .unwrap();
-    tokio::task::spawn_blocking(move || master_msgr.shutdown())
-        .await
-        .unwrap();
+    net.heal_host(&metas[victim].host);
+    stop_all(master_stop, metas, cli, master_msgr).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -654,14 +644,5 @@ async fn a_delegated_directory_is_given_back_to_another_client_that_changes_it()
         Err(FsError::Meta(nacre_meta::MetaError::NotFound))
     );
 
-    let _ = master_stop.send(true);
-    for m in metas {
-        m.shut().await;
-    }
-    tokio::task::spawn_blocking(move || cli.shutdown())
-        .await
-        .unwrap();
-    tokio::task::spawn_blocking(move || master_msgr.shutdown())
-        .await
-        .unwrap();
+    stop_all(master_stop, metas, cli, master_msgr).await;
 }

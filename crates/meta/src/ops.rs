@@ -322,6 +322,31 @@ pub enum Command {
     },
 }
 
+impl Command {
+    /// The directories whose entries this command changes (for a delegation, the ones only
+    /// their holder may change): the parent, or a rename's two parents.
+    pub fn entry_dirs(&self) -> impl Iterator<Item = Ino> + use<> {
+        let (first, second) = match self {
+            Command::Create { parent, .. }
+            | Command::CreateAt { parent, .. }
+            | Command::CreateDentry { parent, .. }
+            | Command::DeleteDentry { parent, .. }
+            | Command::UpdateDentry { parent, .. }
+            | Command::Remove { parent, .. } => (Some(*parent), None),
+            Command::Rename {
+                src_parent,
+                dst_parent,
+                ..
+            } => (
+                Some(*src_parent),
+                (dst_parent != src_parent).then_some(*dst_parent),
+            ),
+            _ => (None, None),
+        };
+        first.into_iter().chain(second)
+    }
+}
+
 /// How long a client's last batch number is remembered after its last batch (leader time, ns).
 pub const SESSION_NS: u64 = 3_600_000_000_000;
 

@@ -202,7 +202,7 @@ impl MetaPartition {
         }
         let reply = self.execute(now, cmd)?;
         if client != 0 {
-            for dir in entry_dirs(cmd) {
+            for dir in cmd.entry_dirs() {
                 if let Some(d) = self.held(now, client, dir) {
                     self.set_delegation(dir.0, d.renewed(now));
                 }
@@ -252,7 +252,7 @@ impl MetaPartition {
         let mut touched = BTreeSet::new();
         let mut results = Vec::with_capacity(ops.len());
         for op in ops {
-            touched.extend(entry_dirs(op));
+            touched.extend(op.entry_dirs());
             results.push(self.apply_as(now, client, op));
         }
         if let Some(old) = self.sessions.insert(client, Session { seq, at: now }) {
@@ -1217,7 +1217,7 @@ impl MetaPartition {
             // The common case costs no lookups.
             return Ok(());
         }
-        for dir in entry_dirs(cmd).chain(self.removed_dir(cmd)) {
+        for dir in cmd.entry_dirs().chain(self.removed_dir(cmd)) {
             if self
                 .delegations
                 .get(&dir.0)
@@ -1456,29 +1456,6 @@ impl MetaPartition {
         let extents: usize = self.inodes.iter().map(|(_, n)| n.extents.len()).sum();
         (dentries + targets + xattrs) as u64 + extents as u64 * EXTENT_BYTES
     }
-}
-
-/// The directories whose entries `cmd` changes, or would if it succeeded (at most two). Their
-/// delegations decide whether it may, and its success renews them.
-fn entry_dirs(cmd: &Command) -> impl Iterator<Item = Ino> + use<> {
-    let (first, second) = match cmd {
-        Command::Create { parent, .. }
-        | Command::CreateAt { parent, .. }
-        | Command::CreateDentry { parent, .. }
-        | Command::DeleteDentry { parent, .. }
-        | Command::UpdateDentry { parent, .. }
-        | Command::Remove { parent, .. } => (Some(*parent), None),
-        Command::Rename {
-            src_parent,
-            dst_parent,
-            ..
-        } => (
-            Some(*src_parent),
-            (dst_parent != src_parent).then_some(*dst_parent),
-        ),
-        _ => (None, None),
-    };
-    first.into_iter().chain(second)
 }
 
 /// Whether `cmd` wraps commands (which only the top level may).

@@ -146,24 +146,6 @@ fn touched(attr: &mut Attr, subdirs: i32) {
     attr.ctime = t;
 }
 
-/// The directories whose entries `cmd` changes.
-pub(crate) fn entry_dirs(cmd: &Command) -> Vec<Ino> {
-    match cmd {
-        Command::Create { parent, .. }
-        | Command::CreateAt { parent, .. }
-        | Command::CreateDentry { parent, .. }
-        | Command::DeleteDentry { parent, .. }
-        | Command::UpdateDentry { parent, .. }
-        | Command::Remove { parent, .. } => vec![*parent],
-        Command::Rename {
-            src_parent,
-            dst_parent,
-            ..
-        } => vec![*src_parent, *dst_parent],
-        _ => Vec::new(),
-    }
-}
-
 impl Behind {
     pub(crate) fn new() -> Self {
         // A random number without a random number crate: the standard library seeds every
@@ -254,7 +236,7 @@ impl<T: MetaTransport> MetaFs<T> {
         let target = {
             let mut st = b.lock();
             if let Some(cmd) = cmd {
-                for d in entry_dirs(cmd) {
+                for d in cmd.entry_dirs() {
                     Behind::disown(&mut st, d);
                 }
                 kick(&self.t, b, &mut st);
