@@ -85,6 +85,10 @@ impl DataNodeConfig {
         let mut raft = StoreConfig::default().with_read_lease();
         // Overwrites carry data: keep the log short behind the snapshots.
         raft.node.compact_after = 2_000;
+        // A leader's appends leave before its own log write, so a lone overwrite waits for one
+        // sync instead of the leader's then a follower's (docs/benchmarks.md, "Data partitions
+        // send their appends early").
+        raft.early_appends = true;
         Self {
             dir,
             raft,

@@ -148,6 +148,13 @@ pub struct NodeConfig {
     /// raft-rs's lease (`lease_reads`), it survives hibernation: a leader that stopped ticking has
     /// no lease until a new round confirms it. Zero disables it.
     pub read_lease: std::time::Duration,
+    /// A leader tells its followers a new commit index only with its next append or heartbeat,
+    /// not with a message of its own (raft-rs's `skip_bcast_commit`). Each commit otherwise costs
+    /// every follower a message, a wake of its Raft thread and a log write; followers then apply
+    /// later: at most a heartbeat later, and before they hibernate (a follower whose log runs past
+    /// its commit index is not `quiescent`). Reads are served by leaders, and reads of a
+    /// follower's state machine track its applied index.
+    pub skip_bcast_commit: bool,
 }
 
 impl Default for NodeConfig {
@@ -161,6 +168,7 @@ impl Default for NodeConfig {
             lease_reads: false,
             hibernate_after: 20,
             read_lease: std::time::Duration::ZERO,
+            skip_bcast_commit: true,
         }
     }
 }
@@ -434,6 +442,7 @@ impl<S: StateMachine> RaftNode<S> {
             max_inflight_msgs: self.config.max_inflight_msgs,
             check_quorum: true,
             pre_vote: true,
+            skip_bcast_commit: self.config.skip_bcast_commit,
             applied,
             read_only_option: if self.config.lease_reads {
                 raft::ReadOnlyOption::LeaseBased

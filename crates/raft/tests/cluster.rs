@@ -29,6 +29,7 @@ fn raft_5_3_replication_applies_the_same_commands_in_the_same_order_everywhere()
         .map(|i| c.propose(l, 1, &format!("k{}={i}", i % 10)).unwrap())
         .collect();
     c.pump();
+    c.heartbeat();
     for (i, pid) in ids.iter().enumerate() {
         let prev = if i < 10 {
             String::new()
@@ -144,6 +145,7 @@ fn many_groups_elect_and_replicate_on_three_nodes() {
         c.propose(l, g, &format!("g={g}")).unwrap();
     }
     c.pump();
+    c.heartbeat();
     for &g in &groups {
         for id in c.live() {
             assert_eq!(
@@ -182,6 +184,7 @@ fn raft_7_a_restarted_replica_recovers_its_state_from_its_snapshot_and_log() {
     let l = c.leader(1);
     c.propose(l, 1, "after=1").unwrap();
     c.pump();
+    c.heartbeat();
     for id in c.live() {
         assert_eq!(c.map(id, 1).len(), 151, "node {id}");
     }
@@ -239,6 +242,7 @@ fn raft_6_membership_change_under_load_adds_and_removes_replicas() {
         c.propose(l, 1, &format!("after{i}=1")).unwrap();
     }
     c.pump();
+    c.heartbeat();
     for id in c.live() {
         assert_eq!(c.map(id, 1).len(), 70, "node {id}");
     }
@@ -315,6 +319,7 @@ fn raft_thesis_3_10_leader_transfer_moves_leadership_to_the_chosen_replica() {
     assert_eq!(c.leader(1), to);
     let pid = c.propose(to, 1, "b=2").unwrap();
     c.pump();
+    c.heartbeat();
     assert_eq!(c.results[&(to, pid)], Ok(Vec::new()));
     for id in c.live() {
         assert_eq!(c.map(id, 1).len(), 2, "node {id}");
@@ -554,8 +559,39 @@ fn a_committed_outcome_is_handed_out_before_the_write_of_newer_entries() {
         c.node(to).step(g, m).unwrap();
     }
     c.pump();
+    c.heartbeat();
     assert_eq!(c.results[&(l, b)], Ok(Vec::new()));
     for id in c.live() {
         assert_eq!(c.map(id, 1).get("b").map(String::as_str), Some("2"));
+    }
+}
+
+/// `skip_bcast_commit`: a commit reaches the followers with the leader's next heartbeat (or append),
+/// not with a message of its own; without it, they apply as soon as the leader commits.
+#[test]
+fn followers_learn_a_commit_with_the_next_heartbeat_unless_it_is_broadcast() {
+    for skip in [true, false] {
+        let config = NodeConfig {
+            skip_bcast_commit: skip,
+            ..NodeConfig::default()
+        };
+        let heartbeat = config.heartbeat_tick;
+        let mut c = Cluster::new(3, &[1], config);
+        let leader = c.leader(1);
+        c.propose(leader, 1, "a=1").unwrap();
+        c.pump();
+        assert_eq!(c.map(leader, 1).get("a").map(String::as_str), Some("1"));
+        let followers: Vec<u64> = c.voters().into_iter().filter(|&id| id != leader).collect();
+        for &f in &followers {
+            assert_eq!(
+                c.map(f, 1).contains_key("a"),
+                !skip,
+                "follower {f}, skip {skip}"
+            );
+        }
+        c.tick(heartbeat);
+        for &f in &followers {
+            assert_eq!(c.map(f, 1).get("a").map(String::as_str), Some("1"));
+        }
     }
 }

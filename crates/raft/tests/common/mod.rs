@@ -206,6 +206,12 @@ impl Cluster {
         }
     }
 
+    /// Ticks until the leaders' next heartbeat, which tells followers the commit index (with
+    /// `skip_bcast_commit`, the default, no message of its own does).
+    pub fn heartbeat(&mut self) {
+        self.tick(self.config.heartbeat_tick);
+    }
+
     /// The leader of `g` among connected live nodes, ticking until there is exactly one (bounded).
     pub fn leader(&mut self, g: GroupId) -> u64 {
         for _ in 0..500 {
