@@ -470,7 +470,7 @@ impl Inner {
             .filter(|k| k.file_offset < end && k.end() > off)
             .cloned()
             .collect();
-        let mut in_place = JoinSet::new();
+        let mut pieces = Vec::new(); // (partition, extent, extent offset, bytes) to write in place
         let mut cow: Vec<(u64, u64)> = Vec::new(); // file ranges to rewrite
         let mut pos = off;
         for k in &keys {
@@ -486,13 +486,8 @@ impl Inner {
                 while at < to {
                     let n = (to - at).min(MAX_PACKET as u64);
                     let piece = data.slice((at - off) as usize..(at - off + n) as usize);
-                    let vol = self.vol.clone();
-                    let (p, e, eo) = (
-                        k.partition,
-                        k.extent,
-                        k.extent_offset + (at - k.file_offset),
-                    );
-                    in_place.spawn(async move { vol.overwrite(p, e, eo, piece).await });
+                    let eo = k.extent_offset + (at - k.file_offset);
+                    pieces.push((k.partition, k.extent, eo, piece));
                     at += n;
                 }
             }
@@ -500,6 +495,18 @@ impl Inner {
         }
         if pos < end {
             cow.push((pos, end));
+        }
+        if cow.is_empty() && pieces.len() == 1 {
+            // The common small overwrite: one call, without a task of its own.
+            if let Some((p, e, eo, piece)) = pieces.pop() {
+                self.vol.overwrite(p, e, eo, piece).await.map_err(fs_err)?;
+            }
+            return Ok(());
+        }
+        let mut in_place = JoinSet::new();
+        for (p, e, eo, piece) in pieces {
+            let vol = self.vol.clone();
+            in_place.spawn(async move { vol.overwrite(p, e, eo, piece).await });
         }
         let mut new_keys = Vec::new();
         for (from, to) in cow {
