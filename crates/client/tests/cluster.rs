@@ -577,6 +577,8 @@ async fn a_delegated_directory_is_given_back_to_another_client_that_changes_it()
     } = cluster_with_volume(&net, dir.path(), 1).await;
     let connect = || NetVolume::connect(cli.client(), mc.clone(), "vol");
     let a = MetaFs::with_write_behind(connect().await.unwrap());
+    let mut registry = prometheus_client::registry::Registry::default();
+    a.register_metrics(&mut registry);
     let b = MetaFs::new(connect().await.unwrap());
     let file = NewInode::file(0o644, 0, 0);
     let dir_ = NewInode::dir(0o755, 0, 0);
@@ -643,6 +645,20 @@ async fn a_delegated_directory_is_given_back_to_another_client_that_changes_it()
         b.lookup(e, b"y").await.map(|_| ()),
         Err(FsError::Meta(nacre_meta::MetaError::NotFound))
     );
+    // What the queue did, as Prometheus sees it: `e`, keep, sub, f, its unlink, sub's rmdir and x
+    // went behind, and `e` was given back; everything is answered, nothing failed.
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    let value = |name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    };
+    assert!(value("nacre_fs_behind_queued_total") >= 8, "{text}");
+    assert!(value("nacre_fs_behind_batches_total") >= 1, "{text}");
+    assert!(value("nacre_fs_behind_released_total") >= 1, "{text}");
+    assert_eq!(value("nacre_fs_behind_failed_total"), 0, "{text}");
+    assert_eq!(value("nacre_fs_behind_pending"), 0, "{text}");
 
     stop_all(master_stop, metas, cli, master_msgr).await;
 }

@@ -137,17 +137,16 @@ impl VolumeMount {
                 entry_ttl: opts.entry_ttl,
                 ..MetaCacheConfig::default()
             };
+            let netfs = NetFs::with_config(
+                Arc::new(vol),
+                NetFsConfig {
+                    write_behind: !flags.sync_meta,
+                    ..NetFsConfig::default()
+                },
+            );
+            netfs.meta().register_metrics(&mut registry);
             let fs = Arc::new(Metrics::new(
-                MetaCache::with_config(
-                    NetFs::with_config(
-                        Arc::new(vol),
-                        NetFsConfig {
-                            write_behind: !flags.sync_meta,
-                            ..NetFsConfig::default()
-                        },
-                    ),
-                    cache,
-                ),
+                MetaCache::with_config(netfs, cache),
                 &mut registry,
             ));
             let (metrics_addr, http_stop) = serve_metrics(&flags.metrics_listen, registry).await?;

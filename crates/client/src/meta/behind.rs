@@ -29,6 +29,9 @@ use std::time::{Duration, Instant};
 use nacre_meta::ops::{DELEGATION_MARGIN_NS, DELEGATION_NS};
 use nacre_meta::{Attr, Command, Dentry, FileType, MetaError, Query, Reply};
 use nacre_types::{Ino, PartitionId};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
 use super::{CallError, Entry, FsError, FsResult, MetaFs, MetaTransport, NewInode};
 
@@ -65,6 +68,58 @@ struct State {
     /// The first failure of a queued command since the last `settle`.
     failed: Option<String>,
     polling: bool,
+    metrics: BehindMetrics,
+}
+
+/// What the write-behind queues did, for Prometheus (`nacre_fs_behind_*`).
+#[derive(Clone, Debug, Default)]
+struct BehindMetrics {
+    /// Commands queued, delegation give-backs included.
+    queued: Counter,
+    /// Commands queued and not yet answered by their partition.
+    pending: Gauge,
+    /// Batches answered.
+    batches: Counter,
+    /// Commands that failed, or whose batch was given up.
+    failed: Counter,
+    /// Delegations given back (`Release` queued).
+    released: Counter,
+}
+
+impl BehindMetrics {
+    fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("nacre_fs_behind");
+        r.register(
+            "queued",
+            "Metadata commands written behind (queued), delegation give-backs included",
+            self.queued.clone(),
+        );
+        r.register(
+            "pending",
+            "Metadata commands written behind and not yet answered by their partition",
+            self.pending.clone(),
+        );
+        r.register(
+            "batches",
+            "Batches of commands written behind answered by a partition",
+            self.batches.clone(),
+        );
+        r.register(
+            "failed",
+            "Metadata commands written behind that failed or were given up",
+            self.failed.clone(),
+        );
+        r.register(
+            "released",
+            "Directory delegations this client gave back",
+            self.released.clone(),
+        );
+    }
+
+    fn queued(&self) {
+        self.queued.inc();
+        self.pending.inc();
+    }
 }
 
 #[derive(Debug, Default)]
@@ -147,6 +202,11 @@ fn touched(attr: &mut Attr, subdirs: i32) {
 }
 
 impl Behind {
+    /// Registers the `nacre_fs_behind_*` metrics in `registry`.
+    pub(crate) fn register_metrics(&self, registry: &mut Registry) {
+        self.lock().metrics.register(registry);
+    }
+
     pub(crate) fn new() -> Self {
         // A random number without a random number crate: the standard library seeds every
         // `RandomState` from the operating system.
@@ -197,6 +257,8 @@ impl Behind {
             born: None,
         });
         part.queued += 1;
+        st.metrics.queued();
+        st.metrics.released.inc();
     }
 
     /// The live owned directory `dir`, forgetting it when its delegation ran out.
@@ -282,6 +344,14 @@ impl<T: MetaTransport> MetaFs<T> {
     pub(super) fn forget_dir(&self, dir: Ino) {
         if let Some(b) = self.behind() {
             b.lock().owned.remove(&dir);
+        }
+    }
+
+    /// Registers the write-behind metrics (`nacre_fs_behind_*`) in `registry`; nothing when this
+    /// client does not write behind.
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        if let Some(b) = self.behind() {
+            b.register_metrics(registry);
         }
     }
 
@@ -526,6 +596,7 @@ impl<T: MetaTransport> MetaFs<T> {
         part.queue.push(q);
         part.queued += 1;
         let low = part.stock() < RESERVE_LOW;
+        st.metrics.queued();
         kick(&self.t, b, st);
         if low {
             self.reserve_more(b, st, p);
@@ -609,8 +680,10 @@ async fn pump<T: MetaTransport>(t: Arc<T>, b: Arc<Behind>, p: PartitionId) {
         let mut st = b.lock();
         match outcome {
             Ok((results, recalled)) => {
+                st.metrics.batches.inc();
                 for (q, r) in batch.iter().zip(results.iter()) {
                     if let Err(e) = r {
+                        st.metrics.failed.inc();
                         tracing::warn!(partition = %p, cmd = ?q.cmd, error = %e, "a metadata change written behind failed");
                         st.failed.get_or_insert_with(|| format!("{:?}: {e}", q.cmd));
                         Behind::disown(&mut st, q.dir);
@@ -634,6 +707,7 @@ async fn pump<T: MetaTransport>(t: Arc<T>, b: Arc<Behind>, p: PartitionId) {
             Err(e) => {
                 tracing::warn!(partition = %p, commands = batch.len(), error = %e, "metadata changes written behind were given up");
                 st.failed.get_or_insert(e);
+                st.metrics.failed.inc_by(batch.len() as u64);
                 for q in &batch {
                     Behind::disown(&mut st, q.dir);
                     if let Some(d) = q.born {
@@ -645,6 +719,7 @@ async fn pump<T: MetaTransport>(t: Arc<T>, b: Arc<Behind>, p: PartitionId) {
         if let Some(part) = st.parts.get_mut(&p) {
             part.done += batch.len() as u64;
         }
+        st.metrics.pending.dec_by(batch.len() as i64);
         // Releases queued for other partitions by the disowning above.
         kick(&t, &b, &mut st);
         drop(st);
