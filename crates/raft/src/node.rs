@@ -122,6 +122,30 @@ pub struct EarlyOutput {
     pub finished: Vec<(ProposalId, Result<Vec<u8>, RaftError>)>,
 }
 
+/// A Ready round's log write handed to a writer instead of made in the round
+/// ([`RaftNode::process_ready_async`]). Jobs must be written in the order they were made; then
+/// `messages` may leave, `finished` be answered, and [`RaftNode::on_written`] be told `written`.
+#[derive(Debug, Default)]
+pub struct LogJob {
+    pub write: LogWrite,
+    /// Whether the write must be on stable storage before anything below happens.
+    pub sync: bool,
+    /// Messages that must wait for the write (a follower's acknowledgements, votes).
+    pub messages: Vec<(GroupId, Message)>,
+    /// Outcomes that must wait for the write (a membership change's).
+    pub finished: Vec<(ProposalId, Result<Vec<u8>, RaftError>)>,
+    /// What to report to [`RaftNode::on_written`] once written.
+    pub written: Vec<Written>,
+}
+
+/// One group's Ready made durable by a [`LogJob`].
+#[derive(Clone, Copy, Debug)]
+pub struct Written {
+    group: GroupId,
+    number: u64,
+    entries: bool,
+}
+
 /// Timing and sizing of every group on a node.
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
@@ -248,6 +272,36 @@ struct Group<S> {
 }
 
 impl<S> Group<S> {
+    /// Hands out the reads whose index the state machine has reached.
+    fn serve_reads(&mut self, gid: GroupId, out: &mut ReadyOutput) {
+        let applied = self.node.raft.raft_log.applied;
+        self.reads.retain(|&(index, id)| {
+            let ready = index <= applied;
+            if ready {
+                out.reads.push((gid, id));
+            }
+            !ready
+        });
+    }
+
+    /// Records the ReadIndex rounds a quorum confirmed in `rd`, renewing the lease.
+    fn take_read_states(&mut self, rd: &mut raft::Ready, lease: std::time::Duration) {
+        for rs in rd.take_read_states() {
+            if let Ok(raw) = <[u8; 8]>::try_from(rs.request_ctx.as_slice()) {
+                let id = u64::from_le_bytes(raw);
+                self.reads.push((rs.index, id));
+                // A quorum confirmed this leader as of the round's send time.
+                if let Some(sent) = self.read_sent.remove(&id) {
+                    let until = sent + lease;
+                    let term = self.node.raft.term;
+                    if self.lease.is_none_or(|(u, t)| t != term || u < until) {
+                        self.lease = Some((until, term));
+                    }
+                }
+            }
+        }
+    }
+
     /// Sends a ReadIndex round for `id`, or defers it until this leader has committed in its term.
     fn read_round(&mut self, id: ProposalId, sent: Option<Instant>, lease: std::time::Duration) {
         let r = &self.node.raft;
@@ -766,32 +820,12 @@ impl<S: StateMachine> RaftNode<S> {
             }
             if !g.node.has_ready() {
                 // Lease reads wait only for the state machine to catch up.
-                let applied = g.node.raft.raft_log.applied;
-                g.reads.retain(|&(index, id)| {
-                    let ready = index <= applied;
-                    if ready {
-                        out.reads.push((gid, id));
-                    }
-                    !ready
-                });
+                g.serve_reads(gid, &mut out);
                 continue;
             }
             let mut rd = g.node.ready();
             early.extend(rd.take_messages().into_iter().map(|m| (gid, m)));
-            for rs in rd.take_read_states() {
-                if let Ok(raw) = <[u8; 8]>::try_from(rs.request_ctx.as_slice()) {
-                    let id = u64::from_le_bytes(raw);
-                    g.reads.push((rs.index, id));
-                    // A quorum confirmed this leader as of the round's send time.
-                    if let Some(sent) = g.read_sent.remove(&id) {
-                        let until = sent + self.config.read_lease;
-                        let term = g.node.raft.term;
-                        if g.lease.is_none_or(|(u, t)| t != term || u < until) {
-                            g.lease = Some((until, term));
-                        }
-                    }
-                }
-            }
+            g.take_read_states(&mut rd, self.config.read_lease);
             let mut gw = GroupWrite::new(gid);
             if !rd.snapshot().is_empty() {
                 let snap = rd.snapshot().clone();
@@ -863,14 +897,7 @@ impl<S: StateMachine> RaftNode<S> {
                 after_sync = true;
             }
             g.node.advance_apply();
-            let applied = g.node.raft.raft_log.applied;
-            g.reads.retain(|&(index, id)| {
-                let ready = index <= applied;
-                if ready {
-                    out.reads.push((gid, id));
-                }
-                !ready
-            });
+            g.serve_reads(gid, &mut out);
             self.maybe_compact(gid, &mut gw);
             if !gw.is_empty() {
                 after.groups.push(gw);
@@ -895,6 +922,120 @@ impl<S: StateMachine> RaftNode<S> {
         }
         out.barriers = std::mem::take(&mut self.barriers);
         Ok(out)
+    }
+
+    /// Whether the next Ready round must write its log itself, after every [`LogJob`] handed out
+    /// before is written, rather than be made with [`RaftNode::process_ready_async`]: a snapshot
+    /// to install or to save changes the log's bounds, which raft-rs reads back at once.
+    pub fn needs_sync_round(&self) -> bool {
+        self.dirty.iter().any(|gid| {
+            self.groups.get(gid).is_some_and(|g| {
+                g.node.raft.raft_log.unstable_snapshot().is_some()
+                    || g.pending_snapshot
+                        .as_ref()
+                        .is_some_and(|(_, _, done)| *done)
+            })
+        })
+    }
+
+    /// [`RaftNode::process_ready_with`] without waiting for the log: the round's write, and what
+    /// must follow it, come back as a [`LogJob`] for a writer thread, while this thread goes on
+    /// to the next round (raft-rs's asynchronous Ready; thesis §10.2.1 for the leader). Entries
+    /// committed on a quorum are applied once written here too (raft-rs hands out no others), so
+    /// a leader's acknowledgement still means the entry is durable on it. Call only when
+    /// [`RaftNode::needs_sync_round`] is false; jobs must be written in order.
+    pub fn process_ready_async(
+        &mut self,
+        mut early_out: impl FnMut(EarlyOutput),
+    ) -> Result<(ReadyOutput, Option<LogJob>), RaftError> {
+        let mut out = ReadyOutput::default();
+        let mut job = LogJob::default();
+        let mut early = Vec::new();
+        let mut early_finished = Vec::new();
+        for gid in std::mem::take(&mut self.dirty) {
+            let Some(g) = self.groups.get_mut(&gid) else {
+                continue;
+            };
+            if g.flush_deferred(self.config.read_lease) {
+                self.dirty.insert(gid);
+            }
+            if !g.node.has_ready() {
+                g.serve_reads(gid, &mut out);
+                continue;
+            }
+            if g.node.raft.raft_log.unstable_snapshot().is_some() {
+                // needs_sync_round said otherwise: leave it to the next (synchronous) round.
+                self.dirty.insert(gid);
+                continue;
+            }
+            let mut rd = g.node.ready();
+            early.extend(rd.take_messages().into_iter().map(|m| (gid, m)));
+            g.take_read_states(&mut rd, self.config.read_lease);
+            let mut gw = GroupWrite::new(gid);
+            let committed = rd.take_committed_entries();
+            let before = out.finished.len();
+            let conf = apply_entries(gid, g, committed, &mut out)?;
+            if conf.is_none() {
+                early_finished.extend(out.finished.drain(before..));
+            } else {
+                // A membership change's outcome waits until its conf state is written.
+                job.finished.extend(out.finished.drain(before..));
+                gw.conf_state = conf;
+                job.sync = true;
+            }
+            gw.entries = rd.take_entries();
+            gw.hard_state = rd.hs().cloned();
+            job.sync |= rd.must_sync();
+            job.messages
+                .extend(rd.take_persisted_messages().into_iter().map(|m| (gid, m)));
+            let entries = !gw.entries.is_empty();
+            g.node.mut_store().append_unwritten(&gw.entries);
+            job.written.push(Written {
+                group: gid,
+                number: rd.number(),
+                entries,
+            });
+            g.node.advance_append_async(rd);
+            g.node.advance_apply();
+            g.serve_reads(gid, &mut out);
+            if !gw.is_empty() {
+                job.write.groups.push(gw);
+            }
+            let mut compact = GroupWrite::new(gid);
+            self.maybe_compact(gid, &mut compact);
+            if !compact.is_empty() {
+                job.write.groups.push(compact);
+            }
+            if let Some(g) = self.groups.get_mut(&gid) {
+                g.publish_gate(self.config.read_lease);
+                if g.flush_deferred(self.config.read_lease) || g.node.has_ready() {
+                    self.dirty.insert(gid);
+                }
+            }
+        }
+        if !early.is_empty() || !early_finished.is_empty() {
+            early_out(EarlyOutput {
+                messages: early,
+                finished: early_finished,
+            });
+        }
+        out.barriers = std::mem::take(&mut self.barriers);
+        let job = (!job.written.is_empty() || !job.write.is_empty()).then_some(job);
+        Ok((out, job))
+    }
+
+    /// A [`LogJob`]'s write is done: its groups learn that their entries are durable here (a
+    /// leader may now commit and apply them).
+    pub fn on_written(&mut self, written: &[Written]) {
+        for w in written {
+            if let Some(g) = self.groups.get_mut(&w.group) {
+                g.node.on_persist_ready(w.number);
+                if w.entries {
+                    g.node.mut_store().written();
+                }
+                self.dirty.insert(w.group);
+            }
+        }
     }
 
     /// Saves the snapshots whose barriers succeeded, compacting the log behind each, in one write.

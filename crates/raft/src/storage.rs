@@ -25,6 +25,10 @@ pub struct GroupStorage {
     /// return one entry of it, which is quadratic when a batch holds many large entries.
     cache: VecDeque<Entry>,
     cache_bytes: usize,
+    /// Appends handed to the log writer and not written yet, oldest first: (first, last) index
+    /// (a raft store with [`crate::StoreConfig::async_log`]). The cache keeps their entries
+    /// whatever its bounds: until written, it is the only place they can be read from.
+    unwritten: VecDeque<(u64, u64)>,
 }
 
 /// Bounds of one group's entry cache.
@@ -52,6 +56,41 @@ impl GroupStorage {
             snapshot_wanted: Cell::new(false),
             cache: VecDeque::new(),
             cache_bytes: 0,
+            unwritten: VecDeque::new(),
+        }
+    }
+
+    /// Caches entries `[first, last]` that are handed to the log writer, before they are written
+    /// (raft-rs reads its log back from here at once).
+    pub fn append_unwritten(&mut self, entries: &[Entry]) {
+        if let (Some(first), Some(last)) = (entries.first(), entries.last()) {
+            self.unwritten.push_back((first.index, last.index));
+        }
+        self.cache_append(entries);
+    }
+
+    /// The oldest append handed to the log writer is written.
+    pub fn written(&mut self) {
+        self.unwritten.pop_front();
+        self.evict();
+    }
+
+    /// Whether the cache may drop the entry at `index`: it is written, and no unwritten append
+    /// replaces it.
+    fn evictable(&self, index: u64) -> bool {
+        self.unwritten.iter().all(|&(first, _)| index < first)
+    }
+
+    fn evict(&mut self) {
+        while self.cache_bytes > CACHE_MAX_BYTES || self.cache.len() > CACHE_MAX_ENTRIES {
+            match self.cache.front() {
+                Some(e) if self.evictable(e.index) => {}
+                _ => break,
+            }
+            match self.cache.pop_front() {
+                Some(e) => self.cache_bytes -= e.data.len(),
+                None => break,
+            }
         }
     }
 
@@ -76,12 +115,7 @@ impl GroupStorage {
             self.cache_bytes += e.data.len();
             self.cache.push_back(e.clone());
         }
-        while self.cache_bytes > CACHE_MAX_BYTES || self.cache.len() > CACHE_MAX_ENTRIES {
-            match self.cache.pop_front() {
-                Some(e) => self.cache_bytes -= e.data.len(),
-                None => break,
-            }
-        }
+        self.evict();
     }
 
     /// Forgets the cached entries (a snapshot replaced the log).
@@ -137,6 +171,30 @@ impl Storage for GroupStorage {
         _context: GetEntriesContext,
     ) -> raft::Result<Vec<Entry>> {
         let max_size = max_size.into();
+        let front = self.cache.front().map(|e| e.index);
+        if low < high && self.cached(high - 1).is_some() && front.is_some_and(|f| low < f) {
+            // The older part is only in the log, the newer (perhaps not written yet) only here.
+            let front = front.unwrap_or(low);
+            let mut out = self
+                .log
+                .entries(self.group, low, front, max_size)
+                .map_err(to_raft)?;
+            let mut size: u64 = out
+                .iter()
+                .map(|e| u64::from(protobuf::Message::compute_size(e)))
+                .sum();
+            if out.len() as u64 == front - low {
+                for idx in front..high {
+                    let Some(e) = self.cached(idx) else { break };
+                    size += u64::from(protobuf::Message::compute_size(e));
+                    if max_size.is_some_and(|m| size > m) {
+                        break;
+                    }
+                    out.push(e.clone());
+                }
+            }
+            return Ok(out);
+        }
         if low < high && self.cached(low).is_some() && self.cached(high - 1).is_some() {
             // raft-rs's rule: at least one entry, then as many as fit in `max_size`.
             let mut out = Vec::new();
@@ -175,6 +233,11 @@ impl Storage for GroupStorage {
     }
 
     fn last_index(&self) -> raft::Result<u64> {
+        // Every entry appended is cached first, and only written ones are dropped from the front:
+        // the cache's last entry is the log's, written or not.
+        if let Some(e) = self.cache.back() {
+            return Ok(e.index);
+        }
         match self.log.last_index(self.group) {
             Err(LogError::UnknownGroup(_)) => Ok(0),
             r => r.map_err(to_raft),
@@ -239,5 +302,37 @@ mod tests {
         s.cache_append(&big);
         assert!(s.cache_bytes <= CACHE_MAX_BYTES);
         assert_eq!(s.cache.back().map(|e| e.index), Some(200));
+    }
+
+    #[test]
+    fn unwritten_entries_stay_cached_and_count_as_the_log_until_written() {
+        let log = Arc::new(MemLogStore::new());
+        let mut s = GroupStorage::new(1, log.clone());
+        let mut w = crate::GroupWrite::new(1);
+        w.entries = (1..=3).map(|i| entry(i, 1, 10)).collect();
+        log.write(&crate::LogWrite { groups: vec![w] }, true)
+            .unwrap();
+        // Entries 4..=13 of 1 MiB each: over the cache's bound, not written yet.
+        let big: Vec<Entry> = (4..=13).map(|i| entry(i, 1, 1 << 20)).collect();
+        s.append_unwritten(&big);
+        assert_eq!(s.last_index().unwrap(), 13);
+        assert_eq!(s.cache.front().map(|e| e.index), Some(4));
+        // A range from the log into the cache.
+        let got = s
+            .entries(2, 6, None, GetEntriesContext::empty(false))
+            .unwrap();
+        assert_eq!(
+            got.iter().map(|e| e.index).collect::<Vec<_>>(),
+            [2, 3, 4, 5]
+        );
+        // Written: the cache goes back within its bound, keeping the newest.
+        let mut w = crate::GroupWrite::new(1);
+        w.entries = big;
+        log.write(&crate::LogWrite { groups: vec![w] }, true)
+            .unwrap();
+        s.written();
+        assert!(s.cache_bytes <= CACHE_MAX_BYTES);
+        assert_eq!(s.last_index().unwrap(), 13);
+        assert_eq!(s.cache.back().map(|e| e.index), Some(13));
     }
 }

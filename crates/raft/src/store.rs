@@ -23,8 +23,10 @@ use protobuf::Message as _;
 use raft::eraftpb::{ConfChangeV2, Message};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::log::{GroupId, LogStore};
-use crate::node::{NodeConfig, ProposalId, RaftError, RaftNode, ReadGate, StateMachine};
+use crate::log::{GroupId, LogError, LogStore, LogWrite};
+use crate::node::{
+    LogJob, NodeConfig, ProposalId, RaftError, RaftNode, ReadGate, StateMachine, Written,
+};
 
 static EXIT_ON_LOG_FAILURE: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
@@ -58,6 +60,12 @@ pub struct StoreConfig {
     /// extra thread wake-ups cost throughput (measured in docs/benchmarks.md, "Appends before
     /// the leader's write"); with replicas on separate disks it takes one sync off each commit.
     pub early_appends: bool,
+    /// Log writes are made by a thread of their own while the Raft thread goes on: it steps
+    /// acknowledgements, commits, applies and answers during a sync, and gathers the next
+    /// round's entries, which the writer then writes and syncs together (raft-rs's asynchronous
+    /// Ready). Synchronously, each round waits for its sync, and so does everything that arrives
+    /// meanwhile, however little it has to write.
+    pub async_log: bool,
 }
 
 impl Default for StoreConfig {
@@ -70,6 +78,7 @@ impl Default for StoreConfig {
             request_timeout_ticks: 100,
             purge_interval: Duration::from_secs(10),
             early_appends: false,
+            async_log: false,
         }
     }
 }
@@ -141,6 +150,14 @@ enum Cmd<S> {
     Stop {
         reply: oneshot::Sender<()>,
     },
+    /// The log writer wrote `jobs` jobs (see [`StoreConfig::async_log`]).
+    Written {
+        jobs: usize,
+        written: Vec<Written>,
+        finished: Vec<(ProposalId, Result<Vec<u8>, RaftError>)>,
+    },
+    /// The log writer failed: what the log holds is unknown.
+    LogFailed(RaftError),
     /// A snapshot's durability barrier finished (it ran on the blocking pool).
     BarrierDone {
         group: GroupId,
@@ -405,7 +422,14 @@ struct Loop<S: StateMachine> {
     reads: HashMap<ProposalId, (u64, Reader<S>)>,
     /// Tick at which each peer was last heard from, and whether it is considered up.
     heard: BTreeMap<u64, (u64, bool)>,
-    outboxes: BTreeMap<u64, Outbox>,
+    /// Replaced, not changed, when peers change: the log writer sends through the one it got
+    /// with each job.
+    outboxes: Arc<BTreeMap<u64, Outbox>>,
+    /// The log writer ([`StoreConfig::async_log`]), and how many jobs it has not finished.
+    writer: Option<LogWriter>,
+    in_flight: usize,
+    /// Why the log writer stopped, until the loop stops too.
+    failed: Option<RaftError>,
     client: Client,
     applied: watch::Sender<u64>,
     ticks: u64,
@@ -433,7 +457,10 @@ async fn run<S: StateMachine>(
         proposals: HashMap::new(),
         reads: HashMap::new(),
         heard: BTreeMap::new(),
-        outboxes: BTreeMap::new(),
+        outboxes: Arc::new(BTreeMap::new()),
+        writer: None,
+        in_flight: 0,
+        failed: None,
         client,
         applied,
         ticks: 0,
@@ -441,6 +468,20 @@ async fn run<S: StateMachine>(
         own,
     };
     lp.add_peers(peers);
+    if config.async_log {
+        match LogWriter::start(
+            id,
+            log.clone(),
+            lp.client.clone(),
+            lp.own.clone(),
+            config.early_appends,
+        ) {
+            Ok(w) => lp.writer = Some(w),
+            Err(e) => {
+                tracing::warn!(node = id, error = %e, "no log writer thread; writing the log on the raft thread")
+            }
+        }
+    }
     let mut tick = tokio::time::interval(config.tick_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut purge = tokio::time::interval(config.purge_interval);
@@ -482,6 +523,18 @@ async fn run<S: StateMachine>(
             }
             lp.handle(cmd);
         }
+        // A round that installs or saves a snapshot writes the log itself, after the writer.
+        while stop_reply.is_none()
+            && lp.failed.is_none()
+            && lp.in_flight > 0
+            && lp.node.needs_sync_round()
+        {
+            match rx.recv().await {
+                Some(Cmd::Stop { reply }) => stop_reply = Some(reply),
+                Some(cmd) => lp.handle(cmd),
+                None => break,
+            }
+        }
         if stop_reply.is_some() {
             break;
         }
@@ -507,6 +560,10 @@ async fn run<S: StateMachine>(
     if let Some(p) = purging {
         let _ = p.await;
     }
+    // What was handed to the writer is written (or failed) before the log closes.
+    if let Some(w) = lp.writer.take() {
+        w.stop();
+    }
     // The log (and raft-engine's files and lock) close with the node, before the stop is confirmed.
     drop(lp);
     drop(log);
@@ -521,6 +578,7 @@ async fn run<S: StateMachine>(
 /// write right after, and a frame queued for the sender task, which runs on the loop's thread,
 /// would wait until the write returned. Otherwise it joins that task's queue, which keeps frames
 /// in order.
+#[derive(Clone)]
 struct Outbox {
     addr: String,
     queue: mpsc::UnboundedSender<Bytes>,
@@ -599,7 +657,7 @@ impl<S: StateMachine> Loop<S> {
                 queue: otx,
                 queued,
             };
-            self.outboxes.insert(peer, outbox);
+            Arc::make_mut(&mut self.outboxes).insert(peer, outbox);
             self.heard.entry(peer).or_insert((self.ticks, true));
         }
     }
@@ -616,6 +674,18 @@ impl<S: StateMachine> Loop<S> {
                 token,
                 result,
             } => self.node.barrier_done(group, token, result),
+            Cmd::Written {
+                jobs,
+                written,
+                finished,
+            } => {
+                self.in_flight = self.in_flight.saturating_sub(jobs);
+                self.node.on_written(&written);
+                finish(&mut self.proposals, finished);
+            }
+            Cmd::LogFailed(e) => {
+                self.failed.get_or_insert(e);
+            }
             Cmd::RemoveGroup { group, reply } => {
                 let _ = reply.send(self.node.remove_group(group));
             }
@@ -745,13 +815,27 @@ impl<S: StateMachine> Loop<S> {
     }
 
     fn ready(&mut self) -> Result<(), RaftError> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
         let (outboxes, client, from) = (&self.outboxes, &self.client, self.node.id());
         let direct = self.early_appends;
         let proposals = &mut self.proposals;
-        let out = self.node.process_ready_with(|early| {
+        let early = |early: crate::node::EarlyOutput| {
             send_batches(outboxes, client, from, early.messages, direct);
             finish(proposals, early.finished);
-        })?;
+        };
+        let out = match &self.writer {
+            Some(w) if !self.node.needs_sync_round() => {
+                let (out, job) = self.node.process_ready_async(early)?;
+                if let Some(job) = job {
+                    w.submit(job, Arc::clone(&self.outboxes))?;
+                    self.in_flight += 1;
+                }
+                out
+            }
+            _ => self.node.process_ready_with(early)?,
+        };
         send_batches(&self.outboxes, &self.client, from, out.messages, false);
         for b in out.barriers {
             let own = self.own.clone();
@@ -779,5 +863,75 @@ impl<S: StateMachine> Loop<S> {
             }
         }
         Ok(())
+    }
+}
+
+/// The thread that writes a store's log when [`StoreConfig::async_log`] is on: it takes every
+/// job queued, writes them in order as one write with at most one sync, sends the messages that
+/// waited for it, and reports back to the loop.
+struct LogWriter {
+    tx: std::sync::mpsc::Sender<(LogJob, Arc<BTreeMap<u64, Outbox>>)>,
+    thread: thread::JoinHandle<()>,
+}
+
+impl LogWriter {
+    fn start<S: StateMachine>(
+        id: u64,
+        log: Arc<dyn LogStore>,
+        client: Client,
+        own: mpsc::WeakUnboundedSender<Cmd<S>>,
+        direct: bool,
+    ) -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::channel::<(LogJob, Arc<BTreeMap<u64, Outbox>>)>();
+        let thread = thread::Builder::new()
+            .name(format!("raft-log-{id}"))
+            .spawn(move || {
+                while let Ok(first) = rx.recv() {
+                    let mut jobs = vec![first];
+                    jobs.extend(rx.try_iter());
+                    let mut write = LogWrite::default();
+                    let mut sync = false;
+                    for (job, _) in &mut jobs {
+                        write.groups.append(&mut job.write.groups);
+                        sync |= job.sync;
+                    }
+                    if !write.groups.is_empty()
+                        && let Err(e) = log.write(&write, sync)
+                    {
+                        if let Some(tx) = own.upgrade() {
+                            let _ = tx.send(Cmd::LogFailed(e.into()));
+                        }
+                        // Nothing more is written, sent or answered: the loop stops.
+                        return;
+                    }
+                    let n = jobs.len();
+                    let mut written = Vec::new();
+                    let mut finished = Vec::new();
+                    for (job, outboxes) in jobs {
+                        send_batches(&outboxes, &client, id, job.messages, direct);
+                        written.extend(job.written);
+                        finished.extend(job.finished);
+                    }
+                    let Some(tx) = own.upgrade() else { return };
+                    let _ = tx.send(Cmd::Written {
+                        jobs: n,
+                        written,
+                        finished,
+                    });
+                }
+            })?;
+        Ok(Self { tx, thread })
+    }
+
+    fn submit(&self, job: LogJob, outboxes: Arc<BTreeMap<u64, Outbox>>) -> Result<(), RaftError> {
+        self.tx
+            .send((job, outboxes))
+            .map_err(|_| RaftError::Log(LogError::Io("the raft log writer stopped".into())))
+    }
+
+    /// Waits for every job handed over to be written.
+    fn stop(self) {
+        drop(self.tx);
+        let _ = self.thread.join();
     }
 }

@@ -178,8 +178,22 @@ async fn stores_elect_replicate_and_serve_linearizable_reads_over_the_messenger(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_isolated_leader_is_replaced_and_the_cluster_keeps_committing() {
+    isolated_leader_is_replaced(&fast()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_log_writer_threads_an_isolated_leader_is_replaced() {
+    let config = StoreConfig {
+        async_log: true,
+        early_appends: true,
+        ..fast()
+    };
+    isolated_leader_is_replaced(&config).await;
+}
+
+async fn isolated_leader_is_replaced(config: &StoreConfig) {
     let net = MemNetwork::new(4);
-    let nodes = cluster(&net, "n", &fast()).await;
+    let nodes = cluster(&net, "n", config).await;
     add_group_everywhere(&nodes, 1).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     propose(&nodes, 1, "a=1", deadline).await.unwrap();
@@ -221,13 +235,27 @@ async fn an_isolated_leader_is_replaced_and_the_cluster_keeps_committing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stores_on_raft_engine_restart_with_every_acknowledged_write() {
+    restart_with_every_acknowledged_write(&fast()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stores_writing_their_logs_on_a_thread_of_their_own_restart_with_every_acknowledged_write()
+{
+    let config = StoreConfig {
+        async_log: true,
+        ..fast()
+    };
+    restart_with_every_acknowledged_write(&config).await;
+}
+
+async fn restart_with_every_acknowledged_write(config: &StoreConfig) {
     let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
     let net = MemNetwork::new(5);
     for round in 0..2 {
         let nodes = cluster_with(
             &net,
             &format!("r{round}n"),
-            &fast(),
+            config,
             |id| {
                 let log: Arc<dyn LogStore> = Arc::new(
                     nacre_raft::EngineLogStore::open(dirs[id as usize - 1].path()).unwrap(),
@@ -345,33 +373,19 @@ struct Rendezvous {
     cv: std::sync::Condvar,
 }
 
-struct HeldLog {
+/// Called with a log's node id before each of its writes.
+type WriteHook = Arc<dyn Fn(u64, &nacre_raft::LogWrite) + Send + Sync>;
+
+/// A log that calls `hook` with its node id before each write.
+struct HookedLog {
     id: u64,
     inner: MemLogStore,
-    meet: Arc<Rendezvous>,
+    hook: WriteHook,
 }
 
-impl LogStore for HeldLog {
+impl LogStore for HookedLog {
     fn write(&self, write: &nacre_raft::LogWrite, sync: bool) -> Result<(), nacre_raft::LogError> {
-        let m = &self.meet;
-        let has = write.groups.iter().any(|g| {
-            g.entries
-                .iter()
-                .any(|e| e.data.windows(m.marker.len()).any(|w| w == m.marker))
-        });
-        if has {
-            let mut st = m.state.lock().unwrap();
-            let first = st.0.is_empty();
-            st.0.push(self.id);
-            m.cv.notify_all();
-            if first {
-                let (st2, waited) =
-                    m.cv.wait_timeout_while(st, m.patience, |s| s.0.len() < 2)
-                        .unwrap();
-                st = st2;
-                st.1 = Some(!waited.timed_out());
-            }
-        }
+        (self.hook)(self.id, write);
         self.inner.write(write, sync)
     }
 
@@ -412,6 +426,48 @@ impl LogStore for HeldLog {
     }
 }
 
+/// Whether a write carries an entry whose data holds `marker`.
+fn carries(write: &nacre_raft::LogWrite, marker: &[u8]) -> bool {
+    write.groups.iter().any(|g| {
+        g.entries
+            .iter()
+            .any(|e| e.data.windows(marker.len()).any(|w| w == marker))
+    })
+}
+
+impl Rendezvous {
+    fn before_write(&self, id: u64, write: &nacre_raft::LogWrite) {
+        if !carries(write, self.marker) {
+            return;
+        }
+        let mut st = self.state.lock().unwrap();
+        let first = st.0.is_empty();
+        st.0.push(id);
+        self.cv.notify_all();
+        if first {
+            let (mut st, waited) = self
+                .cv
+                .wait_timeout_while(st, self.patience, |s| s.0.len() < 2)
+                .unwrap();
+            st.1 = Some(!waited.timed_out());
+        }
+    }
+}
+
+/// Logs on `hook`.
+fn hooked(
+    hook: impl Fn(u64, &nacre_raft::LogWrite) + Send + Sync + 'static,
+) -> impl Fn(u64) -> Arc<dyn LogStore> {
+    let hook: WriteHook = Arc::new(hook);
+    move |id| -> Arc<dyn LogStore> {
+        Arc::new(HookedLog {
+            id,
+            inner: MemLogStore::new(),
+            hook: hook.clone(),
+        })
+    }
+}
+
 /// With `early_appends`, a leader's new entries go out to the followers before it writes them to
 /// its own log, so the three writes overlap. The leader's log here will not finish its write of the marked entry
 /// until a follower's log has written it: that happens only if the appends left while the
@@ -427,13 +483,7 @@ async fn a_leader_sends_its_appends_before_its_log_write_returns() {
         cv: std::sync::Condvar::new(),
     });
     let m = meet.clone();
-    let log = move |id| -> Arc<dyn LogStore> {
-        Arc::new(HeldLog {
-            id,
-            inner: MemLogStore::new(),
-            meet: m.clone(),
-        })
-    };
+    let log = hooked(move |id, w| m.before_write(id, w));
     let config = StoreConfig {
         early_appends: true,
         ..fast()
@@ -457,5 +507,94 @@ async fn a_leader_sends_its_appends_before_its_log_write_returns() {
         writers[0],
         meet.patience
     );
+    shutdown(nodes).await;
+}
+
+/// Holds every log write of an entry carrying `marker` until the test opens the gate (or
+/// `patience` runs out, which the test sees).
+struct Gate {
+    marker: &'static [u8],
+    patience: Duration,
+    /// (ids of the logs holding a write, open, whether a hold ran out of patience)
+    state: std::sync::Mutex<(Vec<u64>, bool, bool)>,
+    cv: std::sync::Condvar,
+}
+
+impl Gate {
+    fn before_write(&self, id: u64, write: &nacre_raft::LogWrite) {
+        if !carries(write, self.marker) {
+            return;
+        }
+        let mut st = self.state.lock().unwrap();
+        st.0.push(id);
+        self.cv.notify_all();
+        let (mut st, waited) = self
+            .cv
+            .wait_timeout_while(st, self.patience, |s| !s.1)
+            .unwrap();
+        if waited.timed_out() {
+            st.2 = true;
+        }
+    }
+}
+
+/// With `async_log`, a store whose log write is stuck still steps messages and answers: the
+/// write is the writer thread's, not the Raft thread's. The proposal then completes once the
+/// writes are let through, and a restart is not needed for anything written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_answers_while_its_log_writer_is_held_in_a_write() {
+    let net = MemNetwork::new(6);
+    let gate = Arc::new(Gate {
+        marker: b"held=",
+        patience: Duration::from_secs(5),
+        state: std::sync::Mutex::new((Vec::new(), false, false)),
+        cv: std::sync::Condvar::new(),
+    });
+    let g = gate.clone();
+    let log = hooked(move |id, w| g.before_write(id, w));
+    let config = StoreConfig {
+        async_log: true,
+        early_appends: true,
+        ..fast()
+    };
+    let nodes = Arc::new(cluster_with(&net, "g", &config, log, true).await);
+    add_group_everywhere(&nodes, 1).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for i in 0..5 {
+        propose(&nodes, 1, &format!("warm{i}=1"), deadline)
+            .await
+            .unwrap();
+    }
+    let ns = nodes.clone();
+    let held = tokio::spawn(async move { propose(&ns, 1, "held=1", deadline).await });
+    // Wait (bounded) until some log is holding the write.
+    let gw = gate.clone();
+    let holder = tokio::task::spawn_blocking(move || {
+        let st = gw.state.lock().unwrap();
+        let (st, _) = gw
+            .cv
+            .wait_timeout_while(st, Duration::from_secs(5), |s| s.0.is_empty())
+            .unwrap();
+        st.0.first().copied()
+    })
+    .await
+    .unwrap()
+    .expect("no log wrote the held entry");
+    let status = tokio::time::timeout(Duration::from_secs(2), nodes[&holder].handle.status()).await;
+    assert!(
+        matches!(status, Ok(Ok(_))),
+        "node {holder} did not answer while its log write was held"
+    );
+    {
+        let mut st = gate.state.lock().unwrap();
+        st.1 = true;
+        gate.cv.notify_all();
+    }
+    held.await.unwrap().unwrap();
+    assert!(
+        !gate.state.lock().unwrap().2,
+        "a held write ran out of patience"
+    );
+    let nodes = Arc::into_inner(nodes).unwrap();
     shutdown(nodes).await;
 }
