@@ -133,6 +133,10 @@ struct State {
     handles: HashMap<Fh, Ino>,
     /// Complete directories; an invalidation of a directory's attribute ends its completeness.
     complete: HashMap<Ino, Complete>,
+    /// While `complete` is full: the earliest time one of its entries expires. Until then a new
+    /// directory is not recorded without looking through the table (which cost every mkdir a
+    /// scan of thousands of entries once it filled).
+    complete_full_until: Option<Instant>,
 }
 
 fn attr_stripe(ino: Ino) -> usize {
@@ -161,11 +165,16 @@ impl State {
             return;
         }
         if self.complete.len() >= COMPLETE_DIRS && !self.complete.contains_key(&dir) {
+            if self.complete_full_until.is_some_and(|t| now < t) {
+                return;
+            }
             self.complete.retain(|_, c| c.expires > now);
             if self.complete.len() >= COMPLETE_DIRS {
+                self.complete_full_until = self.complete.values().map(|c| c.expires).min();
                 return;
             }
         }
+        self.complete_full_until = None;
         self.complete.insert(dir, c);
     }
 
@@ -244,6 +253,7 @@ impl<F: FileSystem> MetaCache<F> {
                 entry_stamps: vec![0; STRIPES],
                 handles: HashMap::new(),
                 complete: HashMap::new(),
+                complete_full_until: None,
             }),
             cfg,
             hits: AtomicU64::new(0),
