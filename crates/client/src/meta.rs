@@ -326,6 +326,9 @@ impl<T: MetaTransport> MetaFs<T> {
     }
 
     pub async fn getattr(&self, ino: Ino) -> FsResult<Attr> {
+        if let Some(a) = self.owned_attr(ino) {
+            return Ok(a);
+        }
         Self::attr(self.read_ino(ino, Query::GetAttr { ino }).await?)
     }
 
@@ -359,8 +362,16 @@ impl<T: MetaTransport> MetaFs<T> {
     /// Attributes of `name` under `parent`: one round trip when the inode lives with its parent,
     /// two otherwise.
     pub async fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
-        if let Some(Err(e)) = self.lookup_behind(parent, name) {
-            return Err(e);
+        match self.lookup_behind(parent, name) {
+            Some(Err(e)) => return Err(e),
+            // A directory this client owns answers from here (a path walk through a tree it
+            // made, once the kernel's entries expired, asks for every component).
+            Some(Ok(d)) if d.kind == FileType::Dir => {
+                if let Some(a) = self.owned_attr(d.ino) {
+                    return Ok(a);
+                }
+            }
+            _ => {}
         }
         match self.lookup_plus(parent, name).await? {
             (_, Some(a)) => Ok(a),

@@ -660,5 +660,27 @@ async fn a_delegated_directory_is_given_back_to_another_client_that_changes_it()
     assert_eq!(value("nacre_fs_behind_failed_total"), 0, "{text}");
     assert_eq!(value("nacre_fs_behind_pending"), 0, "{text}");
 
+    // An owned directory's attributes are its holder's to answer for, so only the holder may
+    // set them: another client's chmod waits for it to be given back, and the holder then asks
+    // the partition.
+    let g = a.create(ROOT_INO, b"g", &dir_).await.unwrap().attr;
+    let h = a.create(g.ino, b"h", &dir_).await.unwrap().attr;
+    let mode = nacre_meta::SetAttr {
+        mode: Some(0o700),
+        ..nacre_meta::SetAttr::default()
+    };
+    b.setattr(g.ino, mode).await.unwrap();
+    assert_eq!(a.getattr(g.ino).await.unwrap().mode & 0o777, 0o700);
+    assert_eq!(a.getattr(h.ino).await.unwrap().mode & 0o777, 0o755);
+    // ... and answers lookups and getattrs of it without the cluster (the last step here: the
+    // cut resets b's connections too).
+    let k = a.create(h.ino, b"k", &dir_).await.unwrap().attr;
+    let l = a.create(k.ino, b"l", &dir_).await.unwrap().attr;
+    net.isolate("cli");
+    assert_eq!(a.lookup(k.ino, b"l").await.map(|x| x.ino), Ok(l.ino));
+    let seen = a.getattr(k.ino).await.unwrap();
+    assert_eq!((seen.nlink, seen.mode & 0o777), (3, 0o755));
+    net.heal_host("cli");
+
     stop_all(master_stop, metas, cli, master_msgr).await;
 }

@@ -1210,14 +1210,18 @@ impl MetaPartition {
             .copied()
     }
 
-    /// `Delegated(dir)` if `cmd` would change the entries of `dir`, or remove it, while it is
-    /// delegated to another client than `client`.
+    /// `Delegated(dir)` if `cmd` would change the entries of `dir`, remove it or set its
+    /// attributes, while it is delegated to another client than `client`.
     fn check_delegations(&self, now: u64, client: u64, cmd: &Command) -> Result<(), MetaError> {
         if self.delegations.is_empty() {
             // The common case costs no lookups.
             return Ok(());
         }
-        for dir in cmd.entry_dirs().chain(self.removed_dir(cmd)) {
+        for dir in cmd
+            .entry_dirs()
+            .chain(self.removed_dir(cmd))
+            .chain(cmd.attr_target())
+        {
             if self
                 .delegations
                 .get(&dir.0)

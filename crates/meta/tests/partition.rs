@@ -3728,20 +3728,27 @@ fn a_delegated_directory_refuses_every_change_by_others() {
         (rename(ROOT, "r", d, "x"), d),
         // Replaces e.
         (rename(ROOT, "free", ROOT, "e"), e),
+        // Its attributes are the holder's to answer for.
+        (
+            Command::SetAttr {
+                ino: d,
+                set: SetAttr {
+                    mode: Some(0o700),
+                    ..SetAttr::default()
+                },
+            },
+            d,
+        ),
+        (set_xattr(d, "user.x", "v", XattrMode::Upsert), d),
     ];
     for (cmd, dir) in &changes {
         refused(&mut p, T + 1, as_client(B, cmd.clone()), *dir);
         refused(&mut p, T + 1, cmd.clone(), *dir);
     }
-    // What does not change a directory's entries is anyone's to do, moving a delegated
-    // directory included (that changes its parent's entries, not its own).
-    let mode = SetAttr {
-        mode: Some(0o700),
-        ..SetAttr::default()
-    };
+    // What does not change a directory's entries or attributes is anyone's to do, moving a
+    // delegated directory included (that changes its parent's entries, not its own).
     for cmd in [
-        Command::SetAttr { ino: d, set: mode },
-        set_xattr(d, "user.x", "v", XattrMode::Upsert),
+        set_xattr(f, "user.x", "v", XattrMode::Upsert),
         Command::LinkInode { ino: f },
         append(f, vec![key(0, 1, 0, 10)]),
         Command::SetParent {

@@ -298,7 +298,7 @@ impl<T: MetaTransport> MetaFs<T> {
         let target = {
             let mut st = b.lock();
             if let Some(cmd) = cmd {
-                for d in cmd.entry_dirs() {
+                for d in cmd.entry_dirs().chain(cmd.attr_target()) {
                     Behind::disown(&mut st, d);
                 }
                 kick(&self.t, b, &mut st);
@@ -383,6 +383,15 @@ impl<T: MetaTransport> MetaFs<T> {
 
     /// The dentry `name` under an owned `parent`, answered from what this client knows; `None`
     /// when `parent` is not owned.
+    /// The attributes of `dir` while this client owns it: no other client may change them
+    /// (the partition refuses their `SetAttr`s and `SetXattr`s until the delegation ends), and
+    /// this client's own changes either go behind, updating them here, or end the ownership.
+    pub(super) fn owned_attr(&self, dir: Ino) -> Option<Attr> {
+        let b = self.behind()?;
+        let mut st = b.lock();
+        Behind::owned(&mut st, dir).map(|o| o.attr.clone())
+    }
+
     pub(super) fn lookup_behind(&self, parent: Ino, name: &[u8]) -> Option<FsResult<Dentry>> {
         let b = self.behind()?;
         let mut st = b.lock();
