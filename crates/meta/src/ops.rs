@@ -323,8 +323,6 @@ pub enum Command {
 }
 
 impl Command {
-    /// The directories whose entries this command changes (for a delegation, the ones only
-    /// their holder may change): the parent, or a rename's two parents.
     /// The inode whose attributes or extended attributes this command sets. A delegated
     /// directory's holder answers for its attributes, so only the holder may set them.
     pub fn attr_target(&self) -> Option<Ino> {
@@ -336,6 +334,8 @@ impl Command {
         }
     }
 
+    /// The directories whose entries this command changes (for a delegation, the ones only
+    /// their holder may change): the parent, or a rename's two parents.
     pub fn entry_dirs(&self) -> impl Iterator<Item = Ino> + use<> {
         let (first, second) = match self {
             Command::Create { parent, .. }

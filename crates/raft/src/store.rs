@@ -6,6 +6,8 @@
 //! sends what every group has for a peer in **one** frame per peer. Each node also sends an empty
 //! batch to every peer every `keepalive_ticks` ticks; a peer not heard from for `peer_timeout_ticks`
 //! is reported down to the `RaftNode`, which wakes the hibernating followers of groups it led.
+//! With `StoreConfig::async_log` the round's log write goes to a `raft-log-N` thread instead
+//! (see `LogWriter`), and the loop goes on while it syncs.
 //!
 //! The thread is dedicated because raft-engine's read cache is per thread (see `EngineLogStore`).
 

@@ -381,8 +381,6 @@ impl<T: MetaTransport> MetaFs<T> {
         }
     }
 
-    /// The dentry `name` under an owned `parent`, answered from what this client knows; `None`
-    /// when `parent` is not owned.
     /// The attributes of `dir` while this client owns it: no other client may change them
     /// (the partition refuses their `SetAttr`s and `SetXattr`s until the delegation ends), and
     /// this client's own changes either go behind, updating them here, or end the ownership.
@@ -392,6 +390,8 @@ impl<T: MetaTransport> MetaFs<T> {
         Behind::owned(&mut st, dir).map(|o| o.attr.clone())
     }
 
+    /// The dentry `name` under an owned `parent`, answered from what this client knows; `None`
+    /// when `parent` is not owned.
     pub(super) fn lookup_behind(&self, parent: Ino, name: &[u8]) -> Option<FsResult<Dentry>> {
         let b = self.behind()?;
         let mut st = b.lock();
