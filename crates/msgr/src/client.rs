@@ -13,7 +13,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::Shared;
-use crate::conn::{Conn, Outgoing, Permits};
+use crate::conn::{Conn, Direct, Lane, Outgoing, Permits};
 use crate::error::MsgrError;
 use crate::handler::Payload;
 use crate::worker::lock;
@@ -58,11 +58,85 @@ struct Slot {
     connecting: tokio::sync::Mutex<()>,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 struct ConnHandle {
     tx: mpsc::UnboundedSender<Outgoing>,
+    /// Where callers write frames themselves when nothing is queued before them.
+    lane: Arc<Lane>,
     reqs: Arc<Semaphore>,
     bytes: Arc<Semaphore>,
+}
+
+impl std::fmt::Debug for ConnHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnHandle")
+            .field("closed", &self.tx.is_closed())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConnHandle {
+    /// Sends a request: written from this thread when the connection allows it, else through
+    /// the driver. Hands the request back when the connection is gone.
+    #[expect(
+        clippy::result_large_err,
+        reason = "hands the message back by value, once"
+    )]
+    fn request(
+        &self,
+        frame: Frame,
+        reply: oneshot::Sender<Result<Frame, MsgrError>>,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<(), Outgoing> {
+        match self.lane.try_request(frame, reply, deadline, timeout) {
+            Ok(direct) => {
+                self.kick(direct);
+                Ok(())
+            }
+            Err((frame, reply)) => self.through_driver(Outgoing::Request {
+                frame,
+                reply,
+                deadline,
+                timeout,
+            }),
+        }
+    }
+
+    /// Sends a one-way frame like [`ConnHandle::request`]; hands its body back when the
+    /// connection is gone.
+    fn oneway(&self, frame: Frame, permits: Permits) -> Result<(), Bytes> {
+        match self.lane.try_oneway(frame, permits) {
+            Ok(direct) => {
+                self.kick(direct);
+                Ok(())
+            }
+            Err((frame, permits)) => match self.through_driver(Outgoing::OneWay { frame, permits })
+            {
+                Ok(()) => Ok(()),
+                Err(Outgoing::OneWay { frame, .. }) => Err(frame.body),
+                Err(_) => Err(Bytes::new()),
+            },
+        }
+    }
+
+    fn kick(&self, direct: Direct) {
+        if direct == Direct::Kick {
+            let _ = self.tx.send(Outgoing::Kick);
+        }
+    }
+
+    #[expect(
+        clippy::result_large_err,
+        reason = "hands the message back by value, once"
+    )]
+    fn through_driver(&self, msg: Outgoing) -> Result<(), Outgoing> {
+        self.lane.queue_one(false);
+        self.tx.send(msg).map_err(|e| {
+            self.lane.queue_one(true);
+            e.0
+        })
+    }
 }
 
 impl Client {
@@ -185,16 +259,11 @@ impl Client {
                 .map_err(|_| timed_out())??,
         };
         let (tx, rx) = oneshot::channel();
-        let request = Outgoing::Request {
-            frame,
-            reply: tx,
-            deadline,
-            timeout,
-        };
-        conn.tx.send(request).map_err(|_| MsgrError::Reset {
-            peer: addr.to_string(),
-            reason: "connection closed".into(),
-        })?;
+        conn.request(frame, tx, deadline, timeout)
+            .map_err(|_| MsgrError::Reset {
+                peer: addr.to_string(),
+                reason: "connection closed".into(),
+            })?;
         rx.await.map_err(|_| MsgrError::Reset {
             peer: addr.to_string(),
             reason: "connection dropped".into(),
@@ -229,12 +298,10 @@ impl Client {
                 _reqs: Some(reqs),
                 _bytes: Some(bytes),
             };
-            conn.tx
-                .send(Outgoing::OneWay { frame, permits })
-                .map_err(|_| MsgrError::Reset {
-                    peer: addr.to_string(),
-                    reason: "connection closed".into(),
-                })
+            conn.oneway(frame, permits).map_err(|_| MsgrError::Reset {
+                peer: addr.to_string(),
+                reason: "connection closed".into(),
+            })
         })
         .await
         .unwrap_or_else(|_| {
@@ -271,9 +338,7 @@ impl Client {
             _reqs: Some(reqs),
             _bytes: Some(bytes),
         };
-        conn.tx
-            .send(Outgoing::OneWay { frame, permits })
-            .map_err(|_| body)
+        conn.oneway(frame, permits).map_err(|_| body)
     }
 
     fn frame(&self, kind: Kind, op: Op, body: Bytes, data: Payload) -> Result<Frame, MsgrError> {
@@ -357,20 +422,25 @@ impl Client {
                 peer: addr.to_string(),
                 reason: e.to_string(),
             })?;
+        // Callers write to the socket through a second descriptor of it (see `Lane`); it is
+        // non-blocking from here on, before the driver attaches it.
+        let worker = shared.workers.assign();
+        let worker_counters = &worker.counters;
+        let sock = stream.writer();
+        let lane = Lane::new(sock, worker_counters.clone());
         let (tx, rx) = mpsc::unbounded_channel();
         let handle = ConnHandle {
             tx,
+            lane: Arc::clone(&lane),
             reqs: Arc::new(Semaphore::new(cfg.max_inflight_per_conn as usize)),
             bytes: Arc::new(Semaphore::new(cfg.max_inflight_bytes_per_conn as usize)),
         };
-        let worker = shared.workers.assign();
-        let counters = worker.counters.clone();
         let metrics = shared.metrics.clone();
         let limits = cfg.limits();
         let peer = Arc::clone(addr);
         worker.spawn(async move {
             match stream.attach() {
-                Ok(io) => Conn::client(io, peer, limits, rx, counters, metrics).await,
+                Ok(io) => Conn::client(io, peer, limits, rx, lane, metrics).await,
                 // Dropping `rx` fails the callers waiting on this connection with `Reset`.
                 Err(e) => tracing::warn!(peer = %peer, error = %e, "cannot attach connection"),
             }

@@ -10,12 +10,18 @@
 //!   how backpressure reaches the sender through TCP.
 //! - Frames are written in the order they are queued; a partially written frame is always finished
 //!   before the next one starts.
+//! - A caller may write its frame to a client connection's socket itself, from its own thread,
+//!   instead of handing it to the driver ([`Lane`]): only under the lane's lock, only when nothing
+//!   is queued before it (in the write queue or on its way there through the channel), and a
+//!   request only once its answer's slot is booked and the driver's deadline timer will fire no
+//!   later than its deadline. Waking the driver's thread for every frame cost more than the
+//!   write itself; the driver still reads every answer, and writes what a caller could not.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
-use std::io::{self, IoSlice};
+use std::io::{self, IoSlice, Write};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
@@ -65,6 +71,8 @@ pub(crate) enum Outgoing {
     OneWay { frame: Frame, permits: Permits },
     /// Server: a spawned handler finished.
     Done(Done),
+    /// A caller wrote part of a frame itself and queued the rest: write it.
+    Kick,
     /// Stop reading, finish in-flight work, close.
     Close,
 }
@@ -144,37 +152,20 @@ impl ServerSide {
     }
 }
 
-/// Client-side state of a connection.
-///
-/// Deadlines are enforced here rather than by a timer per call: one timer per connection, armed at the
-/// earliest deadline and moved only when it fires, so a call costs no timer-wheel operation.
+/// Requests of a client connection waiting for their answers, with their deadlines.
 #[derive(Default)]
-struct ClientSide {
+struct Book {
     pending: HashMap<u64, (ReplyTx, Duration)>,
     /// (deadline, request id), sorted by deadline; answered entries are dropped lazily from the front.
     deadlines: VecDeque<(Instant, u64)>,
-    timer: Option<Pin<Box<Sleep>>>,
-    /// Whether `timer` is armed (it fires at or before the front deadline).
-    armed: bool,
 }
 
-impl ClientSide {
+impl Book {
     fn insert(&mut self, id: u64, reply: ReplyTx, deadline: Instant, timeout: Duration) {
         self.pending.insert(id, (reply, timeout));
         // Calls on a connection mostly share one timeout, so this is almost always a push_back.
         let at = self.deadlines.partition_point(|(d, _)| *d <= deadline);
         self.deadlines.insert(at, (deadline, id));
-        let earlier = self
-            .timer
-            .as_ref()
-            .is_none_or(|t| !self.armed || deadline < t.deadline());
-        if earlier {
-            match &mut self.timer {
-                Some(t) => t.as_mut().reset(deadline),
-                None => self.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
-            }
-            self.armed = true;
-        }
     }
 
     fn take(&mut self, id: u64) -> Option<ReplyTx> {
@@ -193,11 +184,212 @@ impl ClientSide {
         }
     }
 
-    /// Fails every request past its deadline once the timer fires; re-arms for the next one.
-    fn poll_expired(&mut self, cx: &mut Context<'_>, peer: &str) -> bool {
-        if !self.armed {
-            return false;
+    /// Takes every request whose deadline is not after `now`.
+    fn expired(&mut self, now: Instant) -> Vec<(ReplyTx, Duration)> {
+        let mut out = Vec::new();
+        while let Some(&(deadline, id)) = self.deadlines.front() {
+            if deadline > now {
+                break;
+            }
+            self.deadlines.pop_front();
+            if let Some(entry) = self.pending.remove(&id) {
+                out.push(entry);
+            }
         }
+        self.pop_answered();
+        out
+    }
+}
+
+/// What a connection's callers share with its driver: the write queue and, on a client connection,
+/// the requests waiting for answers. See the module's invariants for when a caller writes itself.
+pub(crate) struct Lane {
+    state: Mutex<LaneState>,
+    counters: WorkerCounters,
+}
+
+struct LaneState {
+    /// A second descriptor of the socket, for callers' own writes; `None` when the transport has
+    /// none (memory) or the connection is gone.
+    sock: Option<std::net::TcpStream>,
+    wq: VecDeque<Queued>,
+    wq_bytes: usize,
+    /// Bytes of the front of `wq` already written.
+    woff: usize,
+    book: Book,
+    /// When the driver's deadline timer fires next (client side; `None` until it is first armed).
+    timer_at: Option<Instant>,
+    /// Callers' frames sent through the channel and not yet in `wq`: none may be overtaken.
+    queued: usize,
+    /// No more direct writes.
+    closing: bool,
+}
+
+/// What became of a frame a caller wrote itself.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Direct {
+    /// All of it is on the socket.
+    Written,
+    /// The socket took part of it (or none); the rest is queued and the driver must be kicked.
+    Kick,
+}
+
+impl Lane {
+    pub(crate) fn new(sock: Option<std::net::TcpStream>, counters: WorkerCounters) -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::new(LaneState {
+                sock,
+                wq: VecDeque::new(),
+                wq_bytes: 0,
+                woff: 0,
+                book: Book::default(),
+                timer_at: None,
+                queued: 0,
+                closing: false,
+            }),
+            counters,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LaneState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Books `reply` and writes the request from this thread, or hands both back when the driver
+    /// must take them (see the module's invariants).
+    pub(crate) fn try_request(
+        &self,
+        frame: Frame,
+        reply: ReplyTx,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Direct, (Frame, ReplyTx)> {
+        let mut st = self.lock();
+        if !st.may_write() || st.timer_at.is_none_or(|t| t > deadline) {
+            return Err((frame, reply));
+        }
+        st.book
+            .insert(frame.header.request_id, reply, deadline, timeout);
+        Ok(st.write(&self.counters, Queued::new(frame, Permits::default())))
+    }
+
+    /// Writes a one-way frame from this thread, or hands it back.
+    #[expect(
+        clippy::result_large_err,
+        reason = "hands the message back by value, once"
+    )]
+    pub(crate) fn try_oneway(
+        &self,
+        frame: Frame,
+        permits: Permits,
+    ) -> Result<Direct, (Frame, Permits)> {
+        let mut st = self.lock();
+        if !st.may_write() {
+            return Err((frame, permits));
+        }
+        Ok(st.write(&self.counters, Queued::new(frame, permits)))
+    }
+
+    /// Counts a caller's frame about to go through the driver's channel (`undo` if it did not).
+    pub(crate) fn queue_one(&self, undo: bool) {
+        let mut st = self.lock();
+        st.queued = if undo {
+            st.queued.saturating_sub(1)
+        } else {
+            st.queued + 1
+        };
+    }
+}
+
+impl LaneState {
+    fn may_write(&self) -> bool {
+        self.sock.is_some() && !self.closing && self.queued == 0 && self.wq.is_empty()
+    }
+
+    /// Writes `q` to the socket as far as it goes without blocking; queues the rest.
+    fn write(&mut self, counters: &WorkerCounters, q: Queued) -> Direct {
+        let written = match &self.sock {
+            Some(sock) => {
+                let mut sock: &std::net::TcpStream = sock;
+                let iov = [
+                    IoSlice::new(&q.header),
+                    IoSlice::new(&q.body),
+                    IoSlice::new(&q.data),
+                ];
+                loop {
+                    match sock.write_vectored(&iov) {
+                        Ok(n) => break n,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        // WouldBlock, or an error the driver meets again on its next write.
+                        Err(_) => break 0,
+                    }
+                }
+            }
+            None => 0,
+        };
+        counters.bytes_out.inc_by(written as u64);
+        if written == q.len() {
+            counters.frames_out.inc();
+            counters.direct.inc();
+            return Direct::Written;
+        }
+        self.woff = written;
+        self.push(q);
+        Direct::Kick
+    }
+
+    fn push(&mut self, q: Queued) {
+        self.wq_bytes += q.len();
+        self.wq.push_back(q);
+    }
+
+    fn advance_written(&mut self, counters: &WorkerCounters, mut written: usize) {
+        counters.bytes_out.inc_by(written as u64);
+        while written > 0 {
+            let Some(front) = self.wq.front() else { break };
+            let rest = front.len() - self.woff;
+            if written >= rest {
+                written -= rest;
+                self.woff = 0;
+                self.wq_bytes -= front.len();
+                self.wq.pop_front();
+                counters.frames_out.inc();
+            } else {
+                self.woff += written;
+                written = 0;
+            }
+        }
+    }
+}
+
+/// The driver's half of a client connection: the deadline timer.
+///
+/// Deadlines are enforced here rather than by a timer per call: one timer per connection, armed at
+/// the earliest deadline and moved only when it fires, so a call costs no timer-wheel operation.
+/// Once armed it stays armed (at the next deadline, or one timeout ahead while nothing waits), so a
+/// caller writing its request itself rarely finds it unarmed and has to go through the driver.
+#[derive(Default)]
+struct ClientSide {
+    timer: Option<Pin<Box<Sleep>>>,
+    /// The timeout of the latest request the driver took.
+    timeout: Duration,
+}
+
+impl ClientSide {
+    /// Arms the timer for `deadline` if it would fire later (or not at all).
+    fn arm(&mut self, st: &mut LaneState, deadline: Instant) {
+        if st.timer_at.is_some_and(|t| t <= deadline) {
+            return;
+        }
+        match &mut self.timer {
+            Some(t) => t.as_mut().reset(deadline),
+            None => self.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
+        }
+        st.timer_at = Some(deadline);
+    }
+
+    /// Fails every request past its deadline once the timer fires; re-arms.
+    fn poll_expired(&mut self, cx: &mut Context<'_>, lane: &Lane, peer: &str) -> bool {
         let fired = self
             .timer
             .as_mut()
@@ -206,26 +398,27 @@ impl ClientSide {
             return false;
         }
         let now = Instant::now();
-        while let Some(&(deadline, id)) = self.deadlines.front() {
-            if deadline > now {
-                break;
+        let expired = {
+            let mut st = lane.lock();
+            let expired = st.book.expired(now);
+            let next = match st.book.deadlines.front() {
+                Some(&(next, _)) => next,
+                None => now + self.timeout.max(Duration::from_millis(1)),
+            };
+            if let Some(timer) = self.timer.as_mut() {
+                timer.as_mut().reset(next);
+                // Register the waker for the new deadline.
+                let _ = timer.as_mut().poll(cx);
             }
-            self.deadlines.pop_front();
-            if let Some((tx, after)) = self.pending.remove(&id) {
-                let _ = tx.send(Err(MsgrError::Timeout {
-                    peer: peer.to_string(),
-                    op: "call",
-                    after,
-                }));
-            }
-        }
-        self.pop_answered();
-        self.armed = false;
-        if let (Some(&(next, _)), Some(timer)) = (self.deadlines.front(), self.timer.as_mut()) {
-            timer.as_mut().reset(next);
-            self.armed = true;
-            // Register the waker for the new deadline.
-            let _ = timer.as_mut().poll(cx);
+            st.timer_at = Some(next);
+            expired
+        };
+        for (tx, after) in expired {
+            let _ = tx.send(Err(MsgrError::Timeout {
+                peer: peer.to_string(),
+                op: "call",
+                after,
+            }));
         }
         true
     }
@@ -244,10 +437,7 @@ pub(crate) struct Conn {
     limits: FrameLimits,
     decoder: Decoder,
     rbuf: BytesMut,
-    wq: VecDeque<Queued>,
-    wq_bytes: usize,
-    /// Bytes of the front of `wq` already written.
-    woff: usize,
+    lane: Arc<Lane>,
     rx: mpsc::UnboundedReceiver<Outgoing>,
     side: Side,
     counters: WorkerCounters,
@@ -259,12 +449,13 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
+    /// A client connection; its callers write through `lane` too.
     pub(crate) fn client(
         io: Stream,
         peer: Arc<str>,
         limits: FrameLimits,
         rx: mpsc::UnboundedReceiver<Outgoing>,
-        counters: WorkerCounters,
+        lane: Arc<Lane>,
         metrics: MsgrMetrics,
     ) -> Self {
         Self::new(
@@ -273,7 +464,7 @@ impl Conn {
             limits,
             rx,
             Side::Client(ClientSide::default()),
-            counters,
+            lane,
             metrics,
         )
     }
@@ -293,7 +484,7 @@ impl Conn {
             limits,
             rx,
             Side::Server(Box::new(server)),
-            counters,
+            Lane::new(None, counters),
             metrics,
         )
     }
@@ -304,9 +495,10 @@ impl Conn {
         limits: FrameLimits,
         rx: mpsc::UnboundedReceiver<Outgoing>,
         side: Side,
-        counters: WorkerCounters,
+        lane: Arc<Lane>,
         metrics: MsgrMetrics,
     ) -> Self {
+        let counters = lane.counters.clone();
         counters.connections.inc();
         Self {
             io,
@@ -314,9 +506,7 @@ impl Conn {
             limits,
             decoder: Decoder::new(limits),
             rbuf: BytesMut::with_capacity(READ_CHUNK),
-            wq: VecDeque::new(),
-            wq_bytes: 0,
-            woff: 0,
+            lane,
             rx,
             side,
             counters,
@@ -327,9 +517,7 @@ impl Conn {
     }
 
     fn push(&mut self, frame: Frame, permits: Permits) {
-        let q = Queued::new(frame, permits);
-        self.wq_bytes += q.len();
-        self.wq.push_back(q);
+        self.lane.lock().push(Queued::new(frame, permits));
     }
 
     fn on_outgoing(&mut self, msg: Outgoing) {
@@ -341,14 +529,25 @@ impl Conn {
                 timeout,
             } => match &mut self.side {
                 Side::Client(c) if !self.closing => {
-                    c.insert(frame.header.request_id, reply, deadline, timeout);
-                    self.push(frame, Permits::default());
+                    let mut st = self.lane.lock();
+                    st.queued = st.queued.saturating_sub(1);
+                    st.book
+                        .insert(frame.header.request_id, reply, deadline, timeout);
+                    c.timeout = timeout;
+                    c.arm(&mut st, deadline);
+                    st.push(Queued::new(frame, Permits::default()));
                 }
                 _ => {
+                    self.lane.queue_one(true);
                     let _ = reply.send(Err(self.reset_error()));
                 }
             },
-            Outgoing::OneWay { frame, permits } => self.push(frame, permits),
+            Outgoing::OneWay { frame, permits } => {
+                let mut st = self.lane.lock();
+                st.queued = st.queued.saturating_sub(1);
+                st.push(Queued::new(frame, permits));
+            }
+            Outgoing::Kick => {}
             Outgoing::Done(done) => self.on_done(done),
             Outgoing::Close => self.begin_close("closed by local shutdown"),
         }
@@ -356,6 +555,7 @@ impl Conn {
 
     fn begin_close(&mut self, reason: &str) {
         self.closing = true;
+        self.lane.lock().closing = true;
         if self.close_reason.is_none() {
             self.close_reason = Some(reason.to_string());
         }
@@ -416,11 +616,12 @@ impl Conn {
     /// Writes queued frames until the socket would block. Returns whether anything was written.
     fn poll_write_queue(&mut self, cx: &mut Context<'_>) -> io::Result<bool> {
         let mut progress = false;
-        while !self.wq.is_empty() {
+        let mut st = self.lane.lock();
+        while !st.wq.is_empty() {
             let mut iov = [IoSlice::new(&[]); MAX_IOV];
             let mut n = 0;
-            let mut skip = self.woff;
-            'fill: for q in &self.wq {
+            let mut skip = st.woff;
+            'fill: for q in &st.wq {
                 for part in [&q.header[..], &q.body[..], &q.data[..]] {
                     if skip >= part.len() {
                         skip -= part.len();
@@ -438,7 +639,7 @@ impl Conn {
                 Poll::Ready(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
                 Poll::Ready(Ok(written)) => {
                     progress = true;
-                    self.advance_written(written);
+                    st.advance_written(&self.counters, written);
                 }
                 Poll::Ready(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
                 Poll::Ready(Err(e)) => return Err(e),
@@ -446,24 +647,6 @@ impl Conn {
             }
         }
         Ok(progress)
-    }
-
-    fn advance_written(&mut self, mut written: usize) {
-        self.counters.bytes_out.inc_by(written as u64);
-        while written > 0 {
-            let Some(front) = self.wq.front() else { break };
-            let rest = front.len() - self.woff;
-            if written >= rest {
-                written -= rest;
-                self.woff = 0;
-                self.wq_bytes -= front.len();
-                self.wq.pop_front();
-                self.counters.frames_out.inc();
-            } else {
-                self.woff += written;
-                written = 0;
-            }
-        }
     }
 
     /// Whether the driver may decode and admit another frame now.
@@ -514,10 +697,11 @@ impl Conn {
 
     fn on_frame(&mut self, frame: Frame, cx: &mut Context<'_>) {
         match &mut self.side {
-            Side::Client(c) => match frame.header.kind {
+            Side::Client(_) => match frame.header.kind {
                 Kind::Response | Kind::Error => {
                     // A missing entry is a request that timed out; its late answer is dropped.
-                    if let Some(tx) = c.take(frame.header.request_id) {
+                    let tx = self.lane.lock().book.take(frame.header.request_id);
+                    if let Some(tx) = tx {
                         let _ = tx.send(Ok(frame));
                     }
                 }
@@ -649,11 +833,12 @@ impl Conn {
 
     /// Whether a closing connection has nothing left to do.
     fn drained(&self) -> bool {
+        let st = self.lane.lock();
         let idle = match &self.side {
-            Side::Client(c) => c.pending.is_empty(),
+            Side::Client(_) => st.book.pending.is_empty(),
             Side::Server(s) => s.inflight_reqs == 0,
         };
-        self.closing && idle && self.wq.is_empty()
+        self.closing && idle && st.wq.is_empty()
     }
 
     fn handle_closed(&mut self, closed: Closed) -> bool {
@@ -711,7 +896,7 @@ impl Future for Conn {
         let mut read_waiting = false;
         for _ in 0..BUDGET {
             let mut progress = false;
-            while !rx_waiting && this.wq_bytes < WRITE_QUEUE_HIGH {
+            while !rx_waiting && this.lane.lock().wq_bytes < WRITE_QUEUE_HIGH {
                 match this.rx.poll_recv(cx) {
                     Poll::Ready(Some(msg)) => {
                         progress = true;
@@ -731,7 +916,7 @@ impl Future for Conn {
             }
             if !timer_waiting {
                 let fired = match &mut this.side {
-                    Side::Client(c) => c.poll_expired(cx, &this.peer),
+                    Side::Client(c) => c.poll_expired(cx, &this.lane, &this.peer),
                     Side::Server(_) => false,
                 };
                 if fired {
@@ -780,10 +965,18 @@ impl Drop for Conn {
         // Close first, so that a caller woken by the errors below finds the handle closed and
         // reconnects instead of queueing onto this dead connection.
         self.rx.close();
-        if let Side::Client(c) = &mut self.side {
-            for (_, (tx, _)) in c.pending.drain() {
-                let _ = tx.send(Err(err.clone()));
-            }
+        let pending = {
+            let mut st = self.lane.lock();
+            st.closing = true;
+            // The second descriptor closes too, so the socket closes with the driver's.
+            st.sock = None;
+            st.wq.clear();
+            st.wq_bytes = 0;
+            st.woff = 0;
+            std::mem::take(&mut st.book.pending)
+        };
+        for (_, (tx, _)) in pending {
+            let _ = tx.send(Err(err.clone()));
         }
         // Requests still queued to this driver get the same answer.
         while let Ok(msg) = self.rx.try_recv() {

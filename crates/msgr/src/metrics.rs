@@ -37,6 +37,7 @@ pub struct MsgrMetrics {
     frames: Family<WorkerDir, Counter>,
     bytes: Family<WorkerDir, Counter>,
     connections: Family<WorkerLabel, Gauge>,
+    direct: Family<WorkerLabel, Counter>,
     errors: Family<KindLabel, Counter>,
     inflight: Family<SideLabel, Gauge>,
 }
@@ -49,6 +50,8 @@ pub(crate) struct WorkerCounters {
     pub bytes_in: Counter,
     pub bytes_out: Counter,
     pub connections: Gauge,
+    /// Frames of this worker's connections written whole by their callers (also in `frames_out`).
+    pub direct: Counter,
 }
 
 impl MsgrMetrics {
@@ -69,6 +72,12 @@ impl MsgrMetrics {
             "connections",
             "Open connections owned by each worker",
             self.connections.clone(),
+        );
+        r.register(
+            "direct_frames",
+            "Frames written whole to the socket by the calling thread, without waking the \
+             connection's worker (also counted in frames, dir=out)",
+            self.direct.clone(),
         );
         r.register(
             "errors",
@@ -93,6 +102,9 @@ impl MsgrMetrics {
             bytes_in: self.bytes.get_or_create_owned(&wd("in")),
             bytes_out: self.bytes.get_or_create_owned(&wd("out")),
             connections: self.connections.get_or_create_owned(&WorkerLabel {
+                worker: index.to_string(),
+            }),
+            direct: self.direct.get_or_create_owned(&WorkerLabel {
                 worker: index.to_string(),
             }),
         }

@@ -54,6 +54,20 @@ impl DetachedStream {
             Self::Mem(s) => Ok(Stream::Mem(s)),
         }
     }
+
+    /// A second, non-blocking descriptor of a TCP connection for writes from other threads
+    /// (`None` for other transports, or when the descriptor cannot be duplicated). Sets the
+    /// connection non-blocking: the two descriptors share that flag.
+    pub fn writer(&self) -> Option<std::net::TcpStream> {
+        match self {
+            Self::Tcp(s) => {
+                let w = s.try_clone().ok()?;
+                w.set_nonblocking(true).ok()?;
+                Some(w)
+            }
+            Self::Mem(_) => None,
+        }
+    }
 }
 
 /// A connection attached to the current worker's runtime.

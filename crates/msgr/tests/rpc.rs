@@ -471,6 +471,8 @@ async fn garbage_on_the_wire_gets_an_error_frame_and_the_server_keeps_serving() 
     srv.stop().await;
 }
 
+/// One-way frames keep their order whether the sender wrote them itself, wrote part of one and
+/// left the rest to the worker, or queued them behind such a rest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_way_messages_arrive_in_order() {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
@@ -482,22 +484,77 @@ async fn one_way_messages_arrive_in_order() {
     let srv = Server::start(MsgrConfig::default(), Arc::new(handler)).await;
     let cm = client_msgr();
     let client = cm.client();
+    let msg = |i: u32| {
+        let len = if i % 7 == 3 { 3 << 20 } else { 16 };
+        pattern(len, i as u8)
+    };
     for i in 0..100u32 {
         client
-            .send_oneway(
-                &srv.addr,
-                Op(0x0400),
-                Bytes::new(),
-                Payload::new(Bytes::from(i.to_le_bytes().to_vec())),
-            )
+            .send_oneway(&srv.addr, Op(0x0400), Bytes::new(), Payload::new(msg(i)))
             .await
             .unwrap();
     }
     for i in 0..100u32 {
-        assert_eq!(
-            rx.recv().await.unwrap(),
-            Bytes::from(i.to_le_bytes().to_vec())
-        );
+        assert_eq!(rx.recv().await.unwrap(), msg(i), "message {i}");
+    }
+    assert!(
+        direct_frames(&cm) > 0,
+        "small frames on an idle connection go direct"
+    );
+    srv.stop().await;
+}
+
+/// Frames the calling task wrote to the socket itself (the `direct_frames` metric).
+fn direct_frames(m: &Messenger) -> u64 {
+    let mut reg = prometheus_client::registry::Registry::default();
+    m.register_metrics(&mut reg);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("nacre_msgr_direct_frames_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Once a connection is open and its deadline timer armed, callers write their requests to the
+/// socket themselves; what the socket does not take at once (large frames, many writers) the
+/// connection's worker finishes, and every answer still reaches its own caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_write_their_own_frames_and_the_worker_finishes_what_does_not_fit() {
+    let srv = Server::start(MsgrConfig::default(), Arc::new(echo_router())).await;
+    let cm = client_msgr();
+    let client = cm.client();
+    for i in 0..20u8 {
+        let data = pattern(100, i);
+        let (_, got) = client
+            .call::<Echo>(&srv.addr, &EchoRequest {}, Payload::new(data.clone()))
+            .await
+            .unwrap();
+        assert_eq!(got.bytes, data);
+    }
+    // The first call arms the connection's timer through the worker; the others go direct.
+    assert_eq!(direct_frames(&cm), 19);
+    let mut tasks = Vec::new();
+    for i in 0..24u32 {
+        let (client, addr) = (client.clone(), srv.addr.clone());
+        tasks.push(tokio::spawn(async move {
+            let len = if i % 6 == 0 {
+                3 << 20
+            } else {
+                1 + i as usize * 37
+            };
+            for round in 0..5u8 {
+                let data = pattern(len, round.wrapping_add(i as u8));
+                let (_, got) = client
+                    .call::<Echo>(&addr, &EchoRequest {}, Payload::new(data.clone()))
+                    .await
+                    .unwrap();
+                assert_eq!(got.bytes, data, "call {i} round {round}");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
     }
     srv.stop().await;
 }
