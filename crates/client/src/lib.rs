@@ -8,6 +8,7 @@ pub mod layers;
 pub mod meta;
 pub mod net;
 pub mod netfs;
+pub mod task;
 
 pub use data::{DataCallError, SeqWriter};
 pub use fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};

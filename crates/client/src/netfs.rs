@@ -265,17 +265,26 @@ impl NetFs {
         }
     }
 
-    /// Runs `op` on its own task and waits for it; dropping the returned future detaches the
-    /// task, which still runs to the end (see the cancel safety note on [`NetFs`]).
+    /// Runs `op` to its end whatever happens to the caller and waits for it: on the caller's
+    /// thread until it first waits, then as a task of its own ([`crate::task::run_detached`]);
+    /// dropping the returned future detaches it (see the cancel safety note on [`NetFs`]).
     async fn detached<T, Fut>(&self, op: impl FnOnce(Arc<Inner>) -> Fut) -> FsResult<T>
     where
         T: Send + 'static,
         Fut: Future<Output = FsResult<T>> + Send + 'static,
     {
-        tokio::spawn(op(self.inner.clone())).await.map_err(|e| {
-            FsError::Unavailable(CallError::Unknown(format!(
-                "a file system task failed: {e}"
-            )))
+        let call = op(self.inner.clone());
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return call.await;
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        crate::task::run_detached(&rt, async move {
+            let _ = tx.send(call.await);
+        });
+        rx.await.map_err(|_| {
+            FsError::Unavailable(CallError::Unknown(
+                "a file system task ended without an answer (it panicked)".into(),
+            ))
         })?
     }
 

@@ -267,20 +267,16 @@ impl<F: FileSystem> FuseFs<F> {
     }
 
     /// Runs `f`: first on this `fuser` thread, as far as it gets without waiting (a call the
-    /// client answers from its caches replies right here, without two thread hand-offs), then
-    /// on the runtime. If the runtime is gone, the task (and the reply it owns) is dropped, and
-    /// `fuser` answers `EIO` for a dropped reply.
+    /// client answers from its caches replies right here, and one that sends a request sends it
+    /// from here), then as a task on the runtime once what it waits for wakes it
+    /// ([`nacre_client::task::run_detached`]). If the runtime is gone, the task (and the reply it
+    /// owns) is dropped, and `fuser` answers `EIO` for a dropped reply.
     fn spawn<Fut>(&self, f: impl FnOnce(Arc<Inner<F>>) -> Fut)
     where
         Fut: Future<Output = ()> + Send + 'static,
     {
         let _runtime = self.inner.rt.enter();
-        let mut call = Box::pin(f(self.inner.clone()));
-        // Whatever it waits on keeps this waker only until the runtime polls it again.
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        if call.as_mut().poll(&mut cx).is_pending() {
-            self.inner.rt.spawn(call);
-        }
+        nacre_client::task::run_detached(&self.inner.rt, f(self.inner.clone()));
     }
 }
 
