@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use nacre_client::{CallError, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};
 use nacre_meta::{Attr, Command, FileType, MetaError, MetaPartition, Query, ROOT_INO, Reply};
@@ -30,6 +31,8 @@ struct MemMeta {
     clock: AtomicU64,
     /// Faults for the coming write calls, in order (then none).
     faults: Mutex<Vec<Fault>>,
+    /// The number of commands of every write-behind batch applied.
+    batches: Mutex<Vec<usize>>,
 }
 
 impl MemMeta {
@@ -54,6 +57,7 @@ impl MemMeta {
             parts: Mutex::new(parts),
             clock: AtomicU64::new(1_000),
             faults: Mutex::new(Vec::new()),
+            batches: Mutex::new(Vec::new()),
         }
     }
 
@@ -95,6 +99,9 @@ impl MetaTransport for MemMeta {
             .find(|(r, _)| r.id == partition)
             .ok_or_else(|| CallError::NotApplied("no such partition".into()))?;
         let r = p.apply(now, &cmd);
+        if let Command::Batch { ops, .. } = &cmd {
+            self.batches.lock().unwrap().push(ops.len());
+        }
         if fault == Fault::AppliedLost {
             return Err(CallError::Unknown("injected".into()));
         }
@@ -351,6 +358,54 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
         .build()
         .unwrap()
         .block_on(f)
+}
+
+/// Creates arriving one by one in a directory the client owns go to the partition as one batch:
+/// while nobody waits for the queue it lingers for more. A settle does not wait for the linger.
+#[test]
+fn creates_written_behind_share_a_batch_and_a_settle_does_not_linger() {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap()
+        .block_on(async {
+            let fs = MetaFs::with_write_behind(MemMeta::new());
+            let dir = fs
+                .create(ROOT_INO, b"d", &NewInode::dir(0o755, 1, 1))
+                .await
+                .unwrap()
+                .attr
+                .ino;
+            fs.settle().await.unwrap();
+            let file = NewInode::file(0o644, 1, 1);
+            let batches = || fs.transport().batches.lock().unwrap().clone();
+            let start = batches().len();
+            // (The partitions here hold a few dozen inodes each.)
+            for i in 0..20 {
+                fs.create(dir, format!("f{i}").as_bytes(), &file)
+                    .await
+                    .unwrap();
+                // Lets the queue's pump run between two creates (time stands still meanwhile).
+                tokio::task::yield_now().await;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            assert_eq!(batches()[start..], [20], "one batch for the burst");
+
+            let t = tokio::time::Instant::now();
+            for i in 0..3 {
+                fs.create(dir, format!("g{i}").as_bytes(), &file)
+                    .await
+                    .unwrap();
+            }
+            fs.settle().await.unwrap();
+            assert_eq!(
+                t.elapsed(),
+                Duration::ZERO,
+                "the settle sent the batch at once"
+            );
+            assert_eq!(batches()[start + 1..], [3]);
+        });
 }
 
 /// The inode of a directory path in the real file system.
