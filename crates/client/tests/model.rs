@@ -389,7 +389,14 @@ fn creates_written_behind_share_a_batch_and_a_settle_does_not_linger() {
                 // Lets the queue's pump run between two creates (time stands still meanwhile).
                 tokio::task::yield_now().await;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            // Past the linger; then the pump sends (a bounded number of turns).
+            tokio::time::advance(Duration::from_millis(3)).await;
+            for _ in 0..100 {
+                if batches().len() > start {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
             assert_eq!(batches()[start..], [20], "one batch for the burst");
 
             let t = tokio::time::Instant::now();

@@ -275,7 +275,6 @@ impl<F: FileSystem> FuseFs<F> {
     where
         Fut: Future<Output = ()> + Send + 'static,
     {
-        let _runtime = self.inner.rt.enter();
         nacre_client::task::run_detached(&self.inner.rt, f(self.inner.clone()));
     }
 }

@@ -77,23 +77,16 @@ impl std::fmt::Debug for ConnHandle {
 
 impl ConnHandle {
     /// Sends a request: written from this thread when the connection allows it, else through
-    /// the driver. Hands the request back when the connection is gone.
-    #[expect(
-        clippy::result_large_err,
-        reason = "hands the message back by value, once"
-    )]
+    /// the driver. `false` when the connection is gone.
     fn request(
         &self,
         frame: Frame,
         reply: oneshot::Sender<Result<Frame, MsgrError>>,
         deadline: Instant,
         timeout: Duration,
-    ) -> Result<(), Outgoing> {
+    ) -> bool {
         match self.lane.try_request(frame, reply, deadline, timeout) {
-            Ok(direct) => {
-                self.kick(direct);
-                Ok(())
-            }
+            Ok(direct) => self.kick(direct),
             Err((frame, reply)) => self.through_driver(Outgoing::Request {
                 frame,
                 reply,
@@ -103,39 +96,28 @@ impl ConnHandle {
         }
     }
 
-    /// Sends a one-way frame like [`ConnHandle::request`]; hands its body back when the
-    /// connection is gone.
-    fn oneway(&self, frame: Frame, permits: Permits) -> Result<(), Bytes> {
+    /// Sends a one-way frame like [`ConnHandle::request`].
+    fn oneway(&self, frame: Frame, permits: Permits) -> bool {
         match self.lane.try_oneway(frame, permits) {
-            Ok(direct) => {
-                self.kick(direct);
-                Ok(())
-            }
-            Err((frame, permits)) => match self.through_driver(Outgoing::OneWay { frame, permits })
-            {
-                Ok(()) => Ok(()),
-                Err(Outgoing::OneWay { frame, .. }) => Err(frame.body),
-                Err(_) => Err(Bytes::new()),
-            },
+            Ok(direct) => self.kick(direct),
+            Err((frame, permits)) => self.through_driver(Outgoing::OneWay { frame, permits }),
         }
     }
 
-    fn kick(&self, direct: Direct) {
+    fn kick(&self, direct: Direct) -> bool {
         if direct == Direct::Kick {
             let _ = self.tx.send(Outgoing::Kick);
         }
+        true
     }
 
-    #[expect(
-        clippy::result_large_err,
-        reason = "hands the message back by value, once"
-    )]
-    fn through_driver(&self, msg: Outgoing) -> Result<(), Outgoing> {
+    fn through_driver(&self, msg: Outgoing) -> bool {
         self.lane.queue_one(false);
-        self.tx.send(msg).map_err(|e| {
+        let sent = self.tx.send(msg).is_ok();
+        if !sent {
             self.lane.queue_one(true);
-            e.0
-        })
+        }
+        sent
     }
 }
 
@@ -259,11 +241,12 @@ impl Client {
                 .map_err(|_| timed_out())??,
         };
         let (tx, rx) = oneshot::channel();
-        conn.request(frame, tx, deadline, timeout)
-            .map_err(|_| MsgrError::Reset {
+        if !conn.request(frame, tx, deadline, timeout) {
+            return Err(MsgrError::Reset {
                 peer: addr.to_string(),
                 reason: "connection closed".into(),
-            })?;
+            });
+        }
         rx.await.map_err(|_| MsgrError::Reset {
             peer: addr.to_string(),
             reason: "connection dropped".into(),
@@ -298,10 +281,14 @@ impl Client {
                 _reqs: Some(reqs),
                 _bytes: Some(bytes),
             };
-            conn.oneway(frame, permits).map_err(|_| MsgrError::Reset {
-                peer: addr.to_string(),
-                reason: "connection closed".into(),
-            })
+            if conn.oneway(frame, permits) {
+                Ok(())
+            } else {
+                Err(MsgrError::Reset {
+                    peer: addr.to_string(),
+                    reason: "connection closed".into(),
+                })
+            }
         })
         .await
         .unwrap_or_else(|_| {
@@ -338,7 +325,11 @@ impl Client {
             _reqs: Some(reqs),
             _bytes: Some(bytes),
         };
-        conn.oneway(frame, permits).map_err(|_| body)
+        if conn.oneway(frame, permits) {
+            Ok(())
+        } else {
+            Err(body)
+        }
     }
 
     fn frame(&self, kind: Kind, op: Op, body: Bytes, data: Payload) -> Result<Frame, MsgrError> {
