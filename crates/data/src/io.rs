@@ -65,6 +65,20 @@ pub trait DiskFile: Send + Sync + std::fmt::Debug {
     fn drop_cache(&self) -> io::Result<()> {
         Ok(())
     }
+    /// Asks the OS to drop the cached pages of `[off, off + len)` that are clean; pages only partly
+    /// inside stay. The store calls it on what a group commit has just made durable, so that
+    /// appended data does not pile up in the page cache (see `docs/data-store.md`, "Page cache").
+    /// Best effort; a no-op where there is no such cache.
+    fn drop_range(&self, off: u64, len: u64) -> io::Result<()> {
+        let _ = (off, len);
+        Ok(())
+    }
+    /// Asks the OS to start reading `[off, off + len)` into its cache without waiting for it.
+    /// Best effort; a no-op where there is no such cache.
+    fn will_need(&self, off: u64, len: u64) -> io::Result<()> {
+        let _ = (off, len);
+        Ok(())
+    }
 }
 
 /// Rejects names that are not a single path component.
@@ -183,6 +197,17 @@ struct RealFile {
     file: File,
 }
 
+impl RealFile {
+    /// `posix_fadvise` over `[off, off + len)`; nothing for an empty range (a length of 0 would
+    /// mean "to the end of the file").
+    fn advise(&self, off: u64, len: u64, advice: rustix::fs::Advice) -> io::Result<()> {
+        match std::num::NonZeroU64::new(len) {
+            Some(len) => Ok(rustix::fs::fadvise(&self.file, off, Some(len), advice)?),
+            None => Ok(()),
+        }
+    }
+}
+
 impl DiskFile for RealFile {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
         let mut done = 0;
@@ -232,6 +257,14 @@ impl DiskFile for RealFile {
             None,
             rustix::fs::Advice::DontNeed,
         )?)
+    }
+
+    fn drop_range(&self, off: u64, len: u64) -> io::Result<()> {
+        self.advise(off, len, rustix::fs::Advice::DontNeed)
+    }
+
+    fn will_need(&self, off: u64, len: u64) -> io::Result<()> {
+        self.advise(off, len, rustix::fs::Advice::WillNeed)
     }
 }
 
@@ -900,6 +933,14 @@ impl DiskFile for FaultyFile {
 
     fn drop_cache(&self) -> io::Result<()> {
         self.inner.drop_cache()
+    }
+
+    fn drop_range(&self, off: u64, len: u64) -> io::Result<()> {
+        self.inner.drop_range(off, len)
+    }
+
+    fn will_need(&self, off: u64, len: u64) -> io::Result<()> {
+        self.inner.will_need(off, len)
     }
 }
 

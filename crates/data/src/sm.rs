@@ -42,6 +42,21 @@ pub enum DataCommand {
     Release { ranges: Vec<(ExtentId, u64, u64)> },
 }
 
+/// The head of a [`DataCommand`] read without copying its data, for [`DataSm::prefetch`]: postcard
+/// encodes an enum variant by its index, so the variants here must stay the first ones of
+/// `DataCommand`, in order, with the same fields (a test checks it). Later variants fail to decode,
+/// which only skips the hint.
+#[derive(Debug, Deserialize)]
+enum CommandHead<'a> {
+    CreateExtent,
+    Overwrite {
+        extent: ExtentId,
+        offset: u64,
+        #[serde(borrow)]
+        data: &'a [u8],
+    },
+}
+
 /// What the state machine shares with the service (read without going through the raft loop).
 #[derive(Debug, Default)]
 pub struct SmShared {
@@ -283,6 +298,19 @@ impl StateMachine for DataSm {
         postcard::to_allocvec(&result).unwrap_or_default()
     }
 
+    /// An overwrite re-reads the blocks it covers in part (`ExtentStore::prefetch`): start reading
+    /// them while the entry goes through the log.
+    fn prefetch(&self, command: &[u8]) {
+        if let Ok(CommandHead::Overwrite {
+            extent,
+            offset,
+            data,
+        }) = postcard::from_bytes::<CommandHead<'_>>(command)
+        {
+            self.store.prefetch(extent, offset, data.len() as u64);
+        }
+    }
+
     fn snapshot(&self) -> Vec<u8> {
         postcard::to_allocvec(&Snapshot {
             version: SNAPSHOT_VERSION,
@@ -434,6 +462,43 @@ mod tests {
 
     /// Snapshots from before the live set decode: the next id is kept, what the store holds
     /// counts as live.
+    /// `CommandHead` reads an encoded overwrite's head without its data copied, and nothing else
+    /// as an overwrite (its variants mirror `DataCommand`'s first ones).
+    #[test]
+    fn command_heads_mirror_commands() {
+        let enc = |c: &DataCommand| postcard::to_allocvec(c).unwrap();
+        let bytes = enc(&DataCommand::Overwrite {
+            extent: ExtentId(1030),
+            offset: 70_000,
+            data: bytes::Bytes::from(vec![7u8; 300]),
+        });
+        match postcard::from_bytes::<CommandHead<'_>>(&bytes).unwrap() {
+            CommandHead::Overwrite {
+                extent,
+                offset,
+                data,
+            } => assert_eq!(
+                (extent, offset, data),
+                (ExtentId(1030), 70_000, &[7u8; 300][..])
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            postcard::from_bytes::<CommandHead<'_>>(&enc(&DataCommand::CreateExtent)),
+            Ok(CommandHead::CreateExtent)
+        ));
+        for other in [
+            DataCommand::Append {
+                extent: ExtentId(1030),
+                offset: 0,
+                data: bytes::Bytes::from_static(b"x"),
+            },
+            DataCommand::Release { ranges: vec![] },
+        ] {
+            assert!(postcard::from_bytes::<CommandHead<'_>>(&enc(&other)).is_err());
+        }
+    }
+
     #[test]
     fn version_1_snapshots_restore() {
         let st = store(&MemDisk::new());

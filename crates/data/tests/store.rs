@@ -932,6 +932,18 @@ struct Gate {
     state: Mutex<GateState>,
     changed: Condvar,
     data_read: AtomicU64,
+    /// Every page-cache hint, in order.
+    hints: Mutex<Vec<Hint>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Hint {
+    will_need: bool,
+    file: String,
+    off: u64,
+    len: u64,
+    /// The file's length at its last `sync_data` before the hint.
+    synced: u64,
 }
 
 #[derive(Debug, Default)]
@@ -974,7 +986,21 @@ struct GateDisk {
 struct GateFile {
     inner: Arc<dyn DiskFile>,
     gate: Arc<Gate>,
+    name: String,
     is_data: bool,
+    synced: AtomicU64,
+}
+
+impl GateFile {
+    fn hint(&self, will_need: bool, off: u64, len: u64) {
+        self.gate.hints.lock().unwrap().push(Hint {
+            will_need,
+            file: self.name.clone(),
+            off,
+            len,
+            synced: self.synced.load(Ordering::SeqCst),
+        });
+    }
 }
 
 impl GateDisk {
@@ -982,7 +1008,9 @@ impl GateDisk {
         Arc::new(GateFile {
             inner,
             gate: self.gate.clone(),
+            name: name.to_string(),
             is_data: name.ends_with(".data"),
+            synced: AtomicU64::new(0),
         })
     }
 }
@@ -1030,11 +1058,88 @@ impl DiskFile for GateFile {
     }
     fn sync_data(&self) -> io::Result<()> {
         self.gate.pass();
-        self.inner.sync_data()
+        let len = self.inner.len()?;
+        self.inner.sync_data()?;
+        self.synced.store(len, Ordering::SeqCst);
+        Ok(())
     }
     fn punch_hole(&self, off: u64, len: u64) -> io::Result<()> {
         self.inner.punch_hole(off, len)
     }
+    fn drop_range(&self, off: u64, len: u64) -> io::Result<()> {
+        self.hint(false, off, len);
+        Ok(())
+    }
+    fn will_need(&self, off: u64, len: u64) -> io::Result<()> {
+        self.hint(true, off, len);
+        Ok(())
+    }
+}
+
+/// A group commit asks the OS to drop what it made durable, only that, and from the page holding
+/// the previous mark; an overwrite's prefetch asks for exactly the blocks it covers in part; with
+/// `drop_synced` off nothing is dropped.
+#[test]
+fn synced_appends_leave_the_page_cache_and_partial_overwrites_are_prefetched() {
+    let mem = MemDisk::new();
+    let gate = Arc::new(Gate::default());
+    let disk = GateDisk {
+        inner: mem.clone(),
+        gate: gate.clone(),
+    };
+    let s = ExtentStore::open(Arc::new(disk), opts()).unwrap();
+    let id = NORMAL[0];
+    let data: Vec<u8> = (0..15_000u32).map(|i| (i % 251) as u8).collect();
+    s.create(id).unwrap();
+    s.write(id, 0, &data[..10_000]).unwrap();
+    s.sync().unwrap();
+    s.write(id, 10_000, &data[10_000..]).unwrap();
+    s.sync().unwrap();
+    let name = data_name(id);
+    let drops: Vec<(u64, u64)> = gate
+        .hints
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|h| !h.will_need && h.file == name)
+        .inspect(|h| assert!(h.off + h.len <= h.synced, "dropped unsynced bytes: {h:?}"))
+        .map(|h| (h.off, h.len))
+        .collect();
+    assert_eq!(drops, [(0, 10_000), (8192, 15_000 - 8192)]);
+
+    // Blocks are 64 bytes; the extent's last block holds 15,000 - 14,976 = 24.
+    let asked = |offset: u64, len: u64| {
+        gate.hints.lock().unwrap().clear();
+        s.prefetch(id, offset, len);
+        let h = gate.hints.lock().unwrap();
+        assert!(h.iter().all(|h| h.will_need && h.file == name), "{h:?}");
+        h.iter().map(|h| (h.off, h.len)).collect::<Vec<_>>()
+    };
+    assert_eq!(asked(100, 10), [(64, 64)]);
+    assert_eq!(asked(128, 64), [], "a whole block needs no read");
+    assert_eq!(asked(130, 100), [(128, 64), (192, 64)]);
+    assert_eq!(asked(64, 150), [(192, 64)]);
+    assert_eq!(asked(14_980, 20), [(14_976, 24)]);
+    assert_eq!(asked(14_976, 24), [], "the whole last block");
+    assert_eq!(asked(15_000, 10), [], "past the end");
+    s.prefetch(NORMAL[1], 0, 10);
+    assert_eq!(s.read(id, 0, 15_000).unwrap()[..], data[..]);
+    drop(s);
+
+    let gate = Arc::new(Gate::default());
+    let disk = GateDisk {
+        inner: mem.crash(),
+        gate: gate.clone(),
+    };
+    let keep = StoreOptions {
+        drop_synced: false,
+        ..opts()
+    };
+    let s = ExtentStore::open(Arc::new(disk), keep).unwrap();
+    assert_eq!(s.read(id, 0, 15_000).unwrap()[..], data[..]);
+    s.write(id, 15_000, b"more").unwrap();
+    s.sync().unwrap();
+    assert!(gate.hints.lock().unwrap().iter().all(|h| h.will_need));
 }
 
 /// Opening reads only the last block of an extent that is idle (synced, then one more round), not

@@ -35,6 +35,13 @@ pub trait StateMachine: Send + 'static {
     fn durability_barrier(&self) -> Option<Barrier> {
         None
     }
+    /// Called on every replica with each command as it reaches this replica's log (before it is
+    /// written there, let alone committed), on the leader too: a chance to start IO its `apply` will
+    /// need (reads into a cache), so that it overlaps the log's fsync and the round trip. It must not
+    /// change the state: the entry may never commit. The default does nothing.
+    fn prefetch(&self, command: &[u8]) {
+        let _ = command;
+    }
 }
 
 /// Work that makes a state machine's applied effects durable ([`StateMachine::durability_barrier`]).
@@ -269,6 +276,17 @@ struct Group<S> {
     deferred: Vec<(ProposalId, Option<Instant>)>,
     /// A snapshot taken, waiting for its durability barrier: (token, snapshot, barrier done).
     pending_snapshot: Option<(u64, Snapshot, bool)>,
+}
+
+impl<S: StateMachine> Group<S> {
+    /// [`StateMachine::prefetch`] for the normal entries about to be written to the log.
+    fn prefetch(&self, entries: &[Entry]) {
+        for e in entries {
+            if e.get_entry_type() == EntryType::EntryNormal && !e.data.is_empty() {
+                self.sm.prefetch(&e.data);
+            }
+        }
+    }
 }
 
 impl<S> Group<S> {
@@ -845,6 +863,7 @@ impl<S: StateMachine> RaftNode<S> {
                 early_finished.extend(out.finished.drain(before..));
             }
             gw.entries = rd.take_entries();
+            g.prefetch(&gw.entries);
             gw.hard_state = rd.hs().cloned();
             if conf.is_some() {
                 gw.conf_state = conf.take();
@@ -984,6 +1003,7 @@ impl<S: StateMachine> RaftNode<S> {
                 job.sync = true;
             }
             gw.entries = rd.take_entries();
+            g.prefetch(&gw.entries);
             gw.hard_state = rd.hs().cloned();
             job.sync |= rd.must_sync();
             job.messages

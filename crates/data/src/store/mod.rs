@@ -57,6 +57,10 @@ pub const MAX_EXTENT_BLOCKS: u64 = 1 << 22;
 /// Default for [`StoreOptions::max_open_extents`]: 512 descriptors per store (see there).
 pub const DEFAULT_MAX_OPEN_EXTENTS: u32 = 256;
 
+/// Page granularity of [`StoreOptions::drop_synced`]: the page holding the previous mark is asked
+/// again (it may have been partial then; the OS keeps pages only partly inside a range).
+const DROP_ALIGN: u64 = 4096;
+
 /// A gap (tiny extents) up to this size is written as zeros with the data, in one write.
 const INLINE_GAP: u64 = 64 * 1024;
 
@@ -79,6 +83,11 @@ pub struct StoreOptions {
     /// and 256 extents cover a partition's working set (its 16 tiny extents, the extents being appended
     /// to, hot reads). A miss costs two `open`s, small next to the disk read it usually precedes.
     pub max_open_extents: u32,
+    /// After a group commit syncs an extent, ask the OS to drop the page-cache pages of what the
+    /// round made durable (`DiskFile::drop_range`), so appended data does not pile up in the page
+    /// cache. A write that later overwrites part of a dropped block re-reads the block from the disk
+    /// (its CRC needs the whole block). See `docs/data-store.md`, "Page cache".
+    pub drop_synced: bool,
 }
 
 impl Default for StoreOptions {
@@ -87,6 +96,7 @@ impl Default for StoreOptions {
             block_size: DEFAULT_BLOCK_SIZE,
             sync: true,
             max_open_extents: DEFAULT_MAX_OPEN_EXTENTS,
+            drop_synced: true,
         }
     }
 }
@@ -205,6 +215,8 @@ struct State {
     /// One per block: `len.div_ceil(block_size)` entries.
     blocks: Vec<Block>,
     hdr: Cursor,
+    /// Bytes below this were synced and asked out of the page cache (see `sync_extents`).
+    uncached: u64,
 }
 
 /// An extent's memory. Its files are in the store's [`FileCache`], open or not.
@@ -401,6 +413,7 @@ fn load(
             len: r.len,
             blocks: r.blocks,
             hdr: r.cursor,
+            uncached: 0,
         };
         extents.insert(id, Arc::new(Extent::new(id, state)));
     }
@@ -593,6 +606,45 @@ impl ExtentStore {
             self.mark_dirty(&ext);
             Ok(())
         })
+    }
+
+    /// A hint that `[offset, offset + len)` of extent `id` will soon be overwritten: starts reading
+    /// the blocks the write covers only in part (their CRCs need their other bytes) into the page
+    /// cache without waiting, so the write finds them there (`StoreOptions::drop_synced` dropped
+    /// them once they were synced). The data node calls it before an overwrite goes through Raft,
+    /// which hides the read behind the log's fsync. Never fails: a hint that cannot be given is
+    /// skipped.
+    pub fn prefetch(&self, id: ExtentId, offset: u64, len: u64) {
+        let Ok(_gate) = self.enter() else { return };
+        let Ok(Some(ext)) = self.find(id) else { return };
+        let bs = self.bs;
+        let ranges = {
+            let st = read(&ext.state);
+            let end = offset.saturating_add(len).min(st.len);
+            if st.deleted || offset >= end {
+                return;
+            }
+            let block = |b: u64| (b * bs, (st.len - b * bs).min(bs));
+            let (first, last) = (offset / bs, (end - 1) / bs);
+            let partial = |(start, blen): (u64, u64)| offset > start || end < start + blen;
+            let mut ranges = Vec::with_capacity(2);
+            if partial(block(first)) {
+                ranges.push(block(first));
+            }
+            if last != first && partial(block(last)) {
+                ranges.push(block(last));
+            }
+            ranges
+        };
+        if ranges.is_empty() {
+            return;
+        }
+        let Ok(f) = self.files(id, Open::Existing) else {
+            return;
+        };
+        for (start, blen) in ranges {
+            let _ = f.data.will_need(start, blen);
+        }
     }
 
     /// Shrinks an extent to `len` (drops an unacknowledged tail); `len` past the end is `Invalid`.
@@ -1073,6 +1125,7 @@ impl ExtentStore {
                 generation: 0,
                 lens: [u64::MAX; 2],
             },
+            uncached: 0,
         };
         let ext = Arc::new(Extent::new(id, state));
         write(&self.extents).insert(id, ext.clone());
@@ -1398,7 +1451,7 @@ impl ExtentStore {
         again: &mut Vec<Arc<Extent>>,
     ) -> Result<(), StoreError> {
         for ext in extents {
-            let (f, generation) = {
+            let (f, generation, synced) = {
                 let mut st = write(&ext.state);
                 if st.deleted {
                     *done += 1;
@@ -1411,7 +1464,11 @@ impl ExtentStore {
                     (_, Some(b)) => b.crc,
                 };
                 let generation = self.write_header(&f, &mut st, len, tail_crc)?;
-                (f, generation)
+                // What this round makes durable past what earlier rounds dropped (from the page
+                // holding the old mark: that page may have been partial then).
+                let from = st.uncached.min(len) / DROP_ALIGN * DROP_ALIGN;
+                st.uncached = len;
+                (f, generation, (from, len - from))
             };
             // From here on the extent is not put back if the round fails: only an IO error can
             // follow, and that fails the store.
@@ -1419,6 +1476,10 @@ impl ExtentStore {
             f.syncing();
             f.data.sync_data()?;
             f.crc.sync_data()?;
+            if self.opts.drop_synced {
+                // Best effort: failing to drop costs memory, not data.
+                let _ = f.data.drop_range(synced.0, synced.1);
+            }
             drop(f);
             let mut st = write(&ext.state);
             Self::header_durable(&mut st, generation);
