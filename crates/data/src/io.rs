@@ -35,6 +35,13 @@ pub trait Disk: Send + Sync + std::fmt::Debug + 'static {
     fn rename(&self, from: &str, to: &str) -> io::Result<()>;
     /// Makes every create, remove and rename before this call durable.
     fn sync_dir(&self) -> io::Result<()>;
+    /// Makes every write and length change of every file on this disk's file system durable at
+    /// once (`syncfs`), for a commit round with many files: the file system writes them all back
+    /// together and commits its journal once, where one `fdatasync` per file waits for the device
+    /// and a journal commit each. `false`: this disk cannot, sync the files one by one.
+    fn sync_fs(&self) -> io::Result<bool> {
+        Ok(false)
+    }
     /// Bytes used on the device by this disk's files (allocated blocks; holes do not count where the
     /// implementation can tell).
     fn used(&self) -> io::Result<u64>;
@@ -172,6 +179,11 @@ impl Disk for FileDisk {
 
     fn sync_dir(&self) -> io::Result<()> {
         File::open(&self.dir)?.sync_all()
+    }
+
+    fn sync_fs(&self) -> io::Result<bool> {
+        rustix::fs::syncfs(File::open(&self.dir)?)?;
+        Ok(true)
     }
 
     fn used(&self) -> io::Result<u64> {
@@ -588,6 +600,18 @@ impl Disk for MemDisk {
         Ok(())
     }
 
+    /// Every file's writes and the names become durable, as `syncfs` makes them.
+    fn sync_fs(&self) -> io::Result<bool> {
+        let mut dir = lock(&self.dir);
+        for inode in dir.live.values() {
+            let mut st = inode.state.write().unwrap_or_else(PoisonError::into_inner);
+            st.synced = st.data.clone();
+            st.pending.clear();
+        }
+        dir.durable = dir.live.clone();
+        Ok(true)
+    }
+
     /// Sum of the file lengths (a hole counts: this disk does not track allocation).
     fn used(&self) -> io::Result<u64> {
         let dir = lock(&self.dir);
@@ -874,6 +898,13 @@ impl Disk for FaultyDisk {
         self.faults.check_sync()?;
         self.faults.check()?;
         self.inner.sync_dir()
+    }
+
+    fn sync_fs(&self) -> io::Result<bool> {
+        self.check_fds()?;
+        self.faults.check_sync()?;
+        self.faults.check()?;
+        self.inner.sync_fs()
     }
 
     fn used(&self) -> io::Result<u64> {

@@ -934,6 +934,11 @@ struct Gate {
     data_read: AtomicU64,
     /// Every page-cache hint, in order.
     hints: Mutex<Vec<Hint>>,
+    /// `sync_data` and `sync_fs` calls.
+    file_syncs: AtomicU64,
+    fs_syncs: AtomicU64,
+    /// `sync_fs` fails.
+    fs_sync_fails: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -1034,6 +1039,13 @@ impl Disk for GateDisk {
     fn sync_dir(&self) -> io::Result<()> {
         self.inner.sync_dir()
     }
+    fn sync_fs(&self) -> io::Result<bool> {
+        self.gate.fs_syncs.fetch_add(1, Ordering::SeqCst);
+        if self.gate.fs_sync_fails.load(Ordering::SeqCst) {
+            return Err(io::Error::other("injected syncfs failure"));
+        }
+        self.inner.sync_fs()
+    }
     fn used(&self) -> io::Result<u64> {
         self.inner.used()
     }
@@ -1058,6 +1070,7 @@ impl DiskFile for GateFile {
     }
     fn sync_data(&self) -> io::Result<()> {
         self.gate.pass();
+        self.gate.file_syncs.fetch_add(1, Ordering::SeqCst);
         let len = self.inner.len()?;
         self.inner.sync_data()?;
         self.synced.store(len, Ordering::SeqCst);
@@ -1073,6 +1086,72 @@ impl DiskFile for GateFile {
     fn will_need(&self, off: u64, len: u64) -> io::Result<()> {
         self.hint(true, off, len);
         Ok(())
+    }
+}
+
+/// A round with `sync_fs_from` extents or more syncs the file system once instead of each file; a
+/// smaller one syncs the files; a failed `sync_fs` falls back to the files. Every write is durable
+/// after each.
+#[test]
+fn large_rounds_sync_the_file_system_once() {
+    let mem = MemDisk::new();
+    let gate = Arc::new(Gate::default());
+    let disk = GateDisk {
+        inner: mem.clone(),
+        gate: gate.clone(),
+    };
+    let o = StoreOptions {
+        sync_fs_from: 3,
+        ..opts()
+    };
+    let s = ExtentStore::open(Arc::new(disk), o).unwrap();
+    for id in NORMAL {
+        s.create(id).unwrap();
+    }
+    s.sync().unwrap();
+    let counts = || {
+        (
+            gate.fs_syncs.swap(0, Ordering::SeqCst),
+            gate.file_syncs.swap(0, Ordering::SeqCst),
+        )
+    };
+    counts();
+    let mut model: BTreeMap<ExtentId, Vec<u8>> = BTreeMap::new();
+    let mut write = |id: ExtentId, byte: u8, len: usize| {
+        let m = model.entry(id).or_default();
+        s.write(id, m.len() as u64, &vec![byte; len]).unwrap();
+        m.extend(std::iter::repeat_n(byte, len));
+    };
+    for (i, id) in NORMAL.into_iter().enumerate() {
+        write(id, i as u8 + 1, 1000 + i);
+    }
+    s.sync().unwrap();
+    assert_eq!(counts(), (1, 0), "three extents: one syncfs, no file fsync");
+    // The next round writes the same lengths into the extents' other header slots.
+    s.sync().unwrap();
+    counts();
+    write(NORMAL[0], 9, 300);
+    write(TINY[0], 8, 70);
+    s.sync().unwrap();
+    assert_eq!(counts(), (0, 4), "two extents: their four files");
+    gate.fs_sync_fails.store(true, Ordering::SeqCst);
+    for id in ALL {
+        write(id, 7, 130);
+    }
+    s.sync().unwrap();
+    assert_eq!(
+        counts(),
+        (1, 10),
+        "a failed syncfs falls back to the ten files"
+    );
+    drop(s);
+    let s = open(&mem.crash());
+    for (id, data) in &model {
+        assert_eq!(
+            s.read(*id, 0, data.len() as u32).unwrap()[..],
+            data[..],
+            "{id}"
+        );
     }
 }
 

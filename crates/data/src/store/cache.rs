@@ -244,6 +244,11 @@ impl FileCache {
         Ok(files)
     }
 
+    /// The extent's files if the cache holds them open; never opens them.
+    pub fn cached(&self, id: ExtentId) -> Option<Arc<Files>> {
+        lock(&self.lru).touch(id)
+    }
+
     /// Lets go of an extent's files (a delete: no fsync); they close once no call uses them.
     pub fn forget(&self, id: ExtentId) {
         let closed = lock(&self.lru).remove(id);

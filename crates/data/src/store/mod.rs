@@ -57,6 +57,9 @@ pub const MAX_EXTENT_BLOCKS: u64 = 1 << 22;
 /// Default for [`StoreOptions::max_open_extents`]: 512 descriptors per store (see there).
 pub const DEFAULT_MAX_OPEN_EXTENTS: u32 = 256;
 
+/// Default for [`StoreOptions::sync_fs_from`].
+pub const DEFAULT_SYNC_FS_FROM: u32 = 4;
+
 /// Page granularity of [`StoreOptions::drop_synced`]: the page holding the previous mark is asked
 /// again (it may have been partial then; the OS keeps pages only partly inside a range).
 const DROP_ALIGN: u64 = 4096;
@@ -88,6 +91,11 @@ pub struct StoreOptions {
     /// cache. A write that later overwrites part of a dropped block re-reads the block from the disk
     /// (its CRC needs the whole block). See `docs/data-store.md`, "Page cache".
     pub drop_synced: bool,
+    /// A group-commit round with at least this many extents syncs the whole file system at once
+    /// (`Disk::sync_fs`, `syncfs`) instead of each extent's two files in turn; 0: never. Rounds
+    /// of one or two extents (a single stream, small files) keep the per-file `fdatasync`, which
+    /// waits for nothing else on the file system.
+    pub sync_fs_from: u32,
 }
 
 impl Default for StoreOptions {
@@ -97,6 +105,7 @@ impl Default for StoreOptions {
             sync: true,
             max_open_extents: DEFAULT_MAX_OPEN_EXTENTS,
             drop_synced: true,
+            sync_fs_from: DEFAULT_SYNC_FS_FROM,
         }
     }
 }
@@ -1443,56 +1452,145 @@ impl ExtentStore {
         result
     }
 
-    /// The extents' part of a round; `done` counts the extents finished (synced or skipped).
+    /// The extents' part of a round; `done` counts the extents finished (synced or skipped). A
+    /// round of at least [`StoreOptions::sync_fs_from`] extents writes every header, then syncs the
+    /// whole file system once ([`Disk::sync_fs`]), falling back to the files one by one if it
+    /// cannot; a smaller round syncs each extent's data and crc files in turn. An extent's files are
+    /// held only while it is being prepared or synced, so rounds keep the open-file bound.
     fn sync_extents(
         &self,
         extents: &[Arc<Extent>],
         done: &mut usize,
         again: &mut Vec<Arc<Extent>>,
     ) -> Result<(), StoreError> {
-        for ext in extents {
-            let (f, generation, synced) = {
-                let mut st = write(&ext.state);
-                if st.deleted {
-                    *done += 1;
-                    continue;
+        let whole = self.opts.sync_fs_from > 0 && extents.len() >= self.opts.sync_fs_from as usize;
+        if !whole {
+            for ext in extents {
+                let p = self.prepare_sync(ext)?;
+                // From here on the extent is not put back if the round fails: only an IO error can
+                // follow, and that fails the store.
+                *done += 1;
+                if let Some(p) = p {
+                    p.files.syncing();
+                    p.files.data.sync_data()?;
+                    p.files.crc.sync_data()?;
+                    self.synced(ext, p, again);
                 }
-                let f = self.files(ext.id, Open::Existing)?;
-                let len = st.len;
-                let tail_crc = match (len % self.bs, st.blocks.last()) {
-                    (0, _) | (_, None) => 0,
-                    (_, Some(b)) => b.crc,
-                };
-                let generation = self.write_header(&f, &mut st, len, tail_crc)?;
-                // What this round makes durable past what earlier rounds dropped (from the page
-                // holding the old mark: that page may have been partial then).
-                let from = st.uncached.min(len) / DROP_ALIGN * DROP_ALIGN;
-                st.uncached = len;
-                (f, generation, (from, len - from))
-            };
-            // From here on the extent is not put back if the round fails: only an IO error can
-            // follow, and that fails the store.
-            *done += 1;
-            f.syncing();
-            f.data.sync_data()?;
-            f.crc.sync_data()?;
-            if self.opts.drop_synced {
-                // Best effort: failing to drop costs memory, not data.
-                let _ = f.data.drop_range(synced.0, synced.1);
             }
-            drop(f);
-            let mut st = write(&ext.state);
-            Self::header_durable(&mut st, generation);
-            // Recovery reads every block between the two headers' lengths (the newer header's round
-            // may not have completed). Writing the same length into the other slot next round bounds
-            // that to the last block once the extent goes idle; an extent still being written gets a
-            // new header every round anyway.
-            if st.hdr.lens[0] != st.hdr.lens[1] {
-                again.push(ext.clone());
+            return Ok(());
+        }
+        let mut ready = Vec::with_capacity(extents.len());
+        let mut prepared = Ok(());
+        for ext in extents {
+            match self.prepare_sync(ext) {
+                Ok(Some(p)) => {
+                    // Closing them before the sync below is fine: it covers closed files too.
+                    p.files.syncing();
+                    ready.push((ext, p.generation, p.synced));
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    // The ones prepared before still get synced; the rest go back (`done`).
+                    prepared = Err(e);
+                    break;
+                }
+            }
+            *done += 1;
+        }
+        // A failed `syncfs` falls back to the files' own fsyncs: they report any write-back error
+        // of these files, and one of another file on the file system does not fail this store.
+        let all = !ready.is_empty() && matches!(self.disk.sync_fs(), Ok(true));
+        let mut ready = ready.into_iter();
+        while let Some((ext, generation, synced)) = ready.next() {
+            let files = if all {
+                // Dropping pages needs the files; only if still open.
+                self.cache.cached(ext.id)
+            } else {
+                // Reopened if the cache closed them: an fsync through any descriptor flushes.
+                let f = match self.files(ext.id, Open::Existing) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        // Out of descriptors: these wait for the next round.
+                        again.push(ext.clone());
+                        again.extend(ready.map(|(ext, _, _)| ext.clone()));
+                        return Err(e);
+                    }
+                };
+                f.syncing();
+                f.data.sync_data()?;
+                f.crc.sync_data()?;
+                Some(f)
+            };
+            match files {
+                Some(files) => self.synced(
+                    ext,
+                    Prepared {
+                        files,
+                        generation,
+                        synced,
+                    },
+                    again,
+                ),
+                None => self.header_synced(ext, generation, again),
             }
         }
-        Ok(())
+        prepared
     }
+
+    /// After an extent's files were synced: drops the synced pages (`drop_synced`), lets go of the
+    /// files, marks the header durable.
+    fn synced(&self, ext: &Arc<Extent>, p: Prepared, again: &mut Vec<Arc<Extent>>) {
+        if self.opts.drop_synced {
+            // Best effort: failing to drop costs memory, not data.
+            let _ = p.files.data.drop_range(p.synced.0, p.synced.1);
+        }
+        drop(p.files);
+        self.header_synced(ext, p.generation, again);
+    }
+
+    fn header_synced(&self, ext: &Arc<Extent>, generation: u64, again: &mut Vec<Arc<Extent>>) {
+        let mut st = write(&ext.state);
+        Self::header_durable(&mut st, generation);
+        // Recovery reads every block between the two headers' lengths (the newer header's round
+        // may not have completed). Writing the same length into the other slot next round bounds
+        // that to the last block once the extent goes idle; an extent still being written gets a
+        // new header every round anyway.
+        if st.hdr.lens[0] != st.hdr.lens[1] {
+            again.push(ext.clone());
+        }
+    }
+
+    /// Writes the header of a round for `ext`'s current length; returns its files, the header's
+    /// generation and the range the round makes durable past what earlier rounds dropped (from the
+    /// page holding the old mark: that page may have been partial then). `None`: deleted.
+    fn prepare_sync(&self, ext: &Extent) -> Result<Option<Prepared>, StoreError> {
+        let mut st = write(&ext.state);
+        if st.deleted {
+            return Ok(None);
+        }
+        let f = self.files(ext.id, Open::Existing)?;
+        let len = st.len;
+        let tail_crc = match (len % self.bs, st.blocks.last()) {
+            (0, _) | (_, None) => 0,
+            (_, Some(b)) => b.crc,
+        };
+        let generation = self.write_header(&f, &mut st, len, tail_crc)?;
+        let from = st.uncached.min(len) / DROP_ALIGN * DROP_ALIGN;
+        st.uncached = len;
+        Ok(Some(Prepared {
+            files: f,
+            generation,
+            synced: (from, len - from),
+        }))
+    }
+}
+
+/// An extent a round wrote a header for ([`ExtentStore::prepare_sync`]).
+struct Prepared {
+    files: Arc<Files>,
+    generation: u64,
+    /// `(offset, len)` of what the round makes durable past what earlier rounds dropped.
+    synced: (u64, u64),
 }
 
 impl Extent {
