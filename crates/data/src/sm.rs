@@ -460,8 +460,6 @@ mod tests {
         );
     }
 
-    /// Snapshots from before the live set decode: the next id is kept, what the store holds
-    /// counts as live.
     /// `CommandHead` reads an encoded overwrite's head without its data copied, and nothing else
     /// as an overwrite (its variants mirror `DataCommand`'s first ones).
     #[test]
@@ -499,6 +497,8 @@ mod tests {
         }
     }
 
+    /// Snapshots from before the live set decode: the next id is kept, what the store holds
+    /// counts as live.
     #[test]
     fn version_1_snapshots_restore() {
         let st = store(&MemDisk::new());

@@ -1009,6 +1009,16 @@ impl GateFile {
 }
 
 impl GateDisk {
+    /// A store over `inner` behind a fresh (open) gate, and the gate.
+    fn store(inner: MemDisk, opts: StoreOptions) -> (ExtentStore, Arc<Gate>) {
+        let gate = Arc::new(Gate::default());
+        let disk = GateDisk {
+            inner,
+            gate: gate.clone(),
+        };
+        (ExtentStore::open(Arc::new(disk), opts).unwrap(), gate)
+    }
+
     fn wrap(&self, name: &str, inner: Arc<dyn DiskFile>) -> Arc<dyn DiskFile> {
         Arc::new(GateFile {
             inner,
@@ -1095,16 +1105,11 @@ impl DiskFile for GateFile {
 #[test]
 fn large_rounds_sync_the_file_system_once() {
     let mem = MemDisk::new();
-    let gate = Arc::new(Gate::default());
-    let disk = GateDisk {
-        inner: mem.clone(),
-        gate: gate.clone(),
-    };
     let o = StoreOptions {
         sync_fs_from: 3,
         ..opts()
     };
-    let s = ExtentStore::open(Arc::new(disk), o).unwrap();
+    let (s, gate) = GateDisk::store(mem.clone(), o);
     for id in NORMAL {
         s.create(id).unwrap();
     }
@@ -1161,12 +1166,7 @@ fn large_rounds_sync_the_file_system_once() {
 #[test]
 fn synced_appends_leave_the_page_cache_and_partial_overwrites_are_prefetched() {
     let mem = MemDisk::new();
-    let gate = Arc::new(Gate::default());
-    let disk = GateDisk {
-        inner: mem.clone(),
-        gate: gate.clone(),
-    };
-    let s = ExtentStore::open(Arc::new(disk), opts()).unwrap();
+    let (s, gate) = GateDisk::store(mem.clone(), opts());
     let id = NORMAL[0];
     let data: Vec<u8> = (0..15_000u32).map(|i| (i % 251) as u8).collect();
     s.create(id).unwrap();
@@ -1205,16 +1205,11 @@ fn synced_appends_leave_the_page_cache_and_partial_overwrites_are_prefetched() {
     assert_eq!(s.read(id, 0, 15_000).unwrap()[..], data[..]);
     drop(s);
 
-    let gate = Arc::new(Gate::default());
-    let disk = GateDisk {
-        inner: mem.crash(),
-        gate: gate.clone(),
-    };
     let keep = StoreOptions {
         drop_synced: false,
         ..opts()
     };
-    let s = ExtentStore::open(Arc::new(disk), keep).unwrap();
+    let (s, gate) = GateDisk::store(mem.crash(), keep);
     assert_eq!(s.read(id, 0, 15_000).unwrap()[..], data[..]);
     s.write(id, 15_000, b"more").unwrap();
     s.sync().unwrap();
@@ -1235,12 +1230,7 @@ fn recovery_reads_only_the_tail_of_idle_extents() {
     s.create(NORMAL[1]).unwrap();
     s.sync().unwrap();
     drop(s);
-    let gate = Arc::new(Gate::default());
-    let disk = GateDisk {
-        inner: mem.clone(),
-        gate: gate.clone(),
-    };
-    let s = ExtentStore::open(Arc::new(disk), opts()).unwrap();
+    let (s, gate) = GateDisk::store(mem.clone(), opts());
     assert_eq!(s.len(id).unwrap(), 100 * u64::from(BS) + 10);
     assert_eq!(
         gate.data_read.load(Ordering::SeqCst),
@@ -1253,12 +1243,8 @@ fn recovery_reads_only_the_tail_of_idle_extents() {
 #[test]
 fn group_commit_shares_rounds() {
     let mem = MemDisk::new();
-    let gate = Arc::new(Gate::default());
-    let disk = GateDisk {
-        inner: mem.clone(),
-        gate: gate.clone(),
-    };
-    let store = Arc::new(ExtentStore::open(Arc::new(disk), opts()).unwrap());
+    let (store, gate) = GateDisk::store(mem.clone(), opts());
+    let store = Arc::new(store);
     for id in NORMAL {
         store.create(id).unwrap();
     }

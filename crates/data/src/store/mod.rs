@@ -620,9 +620,9 @@ impl ExtentStore {
     /// A hint that `[offset, offset + len)` of extent `id` will soon be overwritten: starts reading
     /// the blocks the write covers only in part (their CRCs need their other bytes) into the page
     /// cache without waiting, so the write finds them there (`StoreOptions::drop_synced` dropped
-    /// them once they were synced). The data node calls it before an overwrite goes through Raft,
-    /// which hides the read behind the log's fsync. Never fails: a hint that cannot be given is
-    /// skipped.
+    /// them once they were synced). Every replica's state machine calls it as an overwrite reaches
+    /// its Raft log (`DataSm::prefetch`), which hides the read behind the log's fsync. Never fails:
+    /// a hint that cannot be given is skipped.
     pub fn prefetch(&self, id: ExtentId, offset: u64, len: u64) {
         let Ok(_gate) = self.enter() else { return };
         let Ok(Some(ext)) = self.find(id) else { return };
@@ -1471,9 +1471,7 @@ impl ExtentStore {
                 // follow, and that fails the store.
                 *done += 1;
                 if let Some(p) = p {
-                    p.files.syncing();
-                    p.files.data.sync_data()?;
-                    p.files.crc.sync_data()?;
+                    sync_files(&p.files)?;
                     self.synced(ext, p, again);
                 }
             }
@@ -1516,9 +1514,7 @@ impl ExtentStore {
                         return Err(e);
                     }
                 };
-                f.syncing();
-                f.data.sync_data()?;
-                f.crc.sync_data()?;
+                sync_files(&f)?;
                 Some(f)
             };
             match files {
@@ -1583,6 +1579,13 @@ impl ExtentStore {
             synced: (from, len - from),
         }))
     }
+}
+
+/// An extent's data and crc files, fsynced (marked synced first, so closing them after needs none).
+fn sync_files(f: &Files) -> std::io::Result<()> {
+    f.syncing();
+    f.data.sync_data()?;
+    f.crc.sync_data()
 }
 
 /// An extent a round wrote a header for ([`ExtentStore::prepare_sync`]).
