@@ -215,6 +215,9 @@ struct Summary {
     /// For each path with a finding: its lines of the acknowledgement log (what was acknowledged).
     history: std::collections::BTreeMap<String, Vec<String>>,
     healed_within_ms: Option<u64>,
+    /// Why the cluster was not writable again in time: the partitions still read-only or
+    /// without a leader when the wait ended.
+    not_healed: Option<String>,
     /// Normal extents after the run: on the data nodes' disks, and used by the volume's files.
     extents: Option<ExtentUse>,
 }
@@ -457,7 +460,10 @@ fn print_summary(s: &Summary) {
     }
     match s.healed_within_ms {
         Some(ms) => println!("cluster writable again {ms} ms after the last fault"),
-        None => println!("cluster NOT fully writable again after the last fault"),
+        None => println!(
+            "cluster NOT fully writable again after the last fault: {}",
+            s.not_healed.as_deref().unwrap_or("unknown")
+        ),
     }
     if let Some(e) = &s.extents {
         println!(
@@ -486,20 +492,45 @@ async fn connect(client: Client, masters: &[String]) -> anyhow::Result<Arc<NetVo
 async fn wait_writable(mc: &MasterClient, within: Duration) -> anyhow::Result<()> {
     let deadline = Instant::now() + within;
     loop {
-        if let Ok(v) = mc.volume(VOLUME).await
-            && !v.data_partitions.is_empty()
-            && v.meta_partitions
-                .iter()
-                .chain(&v.data_partitions)
-                .all(|p| p.status == PartitionStatus::Rw && p.leader.is_some())
-        {
+        let blocked = match mc.volume(VOLUME).await {
+            Ok(v) if v.data_partitions.is_empty() => vec!["no data partitions".to_string()],
+            Ok(v) => not_writable(&v),
+            Err(e) => vec![format!("volume view: {e}")],
+        };
+        if blocked.is_empty() {
             return Ok(());
         }
         if Instant::now() > deadline {
-            bail!("volume {VOLUME} not writable within {within:?}");
+            bail!(
+                "volume {VOLUME} not writable within {within:?}: {}",
+                blocked.join("; ")
+            );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// The partitions of `v` that cannot take writes (read-only, or no leader known), described.
+fn not_writable(v: &nacre_master::map::VolumeView) -> Vec<String> {
+    let kinds = v
+        .meta_partitions
+        .iter()
+        .map(|p| ("meta", p))
+        .chain(v.data_partitions.iter().map(|p| ("data", p)));
+    kinds
+        .filter(|(_, p)| p.status != PartitionStatus::Rw || p.leader.is_none())
+        .map(|(kind, p)| {
+            let replicas: Vec<String> =
+                p.spec.replicas.iter().map(|r| r.node.to_string()).collect();
+            format!(
+                "{kind} partition {} ({:?}, leader {}, replicas {})",
+                p.spec.id,
+                p.status,
+                p.leader.map_or("none".to_string(), |l| l.to_string()),
+                replicas.join(",")
+            )
+        })
+        .collect()
 }
 
 /// Probe targets: one directory per meta partition (directories under the root are spread over
@@ -782,10 +813,12 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     h.free_disk()?;
     let last_fault = Instant::now();
     h.wait_healthy(&mc, Duration::from_secs(60)).await?;
-    let healed_within_ms = wait_writable(&mc, Duration::from_secs(120))
-        .await
+    let healed = wait_writable(&mc, Duration::from_secs(120)).await;
+    let healed_within_ms = healed
+        .as_ref()
         .ok()
         .map(|()| last_fault.elapsed().as_millis() as u64);
+    let not_healed = healed.err().map(|e| e.to_string());
     // A few seconds of writes on the healed cluster, then stop.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let _ = stop_tx.send(true);
@@ -829,6 +862,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         report,
         history,
         healed_within_ms,
+        not_healed,
         extents,
     };
     let m = msgr.clone();
