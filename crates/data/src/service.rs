@@ -688,32 +688,41 @@ impl DataNode {
     }
 
     /// A read-only partition returns to read-write once every follower answers and holds every
-    /// committed byte.
+    /// committed byte. A leader that lacks committed bytes itself (a replica that lost its tail and
+    /// was elected before it repaired it) never gets them, since leaders do not repair: it hands
+    /// the partition to a follower that holds them all, and repairs as a follower.
     async fn recheck(&self, part: &Part) {
-        let Ok(me) = self.raft().map(|r| r.id()) else {
+        let Ok(raft) = self.raft() else {
             return;
         };
         let committed: Vec<(ExtentId, u64)> = match part.tracks.lock() {
             Ok(t) => t.iter().map(|(e, t)| (*e, t.committed())).collect(),
             Err(_) => return,
         };
-        for (e, c) in &committed {
-            if part.store.len(*e).unwrap_or(0) < *c {
-                return;
+        let lacking = committed
+            .iter()
+            .any(|(e, c)| part.store.len(*e).unwrap_or(0) < *c);
+        let mut lists = Vec::new();
+        for r in part.followers(raft.id()) {
+            match self.list_extents(&r.addr, part.id).await {
+                Ok(list) => lists.push((
+                    r.node.0,
+                    list.extents.iter().map(|(e, l, _)| (*e, *l)).collect(),
+                )),
+                // Every follower must answer before the partition is writable again.
+                Err(_) if !lacking => return,
+                Err(_) => {}
             }
         }
-        for r in part.followers(me) {
-            let Ok(list) = self.list_extents(&r.addr, part.id).await else {
-                return;
-            };
-            let theirs: HashMap<ExtentId, u64> =
-                list.extents.iter().map(|(e, l, _)| (*e, *l)).collect();
-            if committed
-                .iter()
-                .any(|(e, c)| *c > 0 && theirs.get(e).copied().unwrap_or(0) < *c)
-            {
-                return;
+        if lacking {
+            if let Some(to) = holding_all(&committed, &lists) {
+                let r = raft.transfer_leader(part.id.0, to).await;
+                tracing::warn!(partition = %part.id, to, result = ?r, "this leader lacks committed bytes; handing leadership to a replica that holds them");
             }
+            return;
+        }
+        if lists.iter().any(|(_, theirs)| !holds(theirs, &committed)) {
+            return;
         }
         if let Ok(mut d) = part.degraded.lock()
             && let Some(why) = d.take()
@@ -1760,6 +1769,24 @@ fn degrade_if_full(part: &Part, e: &DataError) {
     }
 }
 
+/// Whether a replica whose extent lengths are `theirs` holds every committed byte.
+fn holds(theirs: &HashMap<ExtentId, u64>, committed: &[(ExtentId, u64)]) -> bool {
+    committed
+        .iter()
+        .all(|(e, c)| *c == 0 || theirs.get(e).copied().unwrap_or(0) >= *c)
+}
+
+/// The first replica (node id, extent lengths) that holds every committed byte.
+fn holding_all(
+    committed: &[(ExtentId, u64)],
+    lists: &[(u64, HashMap<ExtentId, u64>)],
+) -> Option<u64> {
+    lists
+        .iter()
+        .find(|(_, theirs)| holds(theirs, committed))
+        .map(|(node, _)| *node)
+}
+
 /// Runs store work on tokio's blocking pool. A buffered `pwrite` can stall for seconds in the
 /// kernel's dirty-page throttling while the disk catches up; on a messenger worker that stall holds
 /// up every call the node serves (replication, Raft heartbeats), and with many writers those calls
@@ -1866,5 +1893,34 @@ impl PartitionHost for DataNode {
             .await
             .map_err(err_str)?
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lens(v: &[(u64, u64)]) -> HashMap<ExtentId, u64> {
+        v.iter().map(|(e, l)| (ExtentId(*e), *l)).collect()
+    }
+
+    /// The leader hands over only to a replica holding every committed byte; extents with
+    /// nothing committed do not count.
+    #[test]
+    fn a_leader_lacking_bytes_picks_a_replica_that_holds_them_all() {
+        let committed = [(ExtentId(1), 100), (ExtentId(2), 50), (ExtentId(3), 0)];
+        let short = (2, lens(&[(1, 100), (2, 49)]));
+        let missing = (3, lens(&[(1, 100)]));
+        let whole = (4, lens(&[(1, 120), (2, 50)]));
+        assert_eq!(
+            holding_all(&committed, &[short.clone(), missing.clone()]),
+            None
+        );
+        assert_eq!(
+            holding_all(&committed, &[short, missing, whole.clone()]),
+            Some(4)
+        );
+        assert!(holds(&whole.1, &committed));
+        assert!(holds(&lens(&[]), &[(ExtentId(3), 0)]));
     }
 }

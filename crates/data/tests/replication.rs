@@ -34,6 +34,7 @@ use nacre_data::DataError;
 use nacre_data::io::{Disk, FaultPlan, FaultyDisk};
 use nacre_data::rpc::{Read, ReadRequest};
 use nacre_data::service::WrapDisk;
+use nacre_master::agent::PartitionHost as _;
 use nacre_types::ExtentId;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -313,6 +314,82 @@ async fn a_follower_that_lost_its_tail_is_trimmed_and_repaired() {
     for i in 0..3 {
         c.wait_replica(i, e2, &model2, true).await;
     }
+    c.shutdown().await;
+}
+
+/// Raft elects on the log, which knows nothing of appends: a replica that lost the tail of an
+/// extent in a crash can become leader before it has repaired it. Leaders do not repair, so such
+/// a leader would keep the partition read-only for good; it hands leadership to a replica that
+/// holds every committed byte, repairs as a follower, and the partition takes writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_elected_without_committed_bytes_hands_over_and_is_repaired() {
+    let _serial = SERIAL.lock().await;
+    // Duty rounds (repairs, re-checks) run only when the test calls them.
+    let mut c = Cluster::start_with(11, |cfg| {
+        cfg.report_interval = std::time::Duration::from_secs(3600);
+    })
+    .await;
+    let api = c.api.clone();
+    let l = api.leader().await;
+    let (f, g) = ((l + 1) % 3, (l + 2) % 3);
+    let (lh, fh, gh) = (Cluster::host(l), Cluster::host(f), Cluster::host(g));
+    let e = api.create().await.unwrap().unwrap();
+    let mut model = Vec::new();
+    fill(&api, e, &mut model, 70, 5, 9000).await;
+    // One more packet tells the followers that `model` is committed (a packet carries the
+    // committed length before it). Its own bytes are known to be committed only by the leader,
+    // which goes down below while f has lost data: two failures, so they are not checked.
+    let last = pattern(75, 1000);
+    api.append(e, model.len() as u64, &last)
+        .await
+        .unwrap()
+        .unwrap();
+    for i in 0..3 {
+        c.wait_replica(i, e, &model, false).await;
+    }
+    // g falls behind in the Raft log: cut off while an extent is created through Raft.
+    c.net.partition(&gh, &lh);
+    c.net.partition(&gh, &fh);
+    api.create().await.unwrap().unwrap();
+    // f loses the tail of `e` in a crash, then the leader goes down as well.
+    c.crash(f).await;
+    truncate(&c.data_file(f, e), 10_000);
+    c.crash(l).await;
+    // f comes back beside g only. Its log is ahead of g's, so only f can be elected: a leader
+    // without the committed bytes of `e`.
+    c.net.heal_host(&fh);
+    c.net.partition(&fh, &lh);
+    c.revive(f).await;
+    assert!(api.local_len(f, e).await < model.len() as u64);
+    assert_eq!(api.leader().await, f);
+    // It hands over to g; once l is back and f has repaired, the partition is writable again.
+    c.net.heal_host(&lh);
+    c.net.heal(&gh, &fh);
+    c.restart(l).await;
+    eventually("the partition to become read-write", || async {
+        for i in 0..3 {
+            c.node(i).maintain().await;
+        }
+        (0..3)
+            .any(|i| {
+                c.node(i)
+                    .reports()
+                    .into_iter()
+                    .any(|r| r.id == PID && r.leader && !r.full)
+            })
+            .then_some(())
+    })
+    .await;
+    c.wait_replica(f, e, &model, false).await;
+    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
+    let end = api.committed(e).await;
+    assert!(end >= model.len() as u64);
+    let w = api
+        .append(e, end, &pattern(71, 3000))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(w.committed, end + 3000);
     c.shutdown().await;
 }
 
