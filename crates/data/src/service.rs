@@ -588,39 +588,20 @@ impl DataNode {
         }
         let me = self.raft()?.id();
         let local = part.store.extents();
-        let mut lens: HashMap<ExtentId, (u64, u64)> = HashMap::new(); // (min len, max committed)
         let known: HashMap<ExtentId, u64> = part
             .tracks
             .lock()
             .map(|t| t.iter().map(|(e, t)| (*e, t.committed())).collect())
             .unwrap_or_default();
-        for (e, len) in &local {
-            let c = known.get(e).copied().unwrap_or(0);
-            lens.insert(*e, (*len, c));
-        }
+        let mut lists = Vec::new();
         let mut unreachable = Vec::new();
         for r in part.followers(me) {
             match self.list_extents(&r.addr, part.id).await {
-                Ok(list) => {
-                    let theirs: HashMap<ExtentId, (u64, u64)> = list
-                        .extents
-                        .iter()
-                        .map(|(e, l, c)| (*e, (*l, *c)))
-                        .collect();
-                    for (e, (min, max_c)) in lens.iter_mut() {
-                        let (l, c) = theirs.get(e).copied().unwrap_or((0, 0));
-                        *min = (*min).min(l);
-                        *max_c = (*max_c).max(c);
-                    }
-                    // Extents only the follower has: created through Raft but not applied here
-                    // yet; their committed bytes (if any) show up in `c`.
-                    for (e, (_, c)) in theirs {
-                        lens.entry(e).or_insert((0, c));
-                    }
-                }
+                Ok(list) => lists.push(list.extents),
                 Err(e) => unreachable.push(format!("{}: {e}", r.addr)),
             }
         }
+        let lens = merge_lengths(&local, &known, &lists, |e| part.shared.released(e));
         let mut tracks = HashMap::new();
         let mut short = Vec::new();
         // Held until the new tracks are in place: no write can take an extent's track meanwhile.
@@ -695,13 +676,27 @@ impl DataNode {
         let Ok(raft) = self.raft() else {
             return;
         };
+        // Tracks of extents released since they were made (a release this leader applied but did
+        // not propose, or one applied after the alignment) would otherwise ask for bytes nobody
+        // keeps, and the partition would stay read-only for good.
         let committed: Vec<(ExtentId, u64)> = match part.tracks.lock() {
-            Ok(t) => t.iter().map(|(e, t)| (*e, t.committed())).collect(),
+            Ok(mut t) => {
+                t.retain(|e, _| !part.shared.released(*e));
+                t.iter().map(|(e, t)| (*e, t.committed())).collect()
+            }
             Err(_) => return,
         };
-        let lacking = committed
+        let lacking: Vec<ExtentId> = committed
             .iter()
-            .any(|(e, c)| part.store.len(*e).unwrap_or(0) < *c);
+            .filter(|(e, c)| part.store.len(*e).unwrap_or(0) < *c)
+            .map(|(e, _)| *e)
+            .collect();
+        let lacking = if lacking.is_empty() {
+            false
+        } else {
+            tracing::debug!(partition = %part.id, extents = ?lacking, "re-check: this leader lacks committed bytes");
+            true
+        };
         let mut lists = Vec::new();
         for r in part.followers(raft.id()) {
             match self.list_extents(&r.addr, part.id).await {
@@ -710,18 +705,27 @@ impl DataNode {
                     list.extents.iter().map(|(e, l, _)| (*e, *l)).collect(),
                 )),
                 // Every follower must answer before the partition is writable again.
-                Err(_) if !lacking => return,
+                Err(e) if !lacking => {
+                    tracing::debug!(partition = %part.id, follower = %r.addr, error = %e, "re-check: a follower does not answer");
+                    return;
+                }
                 Err(_) => {}
             }
         }
         if lacking {
-            if let Some(to) = holding_all(&committed, &lists) {
-                let r = raft.transfer_leader(part.id.0, to).await;
-                tracing::warn!(partition = %part.id, to, result = ?r, "this leader lacks committed bytes; handing leadership to a replica that holds them");
+            match holding_all(&committed, &lists) {
+                Some(to) => {
+                    let r = raft.transfer_leader(part.id.0, to).await;
+                    tracing::warn!(partition = %part.id, to, result = ?r, "this leader lacks committed bytes; handing leadership to a replica that holds them");
+                }
+                None => {
+                    tracing::debug!(partition = %part.id, "re-check: no replica holds every committed byte")
+                }
             }
             return;
         }
-        if lists.iter().any(|(_, theirs)| !holds(theirs, &committed)) {
+        if let Some((node, _)) = lists.iter().find(|(_, theirs)| !holds(theirs, &committed)) {
+            tracing::debug!(partition = %part.id, follower = node, "re-check: a follower lacks committed bytes (repair pending)");
             return;
         }
         if let Ok(mut d) = part.degraded.lock()
@@ -1776,6 +1780,38 @@ fn holds(theirs: &HashMap<ExtentId, u64>, committed: &[(ExtentId, u64)]) -> bool
         .all(|(e, c)| *c == 0 || theirs.get(e).copied().unwrap_or(0) >= *c)
 }
 
+/// What a new leader aligns to, per extent: (the shortest copy, the longest committed length any
+/// replica knows). `local` and `known` are the leader's lengths and committed lengths, `lists` the
+/// followers' (extent, length, committed). An extent only followers list was created through Raft
+/// and not applied here yet (its committed bytes, if any, show up in theirs), unless the entries
+/// applied here released it: a follower that has not applied the release yet still lists it, and
+/// a track for it would ask for bytes nobody keeps, so it gets none.
+fn merge_lengths(
+    local: &[(ExtentId, u64)],
+    known: &HashMap<ExtentId, u64>,
+    lists: &[Vec<(ExtentId, u64, u64)>],
+    released: impl Fn(ExtentId) -> bool,
+) -> HashMap<ExtentId, (u64, u64)> {
+    let mut lens: HashMap<ExtentId, (u64, u64)> = local
+        .iter()
+        .map(|(e, len)| (*e, (*len, known.get(e).copied().unwrap_or(0))))
+        .collect();
+    for list in lists {
+        let theirs: HashMap<ExtentId, (u64, u64)> =
+            list.iter().map(|(e, l, c)| (*e, (*l, *c))).collect();
+        for (e, (min, max_c)) in lens.iter_mut() {
+            let (l, c) = theirs.get(e).copied().unwrap_or((0, 0));
+            *min = (*min).min(l);
+            *max_c = (*max_c).max(c);
+        }
+        for (e, (_, c)) in theirs {
+            lens.entry(e).or_insert((0, c));
+        }
+    }
+    lens.retain(|e, _| !released(*e));
+    lens
+}
+
 /// The first replica (node id, extent lengths) that holds every committed byte.
 fn holding_all(
     committed: &[(ExtentId, u64)],
@@ -1922,5 +1958,26 @@ mod tests {
         );
         assert!(holds(&whole.1, &committed));
         assert!(holds(&lens(&[]), &[(ExtentId(3), 0)]));
+    }
+
+    /// A new leader keeps the shortest copy and the longest committed length; an extent only a
+    /// follower lists is tracked (created and not applied here yet) unless this leader applied
+    /// its release, which that follower has not yet.
+    #[test]
+    fn alignment_skips_extents_this_leader_saw_released() {
+        let (kept, new, gone) = (ExtentId(1024), ExtentId(1030), ExtentId(1025));
+        let local = [(kept, 9000)];
+        let known = lens(&[(1024, 8000)]);
+        let f = vec![(kept, 8500, 8500), (gone, 7000, 6000)];
+        let g = vec![(kept, 9000, 8000), (gone, 7000, 6000), (new, 100, 100)];
+        let merged = merge_lengths(&local, &known, &[f, g], |e| e == gone);
+        let want: HashMap<ExtentId, (u64, u64)> = [(kept, (8500, 8500)), (new, (0, 100))]
+            .into_iter()
+            .collect();
+        assert_eq!(merged, want);
+        // Not released here: a follower's committed bytes the leader lacks.
+        let merged = merge_lengths(&local, &known, &[vec![(gone, 7000, 6000)]], |_| false);
+        assert_eq!(merged.get(&gone), Some(&(0, 6000)));
+        assert_eq!(merged.get(&kept), Some(&(0, 8000)));
     }
 }

@@ -82,9 +82,22 @@ pub struct Logical {
     pub live: BTreeSet<ExtentId>,
 }
 
+impl Logical {
+    /// Whether the log created `extent` (a normal one) and then released it whole. Final: ids are
+    /// never handed out again.
+    pub fn released(&self, extent: ExtentId) -> bool {
+        extent.is_normal() && extent.0 < self.next_extent && !self.live.contains(&extent)
+    }
+}
+
 impl SmShared {
     pub fn applied(&self) -> u64 {
         self.applied.load(Ordering::Acquire)
+    }
+
+    /// Whether the entries applied here released `extent` whole (see [`Logical::released`]).
+    pub fn released(&self, extent: ExtentId) -> bool {
+        self.logical.lock().is_ok_and(|l| l.released(extent))
     }
 
     fn suspect(&self, extent: ExtentId) {
@@ -104,10 +117,7 @@ impl SmShared {
         };
         let mut dropped = 0;
         for (extent, _) in store.extents() {
-            if extent.is_normal()
-                && extent.0 < logical.next_extent
-                && !logical.live.contains(&extent)
-            {
+            if logical.released(extent) {
                 store.delete(extent)?;
                 if let Ok(mut s) = self.suspect.lock() {
                     s.remove(&extent);
