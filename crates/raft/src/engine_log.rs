@@ -15,9 +15,12 @@
 //! threads that read no other engine — in nacre, the node's raft store thread. Reopening an engine on
 //! the same thread after a clean close is safe (file positions are not reused).
 
+use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
+use std::sync::Arc;
 
 use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
+use raft_engine::env::{DefaultFileSystem, FileSystem, Permission, WriteExt};
 use raft_engine::{Command, Config, Engine, LogBatch, MessageExt, ReadableSize};
 
 use crate::log::{GroupId, GroupState, LogError, LogStore, LogWrite, validate};
@@ -53,7 +56,104 @@ struct Pending {
 
 /// The raft-engine backed log of a node.
 pub struct EngineLogStore {
-    engine: Engine,
+    engine: Engine<ZeroFilled>,
+}
+
+type Inner = DefaultFileSystem;
+
+/// raft-engine's file system with one change: room ahead in a log file is made by writing zeros
+/// instead of `fallocate`. Blocks that `fallocate` reserves are "unwritten" until data lands in
+/// them, and turning them into written blocks is a change ext4 journals, so every synced append
+/// into them waited for a journal commit (`perf trace` of 4 KiB overwrites at one in flight:
+/// `fdatasync` 0.56-0.63 ms on average, against 0.13 ms for an `fdatasync` after overwriting
+/// written blocks on the same disk). Written zeros cost one commit per allocation step (2 MiB in
+/// raft-engine 0.4) instead of one per append; what a reader sees is the same: zeros up to the new
+/// size. Recycled files (`enable_log_recycle`) were already written in full and never get here.
+struct ZeroFilled(Inner);
+
+impl FileSystem for ZeroFilled {
+    type Handle = <Inner as FileSystem>::Handle;
+    type Reader = <Inner as FileSystem>::Reader;
+    type Writer = ZeroFilling<<Inner as FileSystem>::Writer>;
+
+    fn create<P: AsRef<Path>>(&self, path: P) -> std::io::Result<Self::Handle> {
+        self.0.create(path)
+    }
+
+    fn open<P: AsRef<Path>>(&self, path: P, perm: Permission) -> std::io::Result<Self::Handle> {
+        self.0.open(path, perm)
+    }
+
+    fn delete<P: AsRef<Path>>(&self, path: P) -> std::io::Result<()> {
+        self.0.delete(path)
+    }
+
+    fn rename<P: AsRef<Path>>(&self, src_path: P, dst_path: P) -> std::io::Result<()> {
+        self.0.rename(src_path, dst_path)
+    }
+
+    fn new_reader(&self, handle: Arc<Self::Handle>) -> std::io::Result<Self::Reader> {
+        self.0.new_reader(handle)
+    }
+
+    fn new_writer(&self, handle: Arc<Self::Handle>) -> std::io::Result<Self::Writer> {
+        Ok(ZeroFilling(self.0.new_writer(handle)?))
+    }
+}
+
+/// A log file writer whose `allocate` writes zeros ([`ZeroFilled`]).
+struct ZeroFilling<W>(W);
+
+/// Zeros written per call while allocating.
+static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+
+impl<W: Write> Write for ZeroFilling<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
+impl<W: Seek> Seek for ZeroFilling<W> {
+    fn seek(&mut self, pos: SeekFrom) -> std::io::Result<u64> {
+        self.0.seek(pos)
+    }
+}
+
+impl<W: Write + Seek + WriteExt> WriteExt for ZeroFilling<W> {
+    fn truncate(&mut self, offset: usize) -> std::io::Result<()> {
+        self.0.truncate(offset)
+    }
+
+    /// Writes zeros over `[offset, offset + size)`, leaving the write position where it was. On
+    /// a full disk the zeros that did get written are cut off again: a failed `fallocate` takes no
+    /// space, and raft-engine goes on to write the entries themselves (it only warns when an
+    /// allocation fails), which must find the room the zeros would otherwise have taken.
+    fn allocate(&mut self, offset: usize, size: usize) -> std::io::Result<()> {
+        let at = self.0.stream_position()?;
+        self.0.seek(SeekFrom::Start(offset as u64))?;
+        let mut left = size;
+        let mut written = Ok(());
+        while left > 0 {
+            let n = left.min(ZEROS.len());
+            if let Err(e) = self.0.write_all(&ZEROS[..n]) {
+                written = Err(e);
+                break;
+            }
+            left -= n;
+        }
+        if written.is_err() {
+            let undone = self.0.truncate(offset);
+            self.0.seek(SeekFrom::Start(at))?;
+            undone?;
+            return written;
+        }
+        self.0.seek(SeekFrom::Start(at))?;
+        written
+    }
 }
 
 impl std::fmt::Debug for EngineLogStore {
@@ -90,14 +190,16 @@ impl EngineLogStore {
             // 1.5 x purge_threshold of them) and, at open, three files of zeros are written when
             // there are none. 4 KiB commands, 3 replicas, one in flight (`nacre bench raft`, 15 s):
             // p50 1.0-1.08 ms instead of 1.2 ms; 0.88 ms against 1.25 ms once past the first
-            // file, the only one of a new log that starts fresh.
+            // file, the only one of a new log that starts fresh. New files get zeros written
+            // ahead instead of `fallocate` ([`ZeroFilled`]) for the same reason.
             enable_log_recycle: true,
             prefill_for_recycle: true,
             prefill_limit: Some(ReadableSize::mb(2 * LOG_FILE_MIB)),
             ..Config::default()
         };
         Ok(Self {
-            engine: Engine::open(cfg).map_err(io)?,
+            engine: Engine::open_with_file_system(cfg, Arc::new(ZeroFilled(DefaultFileSystem)))
+                .map_err(io)?,
         })
     }
 
@@ -351,5 +453,115 @@ impl LogStore for EngineLogStore {
         let mut v = self.engine.raft_groups();
         v.sort_unstable();
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    use std::sync::Arc;
+
+    use raft_engine::env::{DefaultFileSystem, FileSystem, Handle, WriteExt};
+
+    use super::{ZeroFilled, ZeroFilling};
+
+    /// `allocate` writes zeros over the range (even over bytes that were there: `fallocate` would
+    /// keep those), extends the file to its end and leaves the write position alone.
+    #[test]
+    fn allocating_writes_zeros_and_keeps_the_position() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("0000000000000001.raftlog");
+        std::fs::write(&path, vec![0xffu8; 200 << 10]).unwrap();
+        let fs = ZeroFilled(DefaultFileSystem);
+        let handle = Arc::new(
+            fs.open(&path, raft_engine::env::Permission::ReadWrite)
+                .unwrap(),
+        );
+        let mut w = fs.new_writer(handle.clone()).unwrap();
+        w.seek(SeekFrom::Start(3)).unwrap();
+        w.write_all(b"abc").unwrap();
+        w.allocate(6, 300 << 10).unwrap();
+        assert_eq!(w.stream_position().unwrap(), 6);
+        w.write_all(b"def").unwrap();
+        handle.sync().unwrap();
+        assert_eq!(handle.file_size().unwrap(), 6 + (300 << 10));
+
+        let mut got = Vec::new();
+        let mut r = fs.new_reader(handle).unwrap();
+        r.seek(SeekFrom::Start(0)).unwrap();
+        r.read_to_end(&mut got).unwrap();
+        assert_eq!(got.len(), 6 + (300 << 10));
+        assert_eq!(&got[..9], b"\xff\xff\xffabcdef");
+        assert!(
+            got[9..].iter().all(|&b| b == 0),
+            "allocated bytes are zeros"
+        );
+    }
+
+    /// A file on a disk with `room` bytes: writes past it fail like `ENOSPC`.
+    struct Tight {
+        data: Vec<u8>,
+        pos: usize,
+        room: usize,
+    }
+
+    impl Write for Tight {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let n = buf.len().min(self.room.saturating_sub(self.pos));
+            if n == 0 && !buf.is_empty() {
+                return Err(std::io::Error::from_raw_os_error(28));
+            }
+            let end = self.pos + n;
+            if self.data.len() < end {
+                self.data.resize(end, 0);
+            }
+            self.data[self.pos..end].copy_from_slice(&buf[..n]);
+            self.pos = end;
+            Ok(n)
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Seek for Tight {
+        fn seek(&mut self, pos: SeekFrom) -> std::io::Result<u64> {
+            match pos {
+                SeekFrom::Start(p) => self.pos = p as usize,
+                SeekFrom::Current(d) => self.pos = self.pos.saturating_add_signed(d as isize),
+                SeekFrom::End(d) => self.pos = self.data.len().saturating_add_signed(d as isize),
+            }
+            Ok(self.pos as u64)
+        }
+    }
+
+    impl WriteExt for Tight {
+        fn truncate(&mut self, offset: usize) -> std::io::Result<()> {
+            self.data.truncate(offset);
+            Ok(())
+        }
+
+        fn allocate(&mut self, _offset: usize, _size: usize) -> std::io::Result<()> {
+            unreachable!("ZeroFilling allocates by writing")
+        }
+    }
+
+    /// On a full disk the allocation fails and gives back what its zeros took, so the entries
+    /// written next still fit; the write position is where it was.
+    #[test]
+    fn a_failed_allocation_leaves_the_room_it_found() {
+        let tight = Tight {
+            data: b"header".to_vec(),
+            pos: 6,
+            room: 100 << 10,
+        };
+        let mut w = ZeroFilling(tight);
+        let e = w.allocate(6, 2 << 20).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(28));
+        assert_eq!(w.0.data, b"header");
+        assert_eq!(w.stream_position().unwrap(), 6);
+        w.write_all(&[7u8; 90 << 10]).unwrap();
+        assert_eq!(w.0.data.len(), 6 + (90 << 10));
     }
 }
