@@ -834,6 +834,9 @@ impl<S: StateMachine> Loop<S> {
                     w.submit(job, Arc::clone(&self.outboxes))?;
                     self.in_flight += 1;
                 }
+                // Read-ahead for the entries' applies starts once their appends and their log
+                // write are on their way; they are applied in a later round.
+                self.node.prefetch(&out.prefetch);
                 out
             }
             _ => self.node.process_ready_with(early)?,

@@ -176,6 +176,46 @@ async fn stores_elect_replicate_and_serve_linearizable_reads_over_the_messenger(
     shutdown(nodes).await;
 }
 
+/// With the log written on a thread of its own, every replica (leader and followers) still has
+/// each command prefetched before it applies it: the read-ahead moved behind the round's log
+/// write, not away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_log_writer_threads_every_replica_prefetches_each_command_before_applying_it() {
+    let net = MemNetwork::new(17);
+    let config = StoreConfig {
+        async_log: true,
+        ..fast()
+    };
+    let nodes = cluster(&net, "pf", &config).await;
+    add_group_everywhere(&nodes, 1).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for i in 0..30 {
+        propose(&nodes, 1, &format!("k{i}={i}"), deadline)
+            .await
+            .unwrap();
+    }
+    let moved = progress(nodes.values().map(|n| &n.handle));
+    for (id, n) in &nodes {
+        loop {
+            let (len, unprefetched) = n
+                .handle
+                .local_read(1, |kv: &Kv, _| (kv.map.len(), kv.unprefetched.clone()))
+                .await
+                .unwrap();
+            if len == 30 {
+                assert!(
+                    unprefetched.is_empty(),
+                    "node {id} applied commands it never prefetched: {unprefetched:?}"
+                );
+                break;
+            }
+            assert!(Instant::now() < deadline, "node {id} applied {len} of 30");
+            let _ = tokio::time::timeout_at(deadline.into(), moved.notified()).await;
+        }
+    }
+    shutdown(nodes).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_isolated_leader_is_replaced_and_the_cluster_keeps_committing() {
     isolated_leader_is_replaced(&fast()).await;

@@ -14,11 +14,29 @@ use nacre_raft::{
 pub struct Kv {
     pub map: BTreeMap<String, String>,
     pub applied: Vec<u64>,
+    /// Commands handed to `prefetch` and not applied yet.
+    pub prefetched: std::sync::Mutex<Vec<Vec<u8>>>,
+    /// Commands applied without a `prefetch` before.
+    pub unprefetched: Vec<Vec<u8>>,
 }
 
 impl StateMachine for Kv {
+    fn prefetch(&self, command: &[u8]) {
+        if let Ok(mut p) = self.prefetched.lock() {
+            p.push(command.to_vec());
+        }
+    }
+
     fn apply(&mut self, index: u64, command: &[u8]) -> Vec<u8> {
         self.applied.push(index);
+        if let Ok(mut p) = self.prefetched.lock() {
+            match p.iter().position(|c| c == command) {
+                Some(i) => {
+                    p.remove(i);
+                }
+                None => self.unprefetched.push(command.to_vec()),
+            }
+        }
         let text = String::from_utf8_lossy(command);
         let (k, v) = text.split_once('=').unwrap_or((&text, ""));
         self.map
