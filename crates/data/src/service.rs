@@ -686,17 +686,15 @@ impl DataNode {
             }
             Err(_) => return,
         };
-        let lacking: Vec<ExtentId> = committed
+        let short: Vec<ExtentId> = committed
             .iter()
             .filter(|(e, c)| part.store.len(*e).unwrap_or(0) < *c)
             .map(|(e, _)| *e)
             .collect();
-        let lacking = if lacking.is_empty() {
-            false
-        } else {
-            tracing::debug!(partition = %part.id, extents = ?lacking, "re-check: this leader lacks committed bytes");
-            true
-        };
+        let lacking = !short.is_empty();
+        if lacking {
+            tracing::debug!(partition = %part.id, extents = ?short, "re-check: this leader lacks committed bytes");
+        }
         let mut lists = Vec::new();
         for r in part.followers(raft.id()) {
             match self.list_extents(&r.addr, part.id).await {

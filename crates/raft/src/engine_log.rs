@@ -145,13 +145,12 @@ impl<W: Write + Seek + WriteExt> WriteExt for ZeroFilling<W> {
             }
             left -= n;
         }
-        if written.is_err() {
-            let undone = self.0.truncate(offset);
-            self.0.seek(SeekFrom::Start(at))?;
-            undone?;
-            return written;
-        }
+        let undone = match written {
+            Ok(()) => Ok(()),
+            Err(_) => self.0.truncate(offset),
+        };
         self.0.seek(SeekFrom::Start(at))?;
+        undone?;
         written
     }
 }
