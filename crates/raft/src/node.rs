@@ -286,10 +286,8 @@ struct Group<S> {
 impl<S: StateMachine> Group<S> {
     /// [`StateMachine::prefetch`] for the normal entries about to be written to the log.
     fn prefetch(&self, entries: &[Entry]) {
-        for e in entries {
-            if e.get_entry_type() == EntryType::EntryNormal && !e.data.is_empty() {
-                self.sm.prefetch(&e.data);
-            }
+        for e in entries.iter().filter(|e| prefetchable(e)) {
+            self.sm.prefetch(&e.data);
         }
     }
 }
@@ -1014,7 +1012,7 @@ impl<S: StateMachine> RaftNode<S> {
             out.prefetch.extend(
                 gw.entries
                     .iter()
-                    .filter(|e| e.get_entry_type() == EntryType::EntryNormal && !e.data.is_empty())
+                    .filter(|e| prefetchable(e))
                     .map(|e| (gid, e.data.clone())),
             );
             gw.hard_state = rd.hs().cloned();
@@ -1177,6 +1175,11 @@ impl<S: StateMachine> RaftNode<S> {
 
 /// Applies committed entries to the group's state machine and reports the outcomes of proposals made
 /// here. Returns the conf state if a membership change was applied.
+/// Whether an entry carries a command for [`StateMachine::prefetch`].
+fn prefetchable(e: &Entry) -> bool {
+    e.get_entry_type() == EntryType::EntryNormal && !e.data.is_empty()
+}
+
 fn apply_entries<S: StateMachine>(
     gid: GroupId,
     g: &mut Group<S>,
