@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use bytes::Bytes;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use nacre_msgr::{Messenger, MsgrConfig, Payload, TcpTransport};
 use nacre_proto::msg::sys::{Echo, EchoRequest, Ping, PingRequest};
 
@@ -40,8 +40,21 @@ use crate::node::{Node, NodeConfig, RoleName};
 #[derive(Debug, Parser)]
 #[command(name = "nacre", version, propagate_version = true)]
 struct Cli {
+    /// How this process's threads are scheduled (Linux): `batch` (SCHED_BATCH) keeps a thread that
+    /// wakes another from being preempted by it, so a Raft round sends all its appends and hands its
+    /// log write over before the woken threads run; `normal` leaves the default (SCHED_OTHER).
+    /// See docs/ARCHITECTURE.md, "Thread scheduling".
+    #[arg(long, global = true, value_enum, default_value_t = Sched::Batch)]
+    sched: Sched,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// The scheduling policy of a nacre process's threads (`--sched`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Sched {
+    Batch,
+    Normal,
 }
 
 #[derive(Debug, Subcommand)]
@@ -277,6 +290,7 @@ fn main() -> anyhow::Result<()> {
     tune_allocator();
     let cli = Cli::parse();
     init_logging();
+    set_sched(cli.sched);
     match cli.cmd {
         Cmd::Server(a) => server(a),
         Cmd::Up(a) => up(a),
@@ -331,6 +345,31 @@ fn tune_allocator() {
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn tune_allocator() {}
+
+/// Sets the calling thread's scheduling policy; threads it starts later inherit it (so this runs
+/// before any other thread exists). With SCHED_OTHER, a thread that wakes another on a 2-vCPU host is
+/// often preempted by it on the spot: a leader's Raft thread, having sent its first follower the
+/// append, waited for that follower's messenger and Raft threads to run before it sent the second
+/// append and handed over its own log write (`perf sched timehist`, 4 KiB writes through FUSE).
+/// SCHED_BATCH threads never preempt on wake-up; they run when the waker blocks, at the next tick, or
+/// on an idle CPU. A failure (a sandbox that forbids the call) is logged and changes nothing else.
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn set_sched(sched: Sched) {
+    let policy = match sched {
+        Sched::Batch => libc::SCHED_BATCH,
+        Sched::Normal => return,
+    };
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid sched_param for the duration of the call; pid 0 is this thread.
+    if unsafe { libc::sched_setscheduler(0, policy, &param) } != 0 {
+        let e = std::io::Error::last_os_error();
+        tracing::warn!(error = %e, "cannot set the SCHED_BATCH policy; threads keep the default");
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn set_sched(_: Sched) {}
 
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("NACRE_LOG")

@@ -40,6 +40,48 @@ fn http_get(addr: &str, path: &str) -> String {
     out
 }
 
+const SCHED_BATCH: u32 = 3;
+
+/// The scheduling policy of each thread of process `pid` (field 41 of `/proc/PID/task/TID/stat`).
+fn thread_policies(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let stat = std::fs::read_to_string(t.unwrap().path().join("stat")).unwrap();
+        // Fields after the command name (in parentheses, which may hold spaces) start at field 3.
+        let rest = &stat[stat.rfind(')').unwrap() + 1..];
+        out.push(
+            rest.split_whitespace()
+                .nth(41 - 3)
+                .unwrap()
+                .parse()
+                .unwrap(),
+        );
+    }
+    out
+}
+
+#[test]
+fn sched_normal_leaves_threads_on_the_default_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("node.toml");
+    std::fs::write(&cfg, "listen = \"127.0.0.1:0\"\n[msgr]\nworkers = 1\n").unwrap();
+    let mut child = Proc(
+        Command::new(BIN)
+            .args(["server", "--sched", "normal", "--config"])
+            .arg(&cfg)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // The first line says it listens: its runtime and messenger threads exist by then.
+    let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
+    assert!(lines.next().unwrap().unwrap().contains("listening on"));
+    let policies = thread_policies(child.0.id());
+    assert!(policies.len() > 2, "{policies:?}");
+    assert!(policies.iter().all(|&p| p == 0), "{policies:?}");
+}
+
 #[test]
 fn server_runs_from_config_with_env_overrides_and_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
@@ -100,6 +142,11 @@ fn server_runs_from_config_with_env_overrides_and_stops_on_sigterm() {
         "{m}"
     );
     assert!(http_get(&metrics, "/health").contains("ok"));
+
+    // Every thread runs under SCHED_BATCH (the default `--sched`), runtime and messenger included.
+    let policies = thread_policies(child.0.id());
+    assert!(policies.len() > 2, "{policies:?}");
+    assert!(policies.iter().all(|&p| p == SCHED_BATCH), "{policies:?}");
 
     let st = Command::new("kill")
         .args(["-TERM", &child.0.id().to_string()])
