@@ -97,19 +97,19 @@ impl NetVolume {
         offset: u64,
         data: Bytes,
     ) -> Result<Written, DataCallError> {
-        self.append_with(partition, extent, offset, data, true)
+        self.append_with(partition, extent, offset, Payload::new(data), true)
             .await
     }
 
     /// [`NetVolume::append`]; without `sync` the packet is only written on every replica when this
     /// returns, and becomes durable (and committed) with the extent's next synced packet
-    /// ([`AppendRequest::sync`]).
+    /// ([`AppendRequest::sync`]). `data` may carry its CRC already ([`Payload::with_crc`]).
     pub async fn append_with(
         &self,
         partition: PartitionId,
         extent: ExtentId,
         offset: u64,
-        data: Bytes,
+        data: Payload,
         sync: bool,
     ) -> Result<Written, DataCallError> {
         let req = AppendRequest {
@@ -119,7 +119,7 @@ impl NetVolume {
             sync,
         };
         Ok(self
-            .data_call::<Append, _>(partition, &req, Payload::new(data), false)
+            .data_call::<Append, _>(partition, &req, data, false)
             .await?
             .0)
     }
@@ -224,6 +224,9 @@ pub const SYNC_EVERY: usize = 8;
 struct Piece {
     file_offset: u64,
     data: Bytes,
+    /// CRC-32C of `data`: computed once, sent as the frame's data CRC and folded into the extent
+    /// key's CRC without another pass ([`nacre_types::crc32c_combine`]).
+    crc: u32,
     partition: PartitionId,
     extent: ExtentId,
     extent_offset: u64,
@@ -368,6 +371,7 @@ impl SeqWriter {
             let len = data.len() as u64;
             let piece = Piece {
                 file_offset: self.file_offset,
+                crc: nacre_types::crc32c(&data),
                 data,
                 partition: p,
                 extent: e,
@@ -395,7 +399,7 @@ impl SeqWriter {
             piece.partition,
             piece.extent,
             piece.extent_offset,
-            piece.data.clone(),
+            Payload::with_crc(piece.data.clone(), piece.crc),
         );
         let reply = tokio::spawn(async move {
             let r = vol.append_with(partition, extent, offset, d, sync).await;
@@ -468,7 +472,7 @@ impl SeqWriter {
             && last.extent_offset + u64::from(last.size) == pkt.extent_offset
             && u64::from(last.size) + len <= u64::from(u32::MAX)
         {
-            last.crc = nacre_types::crc32c_append(last.crc, &pkt.data);
+            last.crc = nacre_types::crc32c_combine(last.crc, pkt.crc, len);
             last.size += len as u32;
             return;
         }
@@ -478,7 +482,7 @@ impl SeqWriter {
             extent: pkt.extent,
             extent_offset: pkt.extent_offset,
             size: len as u32,
-            crc: nacre_types::crc32c(&pkt.data),
+            crc: pkt.crc,
         });
     }
 

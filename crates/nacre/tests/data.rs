@@ -256,6 +256,17 @@ fn a_deleted_file_has_its_extents_released_on_the_data_nodes() {
         let keys = w.finish().await.unwrap();
         fs.append_extents(f.attr.ino, keys.clone()).await.unwrap();
         assert_eq!(read_keys(&vol, &keys).await.unwrap(), content(7, 300 << 10));
+        // Each key's CRC is that of its bytes (packet CRCs folded in without a second pass).
+        let whole = content(7, 300 << 10);
+        assert_eq!(
+            keys.len(),
+            1,
+            "three packets of one extent make one key: {keys:?}"
+        );
+        for k in &keys {
+            let bytes = &whole[k.file_offset as usize..k.end() as usize];
+            assert_eq!(k.crc, nacre_types::crc32c(bytes), "key {k:?}");
+        }
         fs.unlink(ROOT_INO, b"f").await.unwrap();
         // The meta partition's leader releases the evicted inode's extents within a few report
         // rounds (every 100 ms here).
