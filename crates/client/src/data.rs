@@ -224,19 +224,18 @@ pub const SYNC_EVERY: usize = 8;
 struct Piece {
     file_offset: u64,
     data: Bytes,
-    /// CRC-32C of `data`: computed once, sent as the frame's data CRC and folded into the extent
-    /// key's CRC without another pass ([`nacre_types::crc32c_combine`]).
-    crc: u32,
     partition: PartitionId,
     extent: ExtentId,
     extent_offset: u64,
 }
 
-/// A packet on its way.
+/// A packet on its way; its reply carries the CRC-32C of its bytes, computed once on the task that
+/// sends it (beside the caller's next write, not before it), sent as the frame's data CRC and
+/// folded into the extent key's CRC without another pass ([`nacre_types::crc32c_combine`]).
 struct Packet {
     piece: Piece,
     sync: bool,
-    reply: JoinHandle<Result<Written, DataCallError>>,
+    reply: JoinHandle<Result<(Written, u32), DataCallError>>,
 }
 
 /// Writes one file's bytes sequentially: 128 KiB appends with up to `inflight` outstanding, new
@@ -263,8 +262,8 @@ pub struct SeqWriter {
     /// Packets sent since the last synced one.
     since_sync: usize,
     pending: VecDeque<Packet>,
-    /// Acknowledged but not durable yet (sent unsynced), oldest first.
-    unsynced: VecDeque<Piece>,
+    /// Acknowledged but not durable yet (sent unsynced), oldest first, with their CRCs.
+    unsynced: VecDeque<(Piece, u32)>,
     keys: Vec<ExtentKey>,
     /// Partitions that failed a write of this file.
     failed: Vec<PartitionId>,
@@ -371,7 +370,6 @@ impl SeqWriter {
             let len = data.len() as u64;
             let piece = Piece {
                 file_offset: self.file_offset,
-                crc: nacre_types::crc32c(&data),
                 data,
                 partition: p,
                 extent: e,
@@ -399,12 +397,15 @@ impl SeqWriter {
             piece.partition,
             piece.extent,
             piece.extent_offset,
-            Payload::with_crc(piece.data.clone(), piece.crc),
+            piece.data.clone(),
         );
         let reply = tokio::spawn(async move {
-            let r = vol.append_with(partition, extent, offset, d, sync).await;
+            let crc = nacre_types::crc32c(&d);
+            let r = vol
+                .append_with(partition, extent, offset, Payload::with_crc(d, crc), sync)
+                .await;
             drop(slot);
-            r
+            r.map(|w| (w, crc))
         });
         self.since_sync = if sync { 0 } else { self.since_sync + 1 };
         self.pending.push_back(Packet { piece, sync, reply });
@@ -424,16 +425,16 @@ impl SeqWriter {
             Err(e) => Err(DataCallError::Call(CallError::Unknown(e.to_string()))),
         };
         match out {
-            Ok(_) if !pkt.sync => {
-                self.unsynced.push_back(pkt.piece);
+            Ok((_, crc)) if !pkt.sync => {
+                self.unsynced.push_back((pkt.piece, crc));
                 Ok(())
             }
-            Ok(_) => {
+            Ok((_, crc)) => {
                 // Durable now, and so is every earlier packet of the extent.
-                while let Some(earlier) = self.unsynced.pop_front() {
-                    self.record(&earlier);
+                while let Some((earlier, c)) = self.unsynced.pop_front() {
+                    self.record(&earlier, c);
                 }
-                self.record(&pkt.piece);
+                self.record(&pkt.piece, crc);
                 Ok(())
             }
             Err(e) if e.try_elsewhere() && self.moves_left > 0 => {
@@ -443,7 +444,7 @@ impl SeqWriter {
                 self.failed.push(failed);
                 // Everything not durable is rewritten, acknowledged or not: the extent's committed
                 // length cannot pass the failed packet, and what was only written may be lost.
-                let mut redo: Vec<Piece> = self.unsynced.drain(..).collect();
+                let mut redo: Vec<Piece> = self.unsynced.drain(..).map(|(p, _)| p).collect();
                 redo.push(pkt.piece);
                 for later in self.pending.drain(..) {
                     later.reply.abort();
@@ -463,7 +464,7 @@ impl SeqWriter {
     }
 
     /// Adds a durable packet to the keys, extending the last key when it continues it.
-    fn record(&mut self, pkt: &Piece) {
+    fn record(&mut self, pkt: &Piece, crc: u32) {
         let len = pkt.data.len() as u64;
         if let Some(last) = self.keys.last_mut()
             && last.partition == pkt.partition
@@ -472,7 +473,7 @@ impl SeqWriter {
             && last.extent_offset + u64::from(last.size) == pkt.extent_offset
             && u64::from(last.size) + len <= u64::from(u32::MAX)
         {
-            last.crc = nacre_types::crc32c_combine(last.crc, pkt.crc, len);
+            last.crc = nacre_types::crc32c_combine(last.crc, crc, len);
             last.size += len as u32;
             return;
         }
@@ -482,7 +483,7 @@ impl SeqWriter {
             extent: pkt.extent,
             extent_offset: pkt.extent_offset,
             size: len as u32,
-            crc: pkt.crc,
+            crc,
         });
     }
 
