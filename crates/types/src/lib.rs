@@ -201,9 +201,9 @@ const X2N: [u32; 67] = {
 
 /// CRC-32C of `a ++ b` from `crc32c(a)`, `crc32c(b)` and `b`'s length in bytes, without reading
 /// either: `crc32c_combine(crc32c(a), crc32c(b), b.len()) == crc32c(a ++ b)`. A GF(2)
-/// multiplication per set bit of the length (tens of nanoseconds each), where a pass over a
-/// 128 KiB packet to extend a CRC costs about ten microseconds. The `crc32c` crate's own combine
-/// squares 32×32 matrices per bit of the length, which is slower than that pass.
+/// multiplication per set bit of the length: 74 ns for a 128 KiB length here, against 6.4 µs for
+/// a pass over 128 KiB and 55 µs for the `crc32c` crate's own combine, which squares 32×32 bit
+/// matrices per bit of the length (docs/benchmarks.md, "One CRC pass per packet fewer").
 pub fn crc32c_combine(crc1: u32, crc2: u32, len2: u64) -> u32 {
     // x^(8·len2) mod P: x^(2^(k+3)) for every bit k set in len2.
     let mut shift = 1u32 << 31;
