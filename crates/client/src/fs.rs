@@ -38,6 +38,10 @@ pub struct OpenFlags {
     pub append: bool,
     /// Truncate to zero on open (`O_TRUNC`).
     pub truncate: bool,
+    /// With `truncate` and `write`: the caller may not keep set-user-ID and set-group-ID bits
+    /// (it lacks `CAP_FSETID`), so the open clears them (set-group-ID only when the group may
+    /// execute), as a truncate by such a caller does — also when the file is empty already.
+    pub kill_suidgid: bool,
 }
 
 impl OpenFlags {
@@ -46,18 +50,21 @@ impl OpenFlags {
         write: false,
         append: false,
         truncate: false,
+        kill_suidgid: false,
     };
     pub const WRITE: Self = Self {
         read: false,
         write: true,
         append: false,
         truncate: false,
+        kill_suidgid: false,
     };
     pub const READ_WRITE: Self = Self {
         read: true,
         write: true,
         append: false,
         truncate: false,
+        kill_suidgid: false,
     };
 
     /// From `open(2)` flags.
@@ -68,6 +75,7 @@ impl OpenFlags {
             write: acc == libc_consts::O_WRONLY || acc == libc_consts::O_RDWR,
             append: flags & libc_consts::O_APPEND != 0,
             truncate: flags & libc_consts::O_TRUNC != 0,
+            kill_suidgid: false,
         }
     }
 }

@@ -941,7 +941,12 @@ impl<T: MetaTransport> MetaFs<T> {
     }
 
     pub async fn setattr(&self, ino: Ino, set: SetAttr) -> FsResult<Attr> {
-        Self::attr(self.write_ino(ino, Command::SetAttr { ino, set }).await?)
+        let cmd = if set.kill_suidgid {
+            Command::SetAttrKillSuid { ino, set }
+        } else {
+            Command::SetAttr { ino, set }
+        };
+        Self::attr(self.write_ino(ino, cmd).await?)
     }
 
     pub async fn readlink(&self, ino: Ino) -> FsResult<Vec<u8>> {

@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex};
 use bytes::{Bytes, BytesMut};
 use nacre_data::rpc::MAX_PACKET;
 use nacre_data::store::ExtentStore;
-use nacre_meta::{Attr, ExtentKey, FileType, MetaError, SetAttr, XattrMode};
+use nacre_meta::{Attr, ExtentKey, FileType, MetaError, SetAttr, XattrMode, without_suidgid};
 use nacre_types::{Ino, PartitionId};
 use tokio::task::JoinSet;
 
@@ -789,19 +789,28 @@ impl Inner {
             FileType::Dir if flags.write => return Err(FsError::Meta(MetaError::IsDir)),
             _ => {}
         }
+        let truncating = flags.truncate && flags.write;
         // Also when only this client's unflushed bytes make the file non-empty.
-        if flags.truncate && flags.write && (attr.size > 0 || self.open_file(ino).is_some()) {
+        let resize = truncating && (attr.size > 0 || self.open_file(ino).is_some());
+        let kill = truncating
+            && flags.kill_suidgid
+            && attr.kind != FileType::Dir
+            && without_suidgid(attr.mode) != attr.mode;
+        if resize {
             self.flush_ino(ino).await?;
             if let Some(f) = self.open_file(ino) {
                 // The truncate drops the keys an idle stream would continue after.
                 f.state.lock().await.idle_stream = None;
             }
+        }
+        if resize || kill {
             attr = self
                 .meta
                 .setattr(
                     ino,
                     SetAttr {
-                        size: Some(0),
+                        size: resize.then_some(0),
+                        kill_suidgid: kill,
                         ..SetAttr::default()
                     },
                 )

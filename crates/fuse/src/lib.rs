@@ -16,12 +16,12 @@
 mod errno;
 mod mount;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::future::Future;
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -33,7 +33,7 @@ use fuser::{
     WriteFlags,
 };
 use nacre_client::{Caller, DirEntryPlus, Fh, FileSystem, FsError, OpenFlags};
-use nacre_meta::{Attr, FileType, MetaError, SetAttr, XattrMode};
+use nacre_meta::{Attr, FileType, MetaError, SetAttr, XattrMode, without_suidgid};
 use nacre_types::Ino;
 use tokio::runtime::Handle;
 
@@ -164,6 +164,16 @@ struct Inner<F> {
     /// asks for it before every write (to drop file capabilities); answering from here saves a
     /// metadata read per write.
     no_caps: Mutex<HashMap<u64, std::time::Instant>>,
+    /// The kernel granted `FUSE_HANDLE_KILLPRIV_V2`: it leaves clearing set-user-ID and
+    /// set-group-ID bits on write, truncate and chown to this file system, and no longer reads
+    /// `security.capability` before every write (only once after each attribute refresh).
+    killpriv: AtomicBool,
+    /// Inodes whose attributes, as last handed to the kernel, have set-user-ID or an executable
+    /// set-group-ID bit: a write the kernel flags `FUSE_WRITE_KILL_SUIDGID` (its caller lacks
+    /// `CAP_FSETID`) clears them first. Any other file needs nothing, which spares every write
+    /// a metadata call. As fresh as the kernel's own attribute cache, which it decided from
+    /// before killpriv. Dropped when the kernel forgets the inode.
+    privileged: Mutex<HashSet<u64>>,
 }
 
 /// The xattr the kernel reads before every write.
@@ -191,6 +201,43 @@ impl<F> Inner<F> {
                 m.remove(&ino);
             }
         }
+    }
+}
+
+impl<F> Inner<F> {
+    /// `a` as the kernel sees it; remembers whether a write must clear its privilege bits.
+    fn out_attr(&self, a: &Attr) -> fuser::FileAttr {
+        self.note_mode(a);
+        file_attr(a)
+    }
+
+    fn note_mode(&self, a: &Attr) {
+        let privileged = a.kind != FileType::Dir && without_suidgid(a.mode) != a.mode;
+        if let Ok(mut p) = self.privileged.lock() {
+            if privileged {
+                p.insert(a.ino.0);
+            } else if !p.is_empty() {
+                p.remove(&a.ino.0);
+            }
+        }
+    }
+
+    fn is_privileged(&self, ino: u64) -> bool {
+        self.privileged.lock().is_ok_and(|p| p.contains(&ino))
+    }
+}
+
+impl<F: FileSystem> Inner<F> {
+    /// Clears set-user-ID and executable set-group-ID bits (before a write by a caller without
+    /// `CAP_FSETID`).
+    async fn kill_suidgid(&self, ino: Ino) -> Result<(), FsError> {
+        let set = SetAttr {
+            kill_suidgid: true,
+            ..SetAttr::default()
+        };
+        let a = self.fs.setattr(ino, set).await?;
+        self.note_mode(&a);
+        Ok(())
     }
 }
 
@@ -231,7 +278,7 @@ impl<F> Inner<F> {
         reply.entry_with_ttls(
             &self.cfg.attr_ttl,
             &self.cfg.entry_ttl,
-            &file_attr(attr),
+            &self.out_attr(attr),
             Generation(u64::from(attr.generation)),
         );
     }
@@ -262,6 +309,8 @@ impl<F: FileSystem> FuseFs<F> {
                 next_dir: AtomicU64::new(1),
                 parents: Mutex::default(),
                 no_caps: Mutex::default(),
+                killpriv: AtomicBool::new(false),
+                privileged: Mutex::default(),
             }),
         }
     }
@@ -323,12 +372,18 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
             | InitFlags::FUSE_CACHE_SYMLINKS
             // Cached pages are dropped when a refreshed mtime or size shows another client
             // changed the file.
-            | InitFlags::FUSE_AUTO_INVAL_DATA;
+            | InitFlags::FUSE_AUTO_INVAL_DATA
+            // Set-user-ID and set-group-ID bits are cleared here (write, truncate, chown), so the
+            // kernel does not ask for `security.capability` before every write: a round trip
+            // less per write.
+            | InitFlags::FUSE_HANDLE_KILLPRIV_V2;
         if self.inner.cfg.writeback {
             want |= InitFlags::FUSE_WRITEBACK_CACHE;
         }
         // Only what this kernel offers; the rest is simply not used.
         let _ = config.add_capabilities(want & caps);
+        let killpriv = caps.contains(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
+        self.inner.killpriv.store(killpriv, Ordering::Relaxed);
         if let Err(max) = config.set_max_write(self.inner.cfg.max_write) {
             let _ = config.set_max_write(max);
         }
@@ -336,6 +391,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         tracing::info!(
             kernel_abi = %config.kernel_abi(),
             writeback = self.inner.cfg.writeback && caps.contains(InitFlags::FUSE_WRITEBACK_CACHE),
+            killpriv,
             "FUSE session initialized"
         );
         Ok(())
@@ -354,10 +410,17 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         });
     }
 
+    /// The kernel dropped the inode: what it learns of it next comes through a new reply.
+    fn forget(&self, _req: &Request, ino: INodeNo, _nlookup: u64) {
+        if let Ok(mut p) = self.inner.privileged.lock() {
+            p.remove(&ino.0);
+        }
+    }
+
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         self.spawn(|i| async move {
             match i.fs.getattr(Ino(ino.0)).await {
-                Ok(a) => reply.attr(&i.cfg.attr_ttl, &file_attr(&a)),
+                Ok(a) => reply.attr(&i.cfg.attr_ttl, &i.out_attr(&a)),
                 Err(e) => reply.error(err(&e)),
             }
         });
@@ -365,7 +428,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -381,6 +444,11 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        // With killpriv the kernel leaves it to us: chown always clears the bits of a
+        // non-directory (the meta node skips directories), a truncate when the caller lacks
+        // `CAP_FSETID`. fuser does not pass the kernel's FATTR_KILL_SUIDGID, so a caller other
+        // than root stands for one without `CAP_FSETID`.
+        let killpriv = self.inner.killpriv.load(Ordering::Relaxed);
         let set = SetAttr {
             mode: mode.map(|m| m & 0o7777),
             uid,
@@ -388,6 +456,8 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
             size,
             atime: atime.map(time_or_now),
             mtime: mtime.map(time_or_now),
+            kill_suidgid: killpriv
+                && (uid.is_some() || gid.is_some() || (size.is_some() && req.uid() != 0)),
         };
         self.spawn(|i| async move {
             let ino = Ino(ino.0);
@@ -398,7 +468,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
                 i.fs.setattr(ino, set).await
             };
             match r {
-                Ok(a) => reply.attr(&i.cfg.attr_ttl, &file_attr(&a)),
+                Ok(a) => reply.attr(&i.cfg.attr_ttl, &i.out_attr(&a)),
                 Err(e) => reply.error(err(&e)),
             }
         });
@@ -561,9 +631,12 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         });
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: fuser::OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: fuser::OpenFlags, reply: ReplyOpen) {
+        // An open(O_TRUNC) truncates here (FUSE_ATOMIC_O_TRUNC); see `setattr` for the uid.
+        let kill = self.inner.killpriv.load(Ordering::Relaxed) && req.uid() != 0;
         self.spawn(|i| async move {
-            let flags = i.open_flags(flags.0);
+            let mut flags = i.open_flags(flags.0);
+            flags.kill_suidgid = kill;
             match i.fs.open(Ino(ino.0), flags).await {
                 Ok(fh) => reply.opened(FileHandle(fh.0), FopenFlags::empty()),
                 Err(e) => reply.error(err(&e)),
@@ -593,18 +666,23 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
     fn write(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: fuser::OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        let kill = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID)
+            && self.inner.is_privileged(ino.0);
         // The request buffer is reused for the next request: the data is copied once, here.
         let data = Bytes::copy_from_slice(data);
         self.spawn(|i| async move {
+            if kill && let Err(e) = i.kill_suidgid(Ino(ino.0)).await {
+                return reply.error(err(&e));
+            }
             match i.fs.write(Fh(fh.0), offset, data).await {
                 Ok(n) => reply.written(n),
                 Err(e) => reply.error(err(&e)),
@@ -783,7 +861,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
                             at as u64 + 1,
                             OsStr::from_bytes(&e.entry.name),
                             &ttl,
-                            &file_attr(a),
+                            &i.out_attr(a),
                             Generation(u64::from(a.generation)),
                         )
                     }
@@ -997,7 +1075,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
             match i.fs.create(Ino(parent.0), &name, perm, caller, flags).await {
                 Ok((e, fh)) => reply.created(
                     &i.cfg.attr_ttl.min(i.cfg.entry_ttl),
-                    &file_attr(&e.attr),
+                    &i.out_attr(&e.attr),
                     Generation(u64::from(e.attr.generation)),
                     FileHandle(fh.0),
                     FopenFlags::empty(),

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io::Write as _;
 use std::os::unix::fs::MetadataExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 
@@ -15,8 +15,8 @@ use bytes::Bytes;
 use nacre_client::{
     Caller, DirEntryPlus, Entry, Fh, FileSystem, FsError, FsResult, OpenFlags, StatFs,
 };
-use nacre_fuse::{MountOptions, mount};
-use nacre_meta::{Attr, DirEntry, FileType, MetaError, SetAttr, XattrMode};
+use nacre_fuse::{MountOptions, Mounted, mount};
+use nacre_meta::{Attr, DirEntry, FileType, MetaError, SetAttr, XattrMode, without_suidgid};
 use nacre_types::Ino;
 
 /// Every readdir page is at most this long, whatever the caller asks: the adapter must go on
@@ -138,6 +138,11 @@ impl FileSystem for Toy {
         let a = s.attrs.get_mut(&ino).ok_or_else(not_found)?;
         if let Some(m) = set.mode {
             a.mode = m;
+        }
+        a.uid = set.uid.unwrap_or(a.uid);
+        a.gid = set.gid.unwrap_or(a.gid);
+        if set.kill_suidgid && a.kind != FileType::Dir {
+            a.mode = without_suidgid(a.mode);
         }
         if let Some(size) = set.size {
             a.size = size;
@@ -299,6 +304,7 @@ impl FileSystem for Toy {
                 ino,
                 SetAttr {
                     size: Some(0),
+                    kill_suidgid: flags.kill_suidgid,
                     ..SetAttr::default()
                 },
             )
@@ -438,11 +444,20 @@ fn python(script: &str, arg: &Path) -> Option<String> {
     Some(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-#[test]
-fn through_the_kernel() {
+/// A fresh `Toy` mounted in a temporary directory; fields drop in order (unmount first).
+struct ToyMount {
+    mounted: Mounted,
+    mnt: PathBuf,
+    toy: Arc<Toy>,
+    _tmp: tempfile::TempDir,
+    _rt: tokio::runtime::Runtime,
+}
+
+/// `None` (with a message) where FUSE cannot run.
+fn toy_mount() -> Option<ToyMount> {
     if let Some(why) = no_fuse() {
         eprintln!("skipped: {why}");
-        return;
+        return None;
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -457,6 +472,27 @@ fn through_the_kernel() {
     };
     let toy = Arc::new(Toy::new());
     let mounted = mount(toy.clone(), rt.handle().clone(), &mnt, &opts).unwrap();
+    Some(ToyMount {
+        mounted,
+        mnt,
+        toy,
+        _tmp: tmp,
+        _rt: rt,
+    })
+}
+
+#[test]
+fn through_the_kernel() {
+    let Some(ToyMount {
+        mounted,
+        mnt,
+        toy,
+        _tmp,
+        _rt,
+    }) = toy_mount()
+    else {
+        return;
+    };
     let mounts = fs::read_to_string("/proc/self/mounts").unwrap();
     assert!(
         mounts
@@ -619,4 +655,84 @@ print("ok")
     let mounts = fs::read_to_string("/proc/self/mounts").unwrap();
     assert!(!mounts.contains("nacre:toy "), "{mounts}");
     drop(open);
+}
+
+/// With `FUSE_HANDLE_KILLPRIV_V2` the kernel leaves clearing set-user-ID and set-group-ID bits
+/// to the file system: a write or truncate by a caller without `CAP_FSETID` (here: not root)
+/// clears them, one by root keeps them, chown clears them on anything but a directory.
+#[test]
+fn set_id_bits_are_cleared_as_the_kernel_would() {
+    use std::os::unix::fs::PermissionsExt as _;
+    use std::os::unix::process::CommandExt as _;
+    let Some(ToyMount {
+        mounted,
+        mnt,
+        toy,
+        _tmp,
+        _rt,
+    }) = toy_mount()
+    else {
+        return;
+    };
+    // The mode the file system holds (the kernel's copy may be a TTL old).
+    let mode = |name: &str| {
+        let s = toy.0.lock().unwrap();
+        let ino = s.dirs[&Ino(1)][name.as_bytes()];
+        s.attrs[&ino].mode
+    };
+    let file = |name: &str, mode: u32| {
+        let p = mnt.join(name);
+        fs::write(&p, b"abc").unwrap();
+        fs::set_permissions(&p, fs::Permissions::from_mode(mode)).unwrap();
+        p
+    };
+    let nobody = |script: &str| {
+        let out = Command::new("sh")
+            .args(["-c", script])
+            .current_dir(&mnt)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+
+    file("w", 0o6777);
+    nobody("printf x >> w");
+    assert_eq!(mode("w"), 0o777, "a write by nobody");
+    let seen = fs::metadata(mnt.join("w")).unwrap().mode();
+    assert_eq!(seen & 0o7777, 0o777, "the kernel's view after the write");
+    // Set-group-ID without group execute marks mandatory locking, not a privilege.
+    file("lock", 0o2767);
+    nobody("printf x >> lock");
+    assert_eq!(mode("lock"), 0o2767);
+    file("root", 0o6777);
+    fs::OpenOptions::new()
+        .append(true)
+        .open(mnt.join("root"))
+        .unwrap()
+        .write_all(b"x")
+        .unwrap();
+    assert_eq!(mode("root"), 0o6777, "root has CAP_FSETID");
+    file("t", 0o4777);
+    nobody("truncate -s 1 t");
+    assert_eq!(mode("t"), 0o777, "a truncate by nobody");
+    file("o", 0o4777);
+    nobody(": > o");
+    assert_eq!(mode("o"), 0o777, "open(O_TRUNC) by nobody");
+    let o = fs::read(mnt.join("o")).unwrap();
+    assert!(o.is_empty(), "{o:?}");
+    let c = file("c", 0o6755);
+    std::os::unix::fs::chown(&c, Some(1), Some(1)).unwrap();
+    assert_eq!(mode("c"), 0o755, "chown, even by root");
+    let d = mnt.join("d");
+    fs::create_dir(&d).unwrap();
+    fs::set_permissions(&d, fs::Permissions::from_mode(0o2775)).unwrap();
+    std::os::unix::fs::chown(&d, Some(1), Some(1)).unwrap();
+    assert_eq!(mode("d"), 0o2775, "a directory keeps its set-group-ID");
+    drop(mounted);
 }

@@ -9,7 +9,7 @@ pub mod service;
 
 pub use ops::{
     Attr, Command, Dentry, DirEntry, ExtentKey, FileType, MetaError, PartitionStats, Query,
-    ROOT_INO, Reply, SetAttr, XattrMode,
+    ROOT_INO, Reply, SetAttr, XattrMode, without_suidgid,
 };
 pub use partition::MetaPartition;
 pub use service::{MetaNode, MetaNodeConfig, MetaSm};

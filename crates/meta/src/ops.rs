@@ -106,6 +106,34 @@ pub struct SetAttr {
     pub size: Option<u64>,
     pub atime: Option<u64>,
     pub mtime: Option<u64>,
+    /// Also clear set-user-ID, and set-group-ID when the group may execute, of a non-directory
+    /// (after `mode` if both are given): what chown, and a write or truncate by a caller without
+    /// `CAP_FSETID`, must do. Not part of a command's encoding: [`Command::SetAttr`] never
+    /// clears them and [`Command::SetAttrKillSuid`] always does (a variant of its own so that
+    /// log entries written before it existed still decode); a client picks the command by this
+    /// field.
+    #[serde(skip)]
+    pub kill_suidgid: bool,
+}
+
+/// `mode` without set-user-ID, and without set-group-ID when the group may execute (a
+/// set-group-ID file the group cannot execute is marked for mandatory locking, not a privilege,
+/// and keeps the bit): what chown, and a write or truncate by a caller without `CAP_FSETID`,
+/// leave of a file's mode.
+pub fn without_suidgid(mode: u32) -> u32 {
+    let sgid_exec = libc_mode::S_ISGID | libc_mode::S_IXGRP;
+    let mut m = mode & !libc_mode::S_ISUID;
+    if m & sgid_exec == sgid_exec {
+        m &= !libc_mode::S_ISGID;
+    }
+    m
+}
+
+/// The mode bits `without_suidgid` looks at (as in `<sys/stat.h>`).
+mod libc_mode {
+    pub const S_ISUID: u32 = 0o4000;
+    pub const S_ISGID: u32 = 0o2000;
+    pub const S_IXGRP: u32 = 0o0010;
 }
 
 /// How `SetXattr` treats an existing attribute.
@@ -320,6 +348,13 @@ pub enum Command {
     Release {
         dirs: Vec<Ino>,
     },
+    /// `SetAttr`, and in the same change set-user-ID is cleared, and set-group-ID if the group
+    /// may execute, unless the inode is a directory (`set.kill_suidgid` is ignored: this
+    /// command always clears them). Replies `Attr`.
+    SetAttrKillSuid {
+        ino: Ino,
+        set: SetAttr,
+    },
 }
 
 impl Command {
@@ -328,6 +363,7 @@ impl Command {
     pub fn attr_target(&self) -> Option<Ino> {
         match self {
             Command::SetAttr { ino, .. }
+            | Command::SetAttrKillSuid { ino, .. }
             | Command::SetXattr { ino, .. }
             | Command::RemoveXattr { ino, .. } => Some(*ino),
             _ => None,

@@ -72,7 +72,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use crate::ops::{
     Attr, Command, DELEGATION_NS, Dentry, DirEntry, ExtentKey, FileType, MAX_NAME, MAX_RESERVE,
     MAX_SYMLINK, MAX_XATTR_NAME, MAX_XATTR_VALUE, MetaError, PartitionStats, Query, ROOT_INO,
-    Reply, SESSION_NS, SetAttr, XattrMode, check_name,
+    Reply, SESSION_NS, SetAttr, XattrMode, check_name, without_suidgid,
 };
 
 /// Most links an inode may have; a directory may thus hold `MAX_LINKS - 2` subdirectories.
@@ -358,7 +358,8 @@ impl MetaPartition {
                 dst_parent,
                 dst_name,
             } => self.rename(now, (*src_parent, src_name), (*dst_parent, dst_name)),
-            Command::SetAttr { ino, set } => self.set_attr(now, *ino, set),
+            Command::SetAttr { ino, set } => self.set_attr(now, *ino, set, false),
+            Command::SetAttrKillSuid { ino, set } => self.set_attr(now, *ino, set, true),
             Command::AppendExtents { ino, extents } => self.append_extents(now, *ino, extents),
             Command::SetXattr {
                 ino,
@@ -1049,7 +1050,13 @@ impl MetaPartition {
         Ok(Reply::Renamed { replaced, parents })
     }
 
-    fn set_attr(&mut self, now: u64, ino: Ino, set: &SetAttr) -> Result<Reply, MetaError> {
+    fn set_attr(
+        &mut self,
+        now: u64,
+        ino: Ino,
+        set: &SetAttr,
+        kill_suidgid: bool,
+    ) -> Result<Reply, MetaError> {
         let rdev = self.rdev(ino.0);
         let (i, node) = self.live_mut(ino)?;
         if set.size.is_some() {
@@ -1072,6 +1079,9 @@ impl MetaPartition {
         }
         if let Some(mode) = set.mode {
             node.mode = (mode & MODE_MASK) as u16;
+        }
+        if kill_suidgid && node.kind != FileType::Dir {
+            node.mode = without_suidgid(u32::from(node.mode)) as u16;
         }
         node.uid = set.uid.unwrap_or(node.uid);
         node.gid = set.gid.unwrap_or(node.gid);

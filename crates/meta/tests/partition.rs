@@ -931,6 +931,77 @@ fn set_attr_changes_what_is_asked_and_stamps_ctime() {
 }
 
 #[test]
+fn kill_suid_clears_set_id_bits_of_non_directories_only() {
+    let mut p = part();
+    let kill = |ino, set| Command::SetAttrKillSuid { ino, set };
+    let chmod = |ino, mode| Command::SetAttr {
+        ino,
+        set: SetAttr {
+            mode: Some(mode),
+            ..SetAttr::default()
+        },
+    };
+    let f = new_inode(&mut p, 1, FileType::File).ino;
+    ok(&mut p, 2, chmod(f, 0o6755));
+    let a = attr(ok(&mut p, 3, kill(f, SetAttr::default())));
+    assert_eq!((a.mode, a.ctime), (0o755, 3));
+    // Set-group-ID without group execute marks mandatory locking and stays; set-user-ID goes.
+    ok(&mut p, 4, chmod(f, 0o6745));
+    assert_eq!(
+        attr(ok(&mut p, 5, kill(f, SetAttr::default()))).mode,
+        0o2745
+    );
+    // With a chown or truncate in the same change; after a mode given with it.
+    let set = SetAttr {
+        mode: Some(0o4711),
+        uid: Some(9),
+        size: Some(0),
+        ..SetAttr::default()
+    };
+    let a = attr(ok(&mut p, 6, kill(f, set)));
+    assert_eq!((a.mode, a.uid), (0o711, 9));
+    // A directory's set-group-ID (inherited group) is not a privilege.
+    let d = new_inode(&mut p, 1, FileType::Dir).ino;
+    ok(&mut p, 7, chmod(d, 0o2775));
+    let set = SetAttr {
+        gid: Some(5),
+        ..SetAttr::default()
+    };
+    assert_eq!(attr(ok(&mut p, 8, kill(d, set))).mode, 0o2775);
+    // `SetAttr` never clears them, whatever its `kill_suidgid` says (not encoded).
+    ok(&mut p, 9, chmod(f, 0o4755));
+    let set = SetAttr {
+        uid: Some(1),
+        kill_suidgid: true,
+        ..SetAttr::default()
+    };
+    assert_eq!(
+        attr(ok(&mut p, 10, Command::SetAttr { ino: f, set })).mode,
+        0o4755
+    );
+}
+
+/// Log entries written by earlier versions must still decode: `SetAttr`'s encoding is what it
+/// was before `kill_suidgid` existed, and the new command has a variant of its own.
+#[test]
+fn set_attr_encoding_is_unchanged_by_the_kill_flag() {
+    let set = SetAttr {
+        mode: Some(0o644),
+        size: Some(300),
+        kill_suidgid: true,
+        ..SetAttr::default()
+    };
+    let cmd = Command::SetAttr { ino: Ino(5), set };
+    let bytes = postcard::to_allocvec(&cmd).unwrap();
+    assert_eq!(bytes, [10, 5, 1, 164, 3, 0, 0, 1, 172, 2, 0, 0]);
+    let back: Command = postcard::from_bytes(&bytes).unwrap();
+    let Command::SetAttr { set, .. } = back else {
+        panic!("decoded as {back:?}");
+    };
+    assert!(!set.kill_suidgid);
+}
+
+#[test]
 fn truncate_drops_and_trims_keys() {
     let mut p = part();
     let f = new_inode(&mut p, 1, FileType::File).ino;
@@ -2076,7 +2147,8 @@ impl Model {
                 }
                 Ok(self.renamed(replaced, sp, dp))
             }
-            Command::SetAttr { ino, set } => {
+            Command::SetAttr { ino, set } | Command::SetAttrKillSuid { ino, set } => {
+                let kill = matches!(cmd, Command::SetAttrKillSuid { .. });
                 let i = self.live(ino)?;
                 let n = self.inodes.get_mut(&i).unwrap();
                 if set.size.is_some() {
@@ -2107,6 +2179,13 @@ impl Model {
                 let n = self.inodes.get_mut(&i).unwrap();
                 if let Some(mode) = set.mode {
                     n.mode = mode & 0o7777;
+                }
+                if kill && n.kind != FileType::Dir {
+                    n.mode &= !0o4000;
+                    // Set-group-ID without group execute is a locking mark and stays.
+                    if n.mode & 0o0010 != 0 {
+                        n.mode &= !0o2000;
+                    }
                 }
                 n.uid = set.uid.unwrap_or(n.uid);
                 n.gid = set.gid.unwrap_or(n.gid);
@@ -2552,6 +2631,7 @@ enum Op {
         uid: Option<u8>,
         size: Option<u8>,
         mtime: Option<u8>,
+        kill: bool,
     },
     Append {
         file: u8,
@@ -2606,8 +2686,8 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (s(), s(), s(), any::<u16>()).prop_map(|(dir, name, kind, mode)| Op::CreateHere { dir, name, kind, mode }),
         3 => (s(), any::<bool>()).prop_map(|(dentry, dir)| Op::RemoveHere { dentry, dir }),
         6 => (s(), s(), s()).prop_map(|(src, dir, name)| Op::Rename { src, dir, name }),
-        2 => (s(), proptest::option::of(any::<u16>()), o(), o(), rare())
-            .prop_map(|(file, mode, uid, size, mtime)| Op::SetAttr { file, mode, uid, size, mtime }),
+        2 => (s(), proptest::option::of(any::<u16>()), o(), o(), rare(), any::<bool>())
+            .prop_map(|(file, mode, uid, size, mtime, kill)| Op::SetAttr { file, mode, uid, size, mtime, kill }),
         4 => (s(), proptest::collection::vec((s(), s(), s()), 0..4)).prop_map(|(file, keys)| Op::Append { file, keys }),
         2 => (s(), s(), s(), s()).prop_map(|(ino, name, len, mode)| Op::SetXattr { ino, name, len, mode }),
         1 => (s(), s()).prop_map(|(ino, name)| Op::RemoveXattr { ino, name }),
@@ -2861,6 +2941,7 @@ impl Pair {
                 uid,
                 size,
                 mtime,
+                kill,
             } => {
                 let set = SetAttr {
                     mode: mode.map(u32::from),
@@ -2869,10 +2950,14 @@ impl Pair {
                     size: size.map(u64::from),
                     atime: None,
                     mtime: mtime.map(u64::from),
+                    // Only the command says whether the bits go: `SetAttr` keeps them anyway.
+                    kill_suidgid: true,
                 };
-                Some(Command::SetAttr {
-                    ino: self.live(file, FileType::File),
-                    set,
+                let ino = self.live(file, FileType::File);
+                Some(if kill {
+                    Command::SetAttrKillSuid { ino, set }
+                } else {
+                    Command::SetAttr { ino, set }
                 })
             }
             Op::Append { file, keys } => {

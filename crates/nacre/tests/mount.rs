@@ -373,6 +373,38 @@ fn posix_semantics_and_restart() {
         .set_modified(t)
         .unwrap();
     assert_eq!(fs::metadata(&a).unwrap().modified().unwrap(), t);
+    {
+        // Set-user-ID and set-group-ID bits: cleared by a write or open(O_TRUNC) from a user
+        // without CAP_FSETID (the file system's job under FUSE_HANDLE_KILLPRIV_V2) and by chown.
+        use std::os::unix::process::CommandExt as _;
+        let s = m.join("setid");
+        let mode = |p: &Path| fs::metadata(p).unwrap().mode() & 0o7777;
+        let nobody = |script: &str| {
+            let out = Command::new("sh")
+                .args(["-c", script])
+                .current_dir(&m)
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{script}: {out:?}");
+        };
+        fs::write(&s, b"abc").unwrap();
+        fs::set_permissions(&s, fs::Permissions::from_mode(0o6777)).unwrap();
+        nobody("printf d >> setid");
+        assert_eq!((mode(&s), fs::read(&s).unwrap()), (0o777, b"abcd".to_vec()));
+        fs::set_permissions(&s, fs::Permissions::from_mode(0o4777)).unwrap();
+        nobody(": > setid");
+        assert_eq!((mode(&s), fs::metadata(&s).unwrap().len()), (0o777, 0));
+        // Also when the file is empty already (nothing to truncate).
+        fs::set_permissions(&s, fs::Permissions::from_mode(0o4777)).unwrap();
+        nobody(": > setid");
+        assert_eq!(mode(&s), 0o777);
+        fs::set_permissions(&s, fs::Permissions::from_mode(0o6755)).unwrap();
+        std::os::unix::fs::chown(&s, Some(1), None).unwrap();
+        assert_eq!(mode(&s), 0o755);
+        fs::remove_file(&s).unwrap();
+    }
 
     // Directories, renames.
     fs::create_dir(m.join("d1")).unwrap();
