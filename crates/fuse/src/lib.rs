@@ -95,7 +95,12 @@ fn time_or_now(t: TimeOrNow) -> u64 {
 }
 
 fn err(e: &FsError) -> Errno {
-    Errno::from_i32(errno(e))
+    let n = errno(e);
+    if n == libc::EIO {
+        // The application sees only the errno; the cause goes to the log.
+        tracing::warn!(error = %e, "a call failed with EIO");
+    }
+    Errno::from_i32(n)
 }
 
 /// How the adapter talks to the kernel.
