@@ -10,7 +10,14 @@
 //!
 //! The call still runs to the end on its own, whatever happens to the caller: that is the cancel
 //! safety [`crate::NetFs`] promises.
+//!
+//! On a thread that opted in ([`resume_calls_here`]: a mount's messenger workers, which read every
+//! reply its calls wait for), the call becomes a task of *that* thread's runtime instead: it goes
+//! on right there once the worker has delivered the reply, rather than after a wake-up of a
+//! thread of `rt` (measured in docs/benchmarks.md, "Calls go on where their reply is read"). Only
+//! threads whose runtime outlives the calls may opt in: a task whose runtime stops is dropped.
 
+use std::cell::Cell;
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
@@ -20,6 +27,30 @@ use std::task::{Context, Poll, Wake, Waker};
 use tokio::runtime::Handle;
 
 type Call = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+thread_local! {
+    /// Calls woken on this thread become tasks of its runtime (see the module doc).
+    static RESUME_HERE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Makes calls that this thread wakes go on as tasks of this thread's runtime rather than of the
+/// one [`run_detached`] was given. Call it on a runtime thread that outlives every call it may
+/// wake (a mount's messenger workers, which live as long as the mount).
+pub fn resume_calls_here() {
+    RESUME_HERE.with(|r| r.set(true));
+}
+
+/// Where a call woken on this thread goes on: this thread's runtime if it opted in, else `rt`.
+fn resume(rt: &Handle, call: Call) {
+    let here = RESUME_HERE
+        .with(Cell::get)
+        .then(|| Handle::try_current().ok())
+        .flatten();
+    match here {
+        Some(h) => drop(h.spawn(call)),
+        None => drop(rt.spawn(call)),
+    }
+}
 
 enum State {
     /// Being polled on the calling thread; `woken` if a wake arrived meanwhile.
@@ -53,7 +84,7 @@ impl Wake for Lazy {
             State::Inline { .. } => *state = State::Inline { woken: true },
             State::Parked(call) => {
                 drop(state);
-                self.rt.spawn(call);
+                resume(&self.rt, call);
             }
             State::Spawned => {}
         }
@@ -86,7 +117,7 @@ where
             if matches!(*state, State::Inline { woken: true }) {
                 *state = State::Spawned;
                 drop(state);
-                rt.spawn(call);
+                resume(rt, call);
             } else {
                 *state = State::Parked(call);
             }
@@ -137,6 +168,39 @@ mod tests {
             .recv_timeout(std::time::Duration::from_secs(10))
             .expect("the call finishes once woken");
         assert_ne!(on, std::thread::current().id());
+    }
+
+    #[test]
+    fn a_call_woken_on_a_thread_that_opted_in_goes_on_there() {
+        let rt = runtime();
+        for opt_in in [true, false] {
+            let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+            let (done_tx, done_rx) = tokio::sync::oneshot::channel::<ThreadId>();
+            run_detached(rt.handle(), async move {
+                let _ = go_rx.await;
+                let _ = done_tx.send(std::thread::current().id());
+            });
+            // The waking thread has a runtime of its own, as a messenger worker does.
+            let waker = std::thread::spawn(move || {
+                let local = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                local.block_on(async move {
+                    if opt_in {
+                        resume_calls_here();
+                    }
+                    let _ = go_tx.send(());
+                    let on = tokio::time::timeout(std::time::Duration::from_secs(10), done_rx)
+                        .await
+                        .expect("the call finishes once woken")
+                        .expect("the call reports its thread");
+                    (std::thread::current().id(), on)
+                })
+            });
+            let (waker, on) = waker.join().expect("the waking thread");
+            assert_eq!(on == waker, opt_in, "opted in: {opt_in}");
+        }
     }
 
     #[test]

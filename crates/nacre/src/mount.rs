@@ -124,6 +124,15 @@ impl VolumeMount {
             Arc::new(TcpTransport),
         )?;
         let r = async {
+            // The mount's calls go on on the worker that read their reply instead of waking a
+            // thread of this runtime for it (`nacre_client::task`); the messenger is the mount's
+            // own and stops after it.
+            for i in 0..msgr.workers().len() {
+                msgr.workers()
+                    .get(i)
+                    .spawn(async { nacre_client::task::resume_calls_here() })
+                    .await?;
+            }
             let mc = MasterClient::new(msgr.client(), masters);
             wait_volume_ready(&mc, volume).await?;
             let vol = NetVolume::connect(msgr.client(), mc, volume)
