@@ -378,6 +378,9 @@ fn run_check(a: RunArgs) -> anyhow::Result<()> {
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        // A client's step nests the workload's futures over the file system's calls (in test
+        // builds frames of up to ~460 KB each): see `STACK_BYTES`.
+        .thread_stack_size(crate::STACK_BYTES)
         .enable_all()
         .build()?;
     let keep = a.keep;
