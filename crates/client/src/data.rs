@@ -259,6 +259,10 @@ pub struct SeqWriter {
     file_offset: u64,
     /// The newest piece, not sent yet.
     held: Option<Piece>,
+    /// Bytes to cut into packets, in file order from `file_offset`: a write's, and in front of
+    /// them what a failed packet made to rewrite (a queue, so that a failure during a rewrite
+    /// does not nest another one on the stack).
+    todo: VecDeque<Bytes>,
     /// Packets sent since the last synced one.
     since_sync: usize,
     pending: VecDeque<Packet>,
@@ -295,6 +299,7 @@ impl SeqWriter {
             cur: None,
             file_offset,
             held: None,
+            todo: VecDeque::new(),
             since_sync: 0,
             pending: VecDeque::new(),
             unsynced: VecDeque::new(),
@@ -353,20 +358,38 @@ impl SeqWriter {
         self.leave(r)
     }
 
-    async fn write_inner(&mut self, mut data: Bytes) -> Result<(), DataCallError> {
-        while !data.is_empty() {
-            // More bytes came: the held packet goes out, synced only every SYNC_EVERY packets. (A
-            // failure while it waits for room rewrites the stream, which may hold back another.)
-            while let Some(prev) = self.held.take() {
+    async fn write_inner(&mut self, data: Bytes) -> Result<(), DataCallError> {
+        self.todo.push_back(data);
+        self.write_todo().await
+    }
+
+    /// Cuts what `todo` holds into packets, front first, until it is empty. A failed packet puts
+    /// every byte not durable back at the front ([`Self::settle_one`]); this loop rewrites them.
+    async fn write_todo(&mut self) -> Result<(), DataCallError> {
+        loop {
+            while self.todo.front().is_some_and(Bytes::is_empty) {
+                self.todo.pop_front();
+            }
+            if self.todo.is_empty() {
+                return Ok(());
+            }
+            // More bytes to write: the held packet goes out, synced only every SYNC_EVERY
+            // packets. (A failure while it waits for room puts the stream back in `todo`, and
+            // may hold back another piece: look again.)
+            if let Some(prev) = self.held.take() {
                 let sync = self.since_sync + 1 >= SYNC_EVERY;
                 self.send(prev, sync).await?;
+                continue;
             }
             let (p, e, off) = match self.cur {
                 Some(c) if c.2 < MAX_EXTENT => c,
                 _ => self.next_extent().await?,
             };
             let room = (MAX_EXTENT - off).min(MAX_PACKET as u64) as usize;
-            let data = data.split_to(room.min(data.len()));
+            let Some(front) = self.todo.front_mut() else {
+                continue;
+            };
+            let data = front.split_to(room.min(front.len()));
             let len = data.len() as u64;
             let piece = Piece {
                 file_offset: self.file_offset,
@@ -384,7 +407,6 @@ impl SeqWriter {
                 self.held = Some(piece);
             }
         }
-        Ok(())
     }
 
     /// Sends a packet, then waits while the window is full (the stream's state is whole by then:
@@ -454,8 +476,9 @@ impl SeqWriter {
                 self.cur = None;
                 self.since_sync = 0;
                 self.file_offset = redo[0].file_offset;
-                for piece in redo {
-                    Box::pin(self.write_inner(piece.data)).await?;
+                // Rewritten by the caller's loop (`write_todo`), before the bytes it had left.
+                for piece in redo.into_iter().rev() {
+                    self.todo.push_front(piece.data);
                 }
                 Ok(())
             }
@@ -496,7 +519,8 @@ impl SeqWriter {
 
     async fn settle_all(&mut self) -> Result<(), DataCallError> {
         loop {
-            // A failed packet's rewrite may hold back a new last piece.
+            // A failed packet puts bytes back to write; their rewrite holds back a new last piece.
+            self.write_todo().await?;
             if let Some(last) = self.held.take() {
                 self.send(last, true).await?;
             }
