@@ -42,13 +42,12 @@ pub fn resume_calls_here() {
 
 /// Where a call woken on this thread goes on: this thread's runtime if it opted in, else `rt`.
 fn resume(rt: &Handle, call: Call) {
-    let here = RESUME_HERE
-        .with(Cell::get)
-        .then(|| Handle::try_current().ok())
-        .flatten();
-    match here {
-        Some(h) => drop(h.spawn(call)),
-        None => drop(rt.spawn(call)),
+    if RESUME_HERE.with(Cell::get)
+        && let Ok(here) = Handle::try_current()
+    {
+        here.spawn(call);
+    } else {
+        rt.spawn(call);
     }
 }
 

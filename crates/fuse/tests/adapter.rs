@@ -483,16 +483,10 @@ fn toy_mount() -> Option<ToyMount> {
 
 #[test]
 fn through_the_kernel() {
-    let Some(ToyMount {
-        mounted,
-        mnt,
-        toy,
-        _tmp,
-        _rt,
-    }) = toy_mount()
-    else {
+    let Some(t) = toy_mount() else {
         return;
     };
+    let (mnt, toy) = (&t.mnt, &t.toy);
     let mounts = fs::read_to_string("/proc/self/mounts").unwrap();
     assert!(
         mounts
@@ -642,7 +636,7 @@ print("ok")
     assert_eq!(fs::read(mnt.join("g")).unwrap(), b"ab");
 
     // statfs.
-    let st = rustix::fs::statvfs(&mnt).unwrap();
+    let st = rustix::fs::statvfs(mnt).unwrap();
     assert_eq!(
         (st.f_bsize, st.f_blocks, st.f_bfree),
         (4096, 1 << 18, 1 << 17)
@@ -651,7 +645,7 @@ print("ok")
 
     // Unmount with a file open: detached lazily; the mount point is free at once.
     let open = fs::File::open(mnt.join("g")).unwrap();
-    mounted.unmount().unwrap();
+    t.mounted.unmount().unwrap();
     let mounts = fs::read_to_string("/proc/self/mounts").unwrap();
     assert!(!mounts.contains("nacre:toy "), "{mounts}");
     drop(open);
@@ -664,16 +658,10 @@ print("ok")
 fn set_id_bits_are_cleared_as_the_kernel_would() {
     use std::os::unix::fs::PermissionsExt as _;
     use std::os::unix::process::CommandExt as _;
-    let Some(ToyMount {
-        mounted,
-        mnt,
-        toy,
-        _tmp,
-        _rt,
-    }) = toy_mount()
-    else {
+    let Some(t) = toy_mount() else {
         return;
     };
+    let (mnt, toy) = (&t.mnt, &t.toy);
     // The mode the file system holds (the kernel's copy may be a TTL old).
     let mode = |name: &str| {
         let s = toy.0.lock().unwrap();
@@ -689,7 +677,7 @@ fn set_id_bits_are_cleared_as_the_kernel_would() {
     let nobody = |script: &str| {
         let out = Command::new("sh")
             .args(["-c", script])
-            .current_dir(&mnt)
+            .current_dir(mnt)
             .uid(65534)
             .gid(65534)
             .output()
@@ -734,5 +722,4 @@ fn set_id_bits_are_cleared_as_the_kernel_would() {
     fs::set_permissions(&d, fs::Permissions::from_mode(0o2775)).unwrap();
     std::os::unix::fs::chown(&d, Some(1), Some(1)).unwrap();
     assert_eq!(mode("d"), 0o2775, "a directory keeps its set-group-ID");
-    drop(mounted);
 }
