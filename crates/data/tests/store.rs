@@ -657,9 +657,11 @@ fn a_flipped_bit_is_reported_and_repaired() {
     assert_eq!(s.read(id, 0, 64).unwrap()[..], good[..64]);
     assert_eq!(s.read(id, 128, 72).unwrap()[..], good[128..]);
     assert!(s.read(id, 100, 1).is_err());
-    // A partial overwrite cannot bless the rotten bytes.
+    // A partial overwrite cannot bless the rotten bytes: it patches the block's CRC for the bytes
+    // it replaces, and the rot elsewhere in the block still fails it.
+    s.write(id, 80, b"zz").unwrap();
     assert!(matches!(
-        s.write(id, 80, b"zz"),
+        s.read(id, 64, 64),
         Err(StoreError::Corrupt { block: 1, .. })
     ));
 
@@ -674,6 +676,11 @@ fn a_flipped_bit_is_reported_and_repaired() {
     assert!(s.recovery_report().is_empty());
     assert!(matches!(
         s.read(id, 0, 10),
+        Err(StoreError::Corrupt { block: 0, .. })
+    ));
+    // A block found at open is verified whole before an overwrite patches it.
+    assert!(matches!(
+        s.write(id, 20, b"zz"),
         Err(StoreError::Corrupt { block: 0, .. })
     ));
     let crcs = s.block_crcs(id).unwrap();
@@ -1186,21 +1193,27 @@ fn synced_appends_leave_the_page_cache_and_partial_overwrites_are_prefetched() {
         .collect();
     assert_eq!(drops, [(0, 10_000), (8192, 15_000 - 8192)]);
 
-    // Blocks are 64 bytes; the extent's last block holds 15,000 - 14,976 = 24.
-    let asked = |offset: u64, len: u64| {
+    // Blocks are 64 bytes; the extent's last block holds 15,000 - 14,976 = 24. This process wrote
+    // every block, so an overwrite patches their CRCs and needs only the bytes it replaces.
+    let asked = |s: &ExtentStore, gate: &Gate, offset: u64, len: u64| {
         gate.hints.lock().unwrap().clear();
         s.prefetch(id, offset, len);
         let h = gate.hints.lock().unwrap();
         assert!(h.iter().all(|h| h.will_need && h.file == name), "{h:?}");
         h.iter().map(|h| (h.off, h.len)).collect::<Vec<_>>()
     };
-    assert_eq!(asked(100, 10), [(64, 64)]);
-    assert_eq!(asked(128, 64), [], "a whole block needs no read");
-    assert_eq!(asked(130, 100), [(128, 64), (192, 64)]);
-    assert_eq!(asked(64, 150), [(192, 64)]);
-    assert_eq!(asked(14_980, 20), [(14_976, 24)]);
-    assert_eq!(asked(14_976, 24), [], "the whole last block");
-    assert_eq!(asked(15_000, 10), [], "past the end");
+    assert_eq!(asked(&s, &gate, 100, 10), [(100, 10)]);
+    assert_eq!(asked(&s, &gate, 128, 64), [], "a whole block needs no read");
+    assert_eq!(asked(&s, &gate, 130, 100), [(130, 62), (192, 38)]);
+    assert_eq!(asked(&s, &gate, 64, 150), [(192, 22)]);
+    assert_eq!(asked(&s, &gate, 14_980, 20), [(14_980, 20)]);
+    assert_eq!(
+        asked(&s, &gate, 14_990, 20),
+        [(14_976, 24)],
+        "grows the block"
+    );
+    assert_eq!(asked(&s, &gate, 14_976, 24), [], "the whole last block");
+    assert_eq!(asked(&s, &gate, 15_000, 10), [], "past the end");
     s.prefetch(NORMAL[1], 0, 10);
     assert_eq!(s.read(id, 0, 15_000).unwrap()[..], data[..]);
     drop(s);
@@ -1210,6 +1223,11 @@ fn synced_appends_leave_the_page_cache_and_partial_overwrites_are_prefetched() {
         ..opts()
     };
     let (s, gate) = GateDisk::store(mem.crash(), keep);
+    // Blocks found at open are verified whole before their first overwrite; after it, patched.
+    assert_eq!(asked(&s, &gate, 100, 10), [(64, 64)]);
+    assert_eq!(asked(&s, &gate, 130, 100), [(128, 64), (192, 64)]);
+    s.write(id, 100, &data[100..110]).unwrap();
+    assert_eq!(asked(&s, &gate, 100, 10), [(100, 10)]);
     assert_eq!(s.read(id, 0, 15_000).unwrap()[..], data[..]);
     s.write(id, 15_000, b"more").unwrap();
     s.sync().unwrap();

@@ -24,6 +24,7 @@
 //! the rest are closed and reopened on demand. Memory (lengths, CRCs) stays resident for every extent.
 
 mod cache;
+mod crc;
 mod format;
 mod recovery;
 
@@ -195,11 +196,40 @@ struct Block {
     /// Known not to match its bytes (found at recovery, or a truncate cut a block that failed): reads
     /// fail with `Corrupt` until a write replaces the whole block.
     bad: bool,
+    /// `crc` was computed by this process from the bytes it wrote, so the block's bytes and its CRC
+    /// agree as far as this process knows: an overwrite may patch the CRC from the bytes it
+    /// replaces ([`crc::patch`]) instead of re-reading and verifying the whole block. Blocks found
+    /// at open are not: a crash may have left bytes and record apart (a torn overwrite), and only a
+    /// whole-block read tells; so is no block of a write that failed part way.
+    checked: bool,
 }
 
 impl Block {
+    /// A block whose bytes this process just wrote (or read and verified) under `crc`.
     fn good(crc: u32) -> Self {
-        Self { crc, bad: false }
+        Self {
+            crc,
+            bad: false,
+            checked: true,
+        }
+    }
+
+    /// A block's record as found at open; reads still verify it.
+    fn recorded(crc: u32) -> Self {
+        Self {
+            crc,
+            bad: false,
+            checked: false,
+        }
+    }
+
+    /// A block known not to match `crc`.
+    fn rotten(crc: u32) -> Self {
+        Self {
+            crc,
+            bad: true,
+            checked: false,
+        }
     }
 }
 
@@ -321,16 +351,9 @@ fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     l.write().unwrap_or_else(PoisonError::into_inner)
 }
 
-static ZEROS: [u8; 4096] = [0; 4096];
-
 /// Continues `crc` over `n` zero bytes.
-fn crc_zeros(mut crc: u32, mut n: u64) -> u32 {
-    while n > 0 {
-        let k = n.min(ZEROS.len() as u64);
-        crc = crc32c_append(crc, &ZEROS[..k as usize]);
-        n -= k;
-    }
-    crc
+fn crc_zeros(crc: u32, n: u64) -> u32 {
+    crc::zeros(crc, n)
 }
 
 fn kind(id: ExtentId) -> Result<Kind, StoreError> {
@@ -585,8 +608,9 @@ impl ExtentStore {
     /// Writes `data` at `offset`. Normal extents: `offset <= len` (appending or overwriting in place;
     /// past the end is `OutOfRange`). Tiny extents also accept any `offset >= len` (the gap reads as
     /// zeros). Extends the length when it writes past it and updates the block CRCs; a partially
-    /// overwritten block is re-read and must verify first (else `Corrupt`, nothing written). Not
-    /// durable until [`ExtentStore::sync`].
+    /// overwritten block gets its CRC patched from the bytes the write replaces if this process
+    /// computed that CRC ([`Block::checked`]), else it is re-read and must verify first (else
+    /// `Corrupt`, nothing written). Not durable until [`ExtentStore::sync`].
     pub fn write(&self, id: ExtentId, offset: u64, data: &[u8]) -> Result<(), StoreError> {
         let _gate = self.enter()?;
         self.changing(|| {
@@ -619,7 +643,8 @@ impl ExtentStore {
 
     /// A hint that `[offset, offset + len)` of extent `id` will soon be overwritten: starts reading
     /// the blocks the write covers only in part (their CRCs need their other bytes) into the page
-    /// cache without waiting, so the write finds them there (`StoreOptions::drop_synced` dropped
+    /// cache without waiting (only the bytes the write replaces, where it will patch the block's
+    /// CRC from them), so the write finds them there (`StoreOptions::drop_synced` dropped
     /// them once they were synced). Every replica's state machine calls it as an overwrite reaches
     /// its Raft log (`DataSm::prefetch`), which hides the read behind the log's fsync. Never fails:
     /// a hint that cannot be given is skipped.
@@ -633,15 +658,27 @@ impl ExtentStore {
             if st.deleted || offset >= end {
                 return;
             }
-            let block = |b: u64| (b * bs, (st.len - b * bs).min(bs));
             let (first, last) = (offset / bs, (end - 1) / bs);
-            let partial = |(start, blen): (u64, u64)| offset > start || end < start + blen;
+            // What the write will read of a block it covers in part: the bytes it replaces, if it
+            // can patch the block's CRC from them, else the whole block.
+            let needed = |b: u64| {
+                let (start, blen) = (b * bs, (st.len - b * bs).min(bs));
+                if offset <= start && end >= start + blen {
+                    return None;
+                }
+                let blk = st.blocks.get(b as usize)?;
+                let stop = offset.saturating_add(len).min(start + bs);
+                Some(if blk.checked && !blk.bad && stop <= start + blen {
+                    let from = offset.max(start);
+                    (from, end.min(start + blen) - from)
+                } else {
+                    (start, blen)
+                })
+            };
             let mut ranges = Vec::with_capacity(2);
-            if partial(block(first)) {
-                ranges.push(block(first));
-            }
-            if last != first && partial(block(last)) {
-                ranges.push(block(last));
+            ranges.extend(needed(first));
+            if last != first {
+                ranges.extend(needed(last));
             }
             ranges
         };
@@ -1195,6 +1232,29 @@ impl ExtentStore {
         Ok(!blk.bad && crc32c(buf) == blk.crc)
     }
 
+    /// The CRC of a checked block after `piece` replaces its bytes at `at`, from the bytes it
+    /// replaces ([`crc::patch`]); `None` when that is not known to be right and the whole block must
+    /// be read and verified: the block is not [`Block::checked`] (or bad), the write runs past the
+    /// block's end `end`, or the file is shorter than the block.
+    fn patched_crc(
+        &self,
+        f: &Files,
+        old: Block,
+        at: u64,
+        piece: &[u8],
+        end: u64,
+    ) -> Result<Option<u32>, StoreError> {
+        let stop = at + piece.len() as u64;
+        if !old.checked || old.bad || stop > end {
+            return Ok(None);
+        }
+        let mut was = vec![0u8; piece.len()];
+        if f.data.read_at(&mut was, at)? < was.len() {
+            return Ok(None);
+        }
+        Ok(Some(crc::patch(old.crc, &was, piece, end - stop)))
+    }
+
     /// Runs the IO of a change. An error there leaves the files in a state memory does not describe
     /// (a write may have landed in part), so it fails the store: only recovery can tell what is on
     /// disk.
@@ -1312,8 +1372,10 @@ impl ExtentStore {
                     let gap = new_blen - old_blen - piece.len() as u64;
                     Block {
                         crc: crc32c_append(crc_zeros(old.crc, gap), piece),
-                        bad: old.bad,
+                        ..old
                     }
+                } else if let Some(crc) = self.patched_crc(f, old, ws, piece, start + old_blen)? {
+                    Block::good(crc)
                 } else {
                     let mut buf = vec![0u8; new_blen as usize];
                     let verified = self.read_block(f, &mut buf[..old_blen as usize], start, old)?;
@@ -1332,22 +1394,33 @@ impl ExtentStore {
             blocks.push(block);
         }
 
-        if offset > old_len {
-            let gap = offset - old_len;
-            if gap <= INLINE_GAP {
-                let mut buf = Vec::with_capacity(gap as usize + data.len());
-                buf.resize(gap as usize, 0);
-                buf.extend_from_slice(data);
-                f.data.write_at(&buf, old_len)?;
+        let io = || -> Result<(), StoreError> {
+            if offset > old_len {
+                let gap = offset - old_len;
+                if gap <= INLINE_GAP {
+                    let mut buf = Vec::with_capacity(gap as usize + data.len());
+                    buf.resize(gap as usize, 0);
+                    buf.extend_from_slice(data);
+                    f.data.write_at(&buf, old_len)?;
+                } else {
+                    // Cut whatever lies past the end, so the gap is a hole of zeros.
+                    f.data.set_len(old_len)?;
+                    f.data.write_at(data, offset)?;
+                }
             } else {
-                // Cut whatever lies past the end, so the gap is a hole of zeros.
-                f.data.set_len(old_len)?;
                 f.data.write_at(data, offset)?;
             }
-        } else {
-            f.data.write_at(data, offset)?;
+            f.crc.write_at(&records, record_at(first))?;
+            Ok(())
+        };
+        if let Err(e) = io() {
+            // Part of the bytes may have landed (a transient error such as ENOSPC leaves the store
+            // running): the old CRCs no longer vouch for them, so later overwrites verify the blocks.
+            for blk in st.blocks.iter_mut().skip(first as usize).take(blocks.len()) {
+                blk.checked = false;
+            }
+            return Err(e);
         }
-        f.crc.write_at(&records, record_at(first))?;
 
         for (i, block) in blocks.into_iter().enumerate() {
             let b = first as usize + i;
@@ -1379,10 +1452,7 @@ impl ExtentStore {
             Some(if verified {
                 Block::good(crc)
             } else {
-                Block {
-                    crc: !crc,
-                    bad: true,
-                }
+                Block::rotten(!crc)
             })
         };
         // No record is rewritten (a torn one could spoil a durable block): the header's `tail_crc`

@@ -236,18 +236,18 @@ impl Ctx<'_> {
                     && u64::from(r.len) == bs
                     && r.alt.is_none()
                 {
-                    w.push(i, bs, Block::good(r.crc));
+                    w.push(i, bs, Block::recorded(r.crc));
                     continue;
                 }
                 let got = self.data.read_at(&mut buf, start)?;
                 match check(rec, &buf[..got]) {
-                    Some((len, crc)) if len == bs => w.push(i, bs, Block::good(crc)),
+                    Some((len, crc)) if len == bs => w.push(i, bs, Block::recorded(crc)),
                     _ => {
                         // Kept: durable bytes that only an in-place change (or damage) broke.
                         let crc = rec
                             .filter(|r| u64::from(r.len) == bs)
                             .map_or(!crc32c(&buf[..got]), |r| r.crc);
-                        w.push(i, bs, Block { crc, bad: true });
+                        w.push(i, bs, Block::rotten(crc));
                         w.clean = false;
                     }
                 }
@@ -263,7 +263,7 @@ impl Ctx<'_> {
                     Some((len, crc))
                         if len == want || (len > want && rec.is_some_and(|r| newer(&r))) =>
                     {
-                        w.push(i, len, Block::good(crc));
+                        w.push(i, len, Block::recorded(crc));
                         if len < bs {
                             break;
                         }
@@ -281,9 +281,10 @@ impl Ctx<'_> {
                 w.push(
                     i,
                     want,
-                    Block {
-                        crc: expected,
-                        bad: !tail_ok,
+                    if tail_ok {
+                        Block::recorded(expected)
+                    } else {
+                        Block::rotten(expected)
                     },
                 );
                 w.clean &= tail_ok;
@@ -297,7 +298,7 @@ impl Ctx<'_> {
                 let got = self.data.read_at(&mut buf[..avail as usize], start)?;
                 match check(rec, &buf[..got]) {
                     Some((len, crc)) => {
-                        w.push(i, len, Block::good(crc));
+                        w.push(i, len, Block::recorded(crc));
                         if len < bs {
                             break;
                         }
