@@ -301,6 +301,17 @@ impl Client {
         sent.inspect_err(|e| inner.shared.metrics.error(e.kind_label()))
     }
 
+    /// Runs `fut` on one of the messenger's workers (the next by its assignment policy): for a loop
+    /// whose work arrives from, and goes back to, tasks on the workers, so that handing it over
+    /// wakes no other thread (DESIGN.md §3: keep work on the worker that read it).
+    pub fn spawn<F>(&self, fut: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.inner.shared.workers.assign().spawn(fut)
+    }
+
     /// [`Client::send_oneway`] of a frame without data, without waiting: queues it when a
     /// connection to `addr` is open and the in-flight budgets have room now, else hands `body`
     /// back (the caller may then wait in `send_oneway`). For callers on a thread that must not
