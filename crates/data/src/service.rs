@@ -96,7 +96,7 @@ impl DataNodeConfig {
         raft.async_log = true;
         // The Raft loop shares the messenger's worker with the request handlers that propose and
         // the connections that carry its messages: fewer thread wake-ups per overwrite
-        // (docs/benchmarks.md, "The Raft loop on the messenger's worker"). Its applies are short
+        // (docs/benchmarks.md, "Overwrites patch the block CRC; the Raft loop on the messenger's worker"). Its applies are short
         // (one `pwrite` and a CRC patch) and their reads are prefetched.
         raft.on_msgr_worker = true;
         Self {

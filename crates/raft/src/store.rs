@@ -72,8 +72,8 @@ pub struct StoreConfig {
     /// own. A proposal from a request handler, a peer's message read by the messenger and the
     /// answer back to the handler then each pass between tasks of one thread instead of waking
     /// another one: at one write in flight that is four or five cross-thread wake-ups fewer per
-    /// Raft write on the leader and two per follower (docs/benchmarks.md, "The Raft loop on the
-    /// messenger's worker"). The loop's applies and log reads then hold up that worker's
+    /// Raft write on the leader and two per follower (docs/benchmarks.md, "Overwrites patch the
+    /// block CRC; the Raft loop on the messenger's worker"). The loop's applies and log reads then hold up that worker's
     /// connections while they run, so it suits state machines whose applies are short.
     pub on_msgr_worker: bool,
 }

@@ -6,8 +6,8 @@
 //! `[a, b)` of a block `O` (length `L`) by `P` gives `N = O ^ D ^ E`, where `D` and `E` are zeros
 //! except for the old and the new bytes at `[a, b)`. The zeros before `a` contribute nothing to the
 //! difference and the `L - b` zeros after it multiply it by `x^(8(L-b))` modulo the polynomial, so
-//! `crc(N) = crc(O) ^ shift(crc(O[a..b]) ^ crc(P), L - b)`: a 4 KiB overwrite of a 128 KiB block
-//! reads and checksums 4 KiB, not the block.
+//! `crc(N) = crc(O) ^ shift(crc(O[a..b]) ^ crc(P), L - b)`: a 4 KiB overwrite of a data node's
+//! 32 KiB block reads and checksums 4 KiB, not the block.
 
 use std::sync::OnceLock;
 

@@ -351,11 +351,6 @@ fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     l.write().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Continues `crc` over `n` zero bytes.
-fn crc_zeros(crc: u32, n: u64) -> u32 {
-    crc::zeros(crc, n)
-}
-
 fn kind(id: ExtentId) -> Result<Kind, StoreError> {
     match id.0 {
         1..=TINY_EXTENTS => Ok(Kind::Tiny),
@@ -482,7 +477,7 @@ impl ExtentStore {
         Ok(Self {
             disk,
             max_len: bs * MAX_EXTENT_BLOCKS,
-            zero_block_crc: crc_zeros(0, bs),
+            zero_block_crc: crc::zeros(0, bs),
             bs,
             opts,
             gate: RwLock::new(()),
@@ -1212,7 +1207,7 @@ impl ExtentStore {
         if n == self.bs {
             self.zero_block_crc
         } else {
-            crc_zeros(0, n)
+            crc::zeros(0, n)
         }
     }
 
@@ -1360,7 +1355,7 @@ impl ExtentStore {
                 if zeros == bs {
                     Block::good(self.zero_block_crc)
                 } else {
-                    Block::good(crc32c_append(crc_zeros(0, zeros), piece))
+                    Block::good(crc32c_append(crc::zeros(0, zeros), piece))
                 }
             } else if ws == start && we == start + new_blen {
                 Block::good(crc32c(piece))
@@ -1371,7 +1366,7 @@ impl ExtentStore {
                     // block stays bad.
                     let gap = new_blen - old_blen - piece.len() as u64;
                     Block {
-                        crc: crc32c_append(crc_zeros(old.crc, gap), piece),
+                        crc: crc32c_append(crc::zeros(old.crc, gap), piece),
                         ..old
                     }
                 } else if let Some(crc) = self.patched_crc(f, old, ws, piece, start + old_blen)? {
