@@ -45,6 +45,12 @@ use crate::store::{ExtentStore, StoreError, StoreOptions, TINY_EXTENTS};
 /// Tiny writes start on this boundary so a release can punch whole pages.
 const TINY_ALIGN: u64 = 4096;
 
+/// How long a partition's measured disk use is reused before its directory is walked again. The
+/// walk `stat`s every file of the store; every report (twice a second) and every heartbeat asked for
+/// it, which on a node with a few hundred extents per partition was thousands of `statx` a second on
+/// the control runtime. Placement does not need it fresher.
+const USED_EVERY: Duration = Duration::from_secs(5);
+
 /// Settings of a data node.
 #[derive(Clone, Debug)]
 pub struct DataNodeConfig {
@@ -183,9 +189,26 @@ struct Part {
     handoffs: AtomicU64,
     /// The group's published leader and term (read by `lead`).
     gate: Option<Arc<nacre_raft::ReadGate>>,
+    /// The store's disk use and when it was measured ([`Part::used`]).
+    used: Mutex<Option<(Instant, u64)>>,
 }
 
 impl Part {
+    /// Bytes the partition's store takes on disk, measured at most once per [`USED_EVERY`].
+    fn used(&self) -> u64 {
+        let Ok(mut used) = self.used.lock() else {
+            return self.store.used();
+        };
+        match *used {
+            Some((at, bytes)) if at.elapsed() < USED_EVERY => bytes,
+            _ => {
+                let bytes = self.store.used();
+                *used = Some((Instant::now(), bytes));
+                bytes
+            }
+        }
+    }
+
     fn track(&self, extent: ExtentId) -> Result<Arc<Track>, DataError> {
         self.track_with(extent, true)
     }
@@ -395,6 +418,7 @@ impl DataNode {
             repairing: tokio::sync::Mutex::new(()),
             handoffs: AtomicU64::new(0),
             gate,
+            used: Mutex::new(None),
         });
         if let Ok(mut parts) = self.inner.parts.lock() {
             parts.insert(spec.id, part);
@@ -1003,7 +1027,7 @@ impl DataNode {
                 leader,
                 inode_count: 0,
                 max_inode: 0,
-                used: p.store.used(),
+                used: p.used(),
                 full: leader && p.degraded().is_some(),
                 ops_per_s: rate(ops, ops0),
                 bytes_per_s: rate(bytes, bytes0),
@@ -1894,7 +1918,7 @@ impl PartitionHost for DataNode {
         self.inner
             .parts
             .lock()
-            .map(|p| p.values().map(|p| p.store.used()).sum())
+            .map(|p| p.values().map(|p| p.used()).sum())
             .unwrap_or(0)
     }
 
