@@ -36,7 +36,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::error::MsgrError;
 use crate::handler::{Handler, Payload, Reply, Request};
-use crate::metrics::{MsgrMetrics, WorkerCounters};
+use crate::metrics::{MsgrMetrics, OpName, WorkerCounters};
 use crate::transport::{BoxFuture, Stream};
 
 /// Iterations of the driver loop before it yields to other connections on the worker.
@@ -82,6 +82,9 @@ pub(crate) enum Outgoing {
 pub(crate) struct Done {
     kind: Kind,
     op: nacre_proto::Op,
+    /// The op's metric label and when the request was handed to its handler.
+    name: OpName,
+    started: std::time::Instant,
     request_id: u64,
     cost: u64,
     permits: Permits,
@@ -579,6 +582,12 @@ impl Conn {
         server.inflight_reqs -= 1;
         server.inflight_bytes -= done.cost;
         server.inflight_gauge.dec();
+        let result = match &done.result {
+            Ok(_) => "ok",
+            Err(e) => ErrorCode::from_u32(e.code).name(),
+        };
+        self.metrics
+            .served(done.name, done.started.elapsed().as_secs_f64(), result);
         if done.kind != Kind::Request {
             if let Err(e) = done.result {
                 tracing::debug!(peer = %self.peer, op = %done.op, error = %e, "one-way handler failed");
@@ -807,10 +816,17 @@ impl Conn {
             body: frame.body,
             data: Payload::with_crc(frame.data, h.data_crc),
         };
+        let name = match s.handler.op_name(h.op) {
+            Some(n) => OpName::Named(n),
+            None => OpName::Number(h.op.0),
+        };
+        let started = std::time::Instant::now();
         let mut fut = s.handler.call(req);
         let mut done = Done {
             kind: h.kind,
             op: h.op,
+            name,
+            started,
             request_id: h.request_id,
             cost,
             permits,

@@ -84,6 +84,12 @@ pub struct Reply {
 /// is written without a task switch, otherwise it is spawned on the same worker.
 pub trait Handler: Send + Sync + 'static {
     fn call(&self, req: Request) -> BoxFuture<'static, Result<Reply, RemoteError>>;
+
+    /// The op's name, for metrics (`nacre_msgr_server_seconds{op=...}`); `None` labels it by number.
+    fn op_name(&self, op: Op) -> Option<&'static str> {
+        let _ = op;
+        None
+    }
 }
 
 impl<F> Handler for F
@@ -169,6 +175,10 @@ impl Router {
 }
 
 impl Handler for Router {
+    fn op_name(&self, op: Op) -> Option<&'static str> {
+        self.routes.get(&op).map(|(name, _)| *name)
+    }
+
     fn call(&self, req: Request) -> BoxFuture<'static, Result<Reply, RemoteError>> {
         match self.routes.get(&req.op) {
             Some((_, route)) => route(req),

@@ -7,6 +7,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -31,8 +32,48 @@ pub(crate) struct SideLabel {
     side: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct OpLabel {
+    /// The op's name where the handler knows it (`Router`), else its number.
+    op: OpName,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct OpResult {
+    op: OpName,
+    /// `ok`, or the error code's name.
+    result: &'static str,
+}
+
+/// An op's label value: a route's name, or the number of an op no route names.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub(crate) enum OpName {
+    Named(&'static str),
+    Number(u16),
+}
+
+impl prometheus_client::encoding::EncodeLabelValue for OpName {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelValueEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use std::fmt::Write as _;
+        match self {
+            OpName::Named(n) => encoder.write_str(n),
+            OpName::Number(n) => write!(encoder, "{n}"),
+        }
+    }
+}
+
+type Histograms = Family<OpLabel, Histogram, fn() -> Histogram>;
+
+/// Buckets of [`MsgrMetrics`]'s service-time histograms: 25 µs doubling to about 1.6 s (17).
+fn service_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(25e-6, 2.0, 17))
+}
+
 /// All messenger metric families of one messenger.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct MsgrMetrics {
     frames: Family<WorkerDir, Counter>,
     bytes: Family<WorkerDir, Counter>,
@@ -40,6 +81,23 @@ pub struct MsgrMetrics {
     direct: Family<WorkerLabel, Counter>,
     errors: Family<KindLabel, Counter>,
     inflight: Family<SideLabel, Gauge>,
+    served: Histograms,
+    results: Family<OpResult, Counter>,
+}
+
+impl Default for MsgrMetrics {
+    fn default() -> Self {
+        Self {
+            frames: Family::default(),
+            bytes: Family::default(),
+            connections: Family::default(),
+            direct: Family::default(),
+            errors: Family::default(),
+            inflight: Family::default(),
+            served: Family::new_with_constructor(service_histogram),
+            results: Family::default(),
+        }
+    }
 }
 
 /// The counters one worker updates.
@@ -85,6 +143,17 @@ impl MsgrMetrics {
             self.errors.clone(),
         );
         r.register(
+            "server_seconds",
+            "Time from a request (or one-way message) being read to its handler finishing, per op: \
+             what the server adds to a caller's latency, queueing for in-flight budget excluded",
+            self.served.clone(),
+        );
+        r.register(
+            "server_requests",
+            "Requests and one-way messages served, per op and result (ok, or the error code)",
+            self.results.clone(),
+        );
+        r.register(
             "inflight_requests",
             "Requests in flight (side=client: awaiting a reply; side=server: being served)",
             self.inflight.clone(),
@@ -112,6 +181,14 @@ impl MsgrMetrics {
 
     pub(crate) fn error(&self, kind: &'static str) {
         self.errors.get_or_create(&KindLabel { kind }).inc();
+    }
+
+    /// Records a served request: its service time and its result.
+    pub(crate) fn served(&self, op: OpName, secs: f64, result: &'static str) {
+        self.served
+            .get_or_create(&OpLabel { op: op.clone() })
+            .observe(secs);
+        self.results.get_or_create(&OpResult { op, result }).inc();
     }
 
     pub(crate) fn inflight(&self, side: &'static str) -> Gauge {

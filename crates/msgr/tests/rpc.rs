@@ -621,6 +621,46 @@ async fn metrics_count_frames_and_bytes_per_worker() {
     srv.stop().await;
 }
 
+/// Every served request is timed and counted per op (named by the router) and result; an op no
+/// route serves is labelled by number, its result by the error code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_time_and_count_served_requests_per_op() {
+    let router = Router::new()
+        .route::<Echo, _, _>(|_req, inc| async move { Ok((EchoResponse {}, inc.data)) });
+    let srv = Server::start(MsgrConfig::default(), Arc::new(router)).await;
+    let cm = client_msgr();
+    let client = cm.client();
+    for _ in 0..3 {
+        client
+            .call::<Echo>(&srv.addr, &EchoRequest {}, Payload::new(pattern(100, 1)))
+            .await
+            .unwrap();
+    }
+    let err = client
+        .call::<Ping>(&srv.addr, &PingRequest {}, Payload::none())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, MsgrError::Remote { ref error, .. } if error.code == ErrorCode::UnknownOp.as_u32()),
+        "{err}"
+    );
+    // The server records a request before it writes the reply, so the figures are exact here.
+    let mut reg = prometheus_client::registry::Registry::default();
+    srv.msgr.register_metrics(&mut reg);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+    let ping = <Ping as nacre_proto::msg::Rpc>::OP.0;
+    for line in [
+        "nacre_msgr_server_seconds_count{op=\"echo\"} 3".to_string(),
+        "nacre_msgr_server_requests_total{op=\"echo\",result=\"ok\"} 3".to_string(),
+        format!("nacre_msgr_server_seconds_count{{op=\"{ping}\"}} 1"),
+        format!("nacre_msgr_server_requests_total{{op=\"{ping}\",result=\"unknown_op\"}} 1"),
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+    }
+    srv.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shorter_deadline_queued_behind_a_longer_one_still_fires_first() {
     let gate = Arc::new(Semaphore::new(0));

@@ -125,6 +125,25 @@ impl ErrorCode {
         }
     }
 
+    /// A short stable name (`not_leader`), for metric labels and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::BadRequest => "bad_request",
+            Self::UnknownOp => "unknown_op",
+            Self::Internal => "internal",
+            Self::Unavailable => "unavailable",
+            Self::DeadlineExceeded => "deadline_exceeded",
+            Self::NotLeader => "not_leader",
+            Self::UnknownGroup => "unknown_group",
+            Self::StaleEpoch => "stale_epoch",
+            Self::NotFound => "not_found",
+            Self::AlreadyExists => "already_exists",
+            Self::InvalidArgument => "invalid_argument",
+            Self::Corrupt => "corrupt",
+            Self::Unknown(_) => "unknown",
+        }
+    }
+
     /// Inverse of [`ErrorCode::as_u32`]; unknown numbers are kept, not rejected.
     pub fn from_u32(code: u32) -> Self {
         match code {
