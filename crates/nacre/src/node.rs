@@ -15,6 +15,7 @@ use nacre_meta::{MetaNode, MetaNodeConfig};
 use nacre_msgr::{AssignKind, Messenger, MsgrConfig, Payload, Router, TcpTransport};
 use nacre_proto::msg::sys::{Echo, EchoResponse, Ping, PingResponse};
 use nacre_raft::{EngineLogStore, LogStore, RaftHandle, StoreConfig};
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -268,6 +269,14 @@ impl Node {
         let msgr = Messenger::new(&cfg.name, cfg.msgr.to_config()?, Arc::new(TcpTransport))?;
         let mut registry = Registry::default();
         msgr.register_metrics(&mut registry);
+        // Masters, meta and data nodes each run one Raft store; its synced log writes.
+        let log_sync = Histogram::new(exponential_buckets(25e-6, 2.0, 17));
+        registry.register(
+            "nacre_raft_log_sync_seconds",
+            "Time of each synced Raft log write (what every commit waits for on each replica), \
+             25 us doubling to about 1.6 s",
+            log_sync.clone(),
+        );
         let registry = Arc::new(registry);
         let (stop, _) = watch::channel(false);
         let stopped = |stop: &watch::Sender<bool>| {
@@ -305,6 +314,7 @@ impl Node {
                 let store = StoreConfig {
                     tick_interval: Duration::from_millis(cfg.master.tick_ms.max(1)),
                     early_appends: cfg.raft_early_appends.unwrap_or(false),
+                    log_sync_seconds: Some(log_sync.clone()),
                     ..StoreConfig::default()
                 };
                 let others = peers
@@ -358,6 +368,7 @@ impl Node {
                         dir: cfg.data_dir.clone(),
                         raft: StoreConfig {
                             early_appends: cfg.raft_early_appends.unwrap_or(false),
+                            log_sync_seconds: Some(log_sync.clone()),
                             ..StoreConfig::default()
                         }
                         .with_read_lease(),
@@ -382,6 +393,7 @@ impl Node {
                     if let Some(early) = cfg.raft_early_appends {
                         data_cfg.raft.early_appends = early;
                     }
+                    data_cfg.raft.log_sync_seconds = Some(log_sync.clone());
                     let data = DataNode::open(&data_cfg, msgr.client()).with_context(|| {
                         format!("cannot open the data node in {}", cfg.data_dir.display())
                     })?;

@@ -20,6 +20,7 @@ mod mem_log;
 mod node;
 mod storage;
 pub mod store;
+mod timed_log;
 
 pub use engine_log::EngineLogStore;
 pub use log::{GroupId, GroupState, GroupWrite, LogError, LogStore, LogWrite};

@@ -76,6 +76,9 @@ pub struct StoreConfig {
     /// block CRC; the Raft loop on the messenger's worker"). The loop's applies and log reads then hold up that worker's
     /// connections while they run, so it suits state machines whose applies are short.
     pub on_msgr_worker: bool,
+    /// Times every synced log write (entries, hard state, snapshots: the `fdatasync` every commit
+    /// waits for) into this histogram, e.g. a node's `nacre_raft_log_sync_seconds`.
+    pub log_sync_seconds: Option<prometheus_client::metrics::histogram::Histogram>,
 }
 
 impl Default for StoreConfig {
@@ -90,6 +93,7 @@ impl Default for StoreConfig {
             early_appends: false,
             async_log: false,
             on_msgr_worker: false,
+            log_sync_seconds: None,
         }
     }
 }
@@ -393,6 +397,10 @@ pub fn start<S: StateMachine>(
     peers: BTreeMap<u64, String>,
     client: Client,
 ) -> std::io::Result<RaftHandle<S>> {
+    let log: Arc<dyn LogStore> = match &config.log_sync_seconds {
+        Some(h) => Arc::new(crate::timed_log::TimedLog::new(log, h.clone())),
+        None => log,
+    };
     let (tx, rx) = mpsc::unbounded_channel();
     let own = tx.downgrade();
     let (applied_tx, applied) = watch::channel(0u64);

@@ -176,6 +176,44 @@ async fn stores_elect_replicate_and_serve_linearizable_reads_over_the_messenger(
     shutdown(nodes).await;
 }
 
+/// `log_sync_seconds` times every synced log write, on the Raft thread and on the log writer
+/// thread: a committed command was synced on a quorum, so the shared histogram counts at least two
+/// writes per command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn synced_log_writes_are_timed() {
+    for async_log in [false, true] {
+        let net = MemNetwork::new(23);
+        let hist = prometheus_client::metrics::histogram::Histogram::new([1e-3, 1.0]);
+        let config = StoreConfig {
+            async_log,
+            log_sync_seconds: Some(hist.clone()),
+            ..fast()
+        };
+        let nodes = cluster(&net, "ls", &config).await;
+        add_group_everywhere(&nodes, 1).await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for i in 0..10 {
+            propose(&nodes, 1, &format!("k{i}={i}"), deadline)
+                .await
+                .unwrap();
+        }
+        let mut reg = prometheus_client::registry::Registry::default();
+        reg.register("log_sync_seconds", "test", hist);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        let count: u64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("log_sync_seconds_count "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no count in\n{text}"));
+        assert!(
+            count >= 20,
+            "async_log {async_log}: {count} synced writes timed\n{text}"
+        );
+        shutdown(nodes).await;
+    }
+}
+
 /// With the log written on a thread of its own, every replica (leader and followers) still has
 /// each command prefetched before it applies it: the read-ahead moved behind the round's log
 /// write, not away.
