@@ -647,7 +647,7 @@ impl ExtentStore {
         let Ok(_gate) = self.enter() else { return };
         let Ok(Some(ext)) = self.find(id) else { return };
         let bs = self.bs;
-        let ranges = {
+        let (ranges, f) = {
             let st = read(&ext.state);
             let end = offset.saturating_add(len).min(st.len);
             if st.deleted || offset >= end {
@@ -675,13 +675,14 @@ impl ExtentStore {
             if last != first {
                 ranges.extend(needed(last));
             }
-            ranges
-        };
-        if ranges.is_empty() {
-            return;
-        }
-        let Ok(f) = self.files(id, Open::Existing) else {
-            return;
+            if ranges.is_empty() {
+                return;
+            }
+            // Under the state lock, as `files` asks: a delete cannot slip in between.
+            let Ok(f) = self.files(id, Open::Existing) else {
+                return;
+            };
+            (ranges, f)
         };
         for (start, blen) in ranges {
             let _ = f.data.will_need(start, blen);
