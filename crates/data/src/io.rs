@@ -86,6 +86,14 @@ pub trait DiskFile: Send + Sync + std::fmt::Debug {
         let _ = (off, len);
         Ok(())
     }
+    /// Asks the OS to start writing the dirty pages of `[off, off + len)` to the device without
+    /// waiting for them, so that the next `sync_data` finds them written or on their way. Makes
+    /// nothing durable, and hides no error from a later `sync_data` (that one still reports
+    /// write-back errors). Best effort; a no-op where there is no such cache.
+    fn start_writeback(&self, off: u64, len: u64) -> io::Result<()> {
+        let _ = (off, len);
+        Ok(())
+    }
 }
 
 /// Rejects names that are not a single path component.
@@ -277,6 +285,32 @@ impl DiskFile for RealFile {
 
     fn will_need(&self, off: u64, len: u64) -> io::Result<()> {
         self.advise(off, len, rustix::fs::Advice::WillNeed)
+    }
+
+    #[cfg(target_os = "linux")]
+    #[allow(unsafe_code)]
+    fn start_writeback(&self, off: u64, len: u64) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        if len == 0 {
+            return Ok(());
+        }
+        let (Ok(off), Ok(len)) = (i64::try_from(off), i64::try_from(len)) else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "range past i64::MAX",
+            ));
+        };
+        // SAFETY: `sync_file_range` takes a descriptor and plain integers and touches no memory of
+        // ours; the descriptor is open for as long as `self.file` lives, which outlasts the call.
+        // rustix has no wrapper for it.
+        let r = unsafe {
+            libc::sync_file_range(self.file.as_raw_fd(), off, len, libc::SYNC_FILE_RANGE_WRITE)
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
     }
 }
 
@@ -972,6 +1006,10 @@ impl DiskFile for FaultyFile {
 
     fn will_need(&self, off: u64, len: u64) -> io::Result<()> {
         self.inner.will_need(off, len)
+    }
+
+    fn start_writeback(&self, off: u64, len: u64) -> io::Result<()> {
+        self.inner.start_writeback(off, len)
     }
 }
 

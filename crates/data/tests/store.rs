@@ -877,6 +877,24 @@ proptest! {
 // -------------------------------------------------------------------------------------------------
 // Real files
 
+/// A real file starts its write-back of a written range (`sync_file_range`), accepts an empty one,
+/// and refuses one past `i64::MAX` with an error rather than a wrapped offset.
+#[test]
+fn file_disk_starts_write_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = FileDisk::new(dir.path()).unwrap();
+    let f = disk.open("1024.data").unwrap();
+    f.write_at(&vec![5; 1 << 20], 0).unwrap();
+    f.start_writeback(0, 1 << 20).unwrap();
+    f.start_writeback(1 << 20, 0).unwrap();
+    let e = f.start_writeback(u64::MAX - 1, 1).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+    f.sync_data().unwrap();
+    let mut back = vec![0; 1 << 20];
+    assert_eq!(f.read_at(&mut back, 0).unwrap(), 1 << 20);
+    assert!(back.iter().all(|&b| b == 5));
+}
+
 #[test]
 fn file_disk_punch_frees_space_and_reopens() {
     let dir = tempfile::tempdir().unwrap();
@@ -946,6 +964,8 @@ struct Gate {
     fs_syncs: AtomicU64,
     /// `sync_fs` fails.
     fs_sync_fails: std::sync::atomic::AtomicBool,
+    /// Every `start_writeback`: file, offset, length.
+    writebacks: Mutex<Vec<(String, u64, u64)>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -1103,6 +1123,66 @@ impl DiskFile for GateFile {
     fn will_need(&self, off: u64, len: u64) -> io::Result<()> {
         self.hint(true, off, len);
         Ok(())
+    }
+    fn start_writeback(&self, off: u64, len: u64) -> io::Result<()> {
+        self.gate
+            .writebacks
+            .lock()
+            .unwrap()
+            .push((self.name.clone(), off, len));
+        self.inner.start_writeback(off, len)
+    }
+}
+
+/// Appends to a normal extent start the write-back of every `writeback_after` bytes (the range
+/// appended since the last start, never past what was written); in-place writes, tiny extents, a
+/// store that does not sync and `writeback_after: 0` start none; the bytes are the same either way.
+#[test]
+fn appends_start_their_write_back() {
+    let with = |every: u32, sync: bool| StoreOptions {
+        writeback_after: every,
+        sync,
+        ..opts()
+    };
+    let mem = MemDisk::new();
+    let (s, gate) = GateDisk::store(mem.clone(), with(256, true));
+    let kicks = || std::mem::take(&mut *gate.writebacks.lock().unwrap());
+    let id = NORMAL[0];
+    let name = data_name(id);
+    s.create(id).unwrap();
+    s.write(id, 0, &[1; 100]).unwrap();
+    assert_eq!(kicks(), []);
+    s.write(id, 100, &[2; 200]).unwrap();
+    assert_eq!(kicks(), [(name.clone(), 0, 300)]);
+    s.write(id, 10, &[3; 10]).unwrap();
+    s.write(id, 300, &[4; 100]).unwrap();
+    assert_eq!(kicks(), [], "an overwrite, then too little appended");
+    s.truncate(id, 350).unwrap();
+    s.write(id, 350, &[5; 300]).unwrap();
+    assert_eq!(
+        kicks(),
+        [(name.clone(), 300, 350)],
+        "from the mark, below the cut"
+    );
+    s.write(TINY[0], 0, &[6; 1000]).unwrap();
+    assert_eq!(kicks(), [], "tiny extents are synced at once anyway");
+    s.sync().unwrap();
+    drop(s);
+    let s = open(&mem);
+    let mut want = vec![1u8; 10];
+    want.extend([3; 10]);
+    want.extend([1; 80]);
+    want.extend([2; 200]);
+    want.extend([4; 50]);
+    want.extend([5; 300]);
+    assert_eq!(s.read(id, 0, 650).unwrap()[..], want[..]);
+    drop(s);
+
+    for (every, sync) in [(0, true), (256, false)] {
+        let (s, gate) = GateDisk::store(MemDisk::new(), with(every, sync));
+        s.create(id).unwrap();
+        s.write(id, 0, &[7; 1000]).unwrap();
+        assert_eq!(*gate.writebacks.lock().unwrap(), [], "{every} {sync}");
     }
 }
 

@@ -60,6 +60,8 @@ pub const DEFAULT_MAX_OPEN_EXTENTS: u32 = 256;
 
 /// Default for [`StoreOptions::sync_fs_from`].
 pub const DEFAULT_SYNC_FS_FROM: u32 = 4;
+/// Default [`StoreOptions::writeback_after`]: one append packet.
+pub const DEFAULT_WRITEBACK_AFTER: u32 = 128 * 1024;
 
 /// Page granularity of [`StoreOptions::drop_synced`]: the page holding the previous mark is asked
 /// again (it may have been partial then; the OS keeps pages only partly inside a range).
@@ -97,6 +99,11 @@ pub struct StoreOptions {
     /// of one or two extents (a single stream, small files) keep the per-file `fdatasync`, which
     /// waits for nothing else on the file system.
     pub sync_fs_from: u32,
+    /// Once this many bytes were appended to a normal extent since the last time, ask the OS to
+    /// start writing them to the device (`DiskFile::start_writeback`) instead of leaving it all to
+    /// the next group commit's fsync; 0: never. A stream's sync then waits for its last packet's
+    /// pages instead of its whole MiB (docs/data-store.md, "Page cache"). Ignored without `sync`.
+    pub writeback_after: u32,
 }
 
 impl Default for StoreOptions {
@@ -107,6 +114,7 @@ impl Default for StoreOptions {
             max_open_extents: DEFAULT_MAX_OPEN_EXTENTS,
             drop_synced: true,
             sync_fs_from: DEFAULT_SYNC_FS_FROM,
+            writeback_after: DEFAULT_WRITEBACK_AFTER,
         }
     }
 }
@@ -256,6 +264,8 @@ struct State {
     hdr: Cursor,
     /// Bytes below this were synced and asked out of the page cache (see `sync_extents`).
     uncached: u64,
+    /// Appended bytes below this were handed to the OS's write-back (`writeback_after`).
+    kicked: u64,
 }
 
 /// An extent's memory. Its files are in the store's [`FileCache`], open or not.
@@ -441,6 +451,7 @@ fn load(
             blocks: r.blocks,
             hdr: r.cursor,
             uncached: 0,
+            kicked: r.len,
         };
         extents.insert(id, Arc::new(Extent::new(id, state)));
     }
@@ -1168,6 +1179,7 @@ impl ExtentStore {
                 lens: [u64::MAX; 2],
             },
             uncached: 0,
+            kicked: 0,
         };
         let ext = Arc::new(Extent::new(id, state));
         write(&self.extents).insert(id, ext.clone());
@@ -1427,7 +1439,27 @@ impl ExtentStore {
             }
         }
         st.len = new_len;
+        self.start_writeback(ext.id, f, st, offset >= old_len);
         Ok(())
+    }
+
+    /// After a write: once `writeback_after` bytes were appended to a normal extent since the last
+    /// kick, starts their write-back. Tiny extents are synced right after each write anyway, and
+    /// in-place writes are few and small. A failed hint is ignored (the round's fsync reports
+    /// write-back errors).
+    fn start_writeback(&self, id: ExtentId, f: &Files, st: &mut State, appended: bool) {
+        let every = u64::from(self.opts.writeback_after);
+        if every == 0 || !self.opts.sync || !appended || Self::is_tiny(id) {
+            return;
+        }
+        // A truncate may have cut below the mark.
+        let from = st.kicked.min(st.len);
+        if st.len - from >= every {
+            let _ = f.data.start_writeback(from, st.len - from);
+            st.kicked = st.len;
+        } else {
+            st.kicked = from;
+        }
     }
 
     /// Shrinks to `len < st.len`, durably: the new end record and a header saying `len` are fsynced
