@@ -613,6 +613,54 @@ fn normal_and_tiny_semantics() {
     assert_eq!(StoreError::Failed.code(), ErrorCode::Internal);
 }
 
+/// Creating an extent only registers it: its files are made by its first write or by the next
+/// sync round, whichever comes first, and the round makes them durable with the directory.
+#[test]
+fn created_extents_get_their_files_from_the_first_write_or_the_next_round() {
+    let disk = MemDisk::new();
+    let s = open(&disk);
+    let [a, b, c] = NORMAL;
+    let has_files = |d: &MemDisk, id: ExtentId| d.read_file(&data_name(id)).is_some();
+    for id in NORMAL {
+        s.create(id).unwrap();
+        assert!(!has_files(&disk, id), "{id}");
+        assert_eq!(s.len(id).unwrap(), 0);
+        assert!(s.read(id, 0, 0).unwrap().is_empty());
+        assert!(matches!(
+            s.read(id, 0, 1),
+            Err(StoreError::OutOfRange { extent_len: 0, .. })
+        ));
+    }
+    assert_eq!(s.extents(), vec![(a, 0), (b, 0), (c, 0)]);
+    s.write(a, 0, b"first").unwrap();
+    assert!(has_files(&disk, a));
+    assert!(!has_files(&disk, b));
+    // Deleting one that never had files.
+    s.delete(c).unwrap();
+    assert!(matches!(s.len(c), Err(StoreError::NotFound(_))));
+    assert!(matches!(s.write(c, 0, b"x"), Err(StoreError::NotFound(_))));
+    // Nothing is durable before the round; after it, both survive a crash.
+    let r = open(&disk.crash());
+    assert!(r.extents().is_empty(), "{:?}", r.extents());
+    s.sync().unwrap();
+    assert!(has_files(&disk, b));
+    assert!(!has_files(&disk, c));
+    let r = open(&disk.crash());
+    assert!(r.recovery_report().is_empty());
+    assert_eq!(r.extents(), vec![(a, 5), (b, 0)]);
+    assert_eq!(r.read(a, 0, 5).unwrap()[..], b"first"[..]);
+    // A leftover of a delete whose remove failed does not show through the new files.
+    disk.open(&data_name(c))
+        .unwrap()
+        .write_at(b"stale", 0)
+        .unwrap();
+    s.repair_block(c, 0, b"new").unwrap();
+    assert_eq!(s.read(c, 0, 3).unwrap()[..], b"new"[..]);
+    assert_eq!(disk.read_file(&data_name(c)).unwrap(), b"new");
+    s.sync().unwrap();
+    assert_eq!(open(&disk.crash()).read(c, 0, 3).unwrap()[..], b"new"[..]);
+}
+
 #[test]
 fn open_rejects_a_different_block_size() {
     let disk = MemDisk::new();
@@ -1725,14 +1773,16 @@ fn out_of_descriptors_fails_the_call_not_the_store() {
     no_fds(s.truncate(a, 50));
     no_fds(s.punch(a, 0, 10));
     no_fds(s.repair_block(a, 0, &[9; 64]));
-    no_fds(s.create(c));
+    // Creating registers the extent and opens nothing; its files wait for a round that can.
+    s.create(c).unwrap();
     no_fds(s.write(TINY[0], 0, b"tiny"));
     no_fds(s.sync());
     no_fds(s.sync());
     // Nothing changed, and the store did not fail.
     assert_eq!(s.len(a).unwrap(), 100);
-    assert!(matches!(s.len(c), Err(StoreError::NotFound(_))));
+    assert_eq!(s.len(c).unwrap(), 0);
     assert_eq!(s.len(TINY[0]).unwrap(), 0);
+    assert!(mem.crash().read_file(&data_name(c)).is_none());
     // Closing a's files to open b's fsynced a's data, but no round committed its length.
     assert_eq!(header_len(&mem.crash(), a), Some(0));
     no_fds(ExtentStore::open(Arc::new(faulty.clone()), capped(1)).map(drop));
@@ -1744,8 +1794,8 @@ fn out_of_descriptors_fails_the_call_not_the_store() {
     assert!(r.recovery_report().is_empty());
     assert_eq!(r.read(a, 0, 100).unwrap()[..], [1; 100][..]);
     assert_eq!(r.read(b, 0, 128).unwrap()[..], [2; 128][..]);
+    assert_eq!(r.len(c).unwrap(), 0);
     drop(r);
-    s.create(c).unwrap();
     s.write(a, 100, &[3; 10]).unwrap();
     s.sync().unwrap();
     let r = open_capped(&mem.crash(), 1);

@@ -205,9 +205,9 @@ impl FileCache {
         result
     }
 
-    /// The extent's files, opened if the cache does not hold them. The caller holds the extent's
-    /// state lock and has checked that it is not deleted (so a reopen cannot race its delete) — or,
-    /// for a new extent, the namespace lock.
+    /// The extent's files, opened (or, with `Open::Create`, made) if the cache does not hold them.
+    /// The caller holds the extent's state lock and has checked that it is not deleted (so an open
+    /// cannot race its delete), or is the store's recovery at open.
     pub fn get(&self, id: ExtentId, how: Open) -> Result<Arc<Files>, CacheError> {
         if let Some(f) = lock(&self.lru).touch(id) {
             return Ok(f);

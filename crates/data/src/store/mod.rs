@@ -14,7 +14,7 @@
 //! Besides, every call holds a gate shared for its whole duration, which [`ExtentStore::reopen`]
 //! takes exclusively to replace the state of a failed store.
 //!
-//! Lock order: `reopening` (reopens only), the gate, `namespace`, an extent's state, the cache's
+//! Lock order: `reopening` (reopens only), the gate, an extent's state, the cache's
 //! mutex, the extent map, the dirty set. The group commit's `commit` mutex is never held while
 //! another lock is taken; a caller waiting for a round holds only the gate (shared), and the round
 //! it waits for ends once its IO returns, so a reopen waiting for the gate waits for IO, never for
@@ -258,6 +258,9 @@ struct Cursor {
 #[derive(Debug)]
 struct State {
     deleted: bool,
+    /// Its files exist (or existed when the store was opened). An extent is registered without
+    /// them ([`ExtentStore::create`]); its first write, or the next sync round, makes them.
+    born: bool,
     len: u64,
     /// One per block: `len.div_ceil(block_size)` entries.
     blocks: Vec<Block>,
@@ -266,6 +269,26 @@ struct State {
     uncached: u64,
     /// Appended bytes below this were handed to the OS's write-back (`writeback_after`).
     kicked: u64,
+}
+
+impl State {
+    /// A registered extent without files yet: empty, no header written.
+    fn unborn() -> Self {
+        Self {
+            deleted: false,
+            born: false,
+            len: 0,
+            blocks: Vec::new(),
+            hdr: Cursor {
+                slot: 0,
+                seq: 1,
+                generation: 0,
+                lens: [u64::MAX; 2],
+            },
+            uncached: 0,
+            kicked: 0,
+        }
+    }
 }
 
 /// An extent's memory. Its files are in the store's [`FileCache`], open or not.
@@ -325,8 +348,6 @@ pub struct ExtentStore {
     extents: RwLock<HashMap<ExtentId, Arc<Extent>>>,
     /// The extents' open files, bounded.
     cache: FileCache,
-    /// Serializes creating and deleting extents (their files), not IO on them.
-    namespace: Mutex<()>,
     dirty: Mutex<Dirty>,
     commit: Mutex<Commit>,
     round_done: Condvar,
@@ -447,6 +468,7 @@ fn load(
         recovery.bad_blocks.extend(r.bad.iter().map(|&b| (id, b)));
         let state = State {
             deleted: false,
+            born: true,
             len: r.len,
             blocks: r.blocks,
             hdr: r.cursor,
@@ -496,7 +518,6 @@ impl ExtentStore {
             epoch: AtomicU64::new(0),
             extents: RwLock::new(loaded.extents),
             cache,
-            namespace: Mutex::new(()),
             dirty: Mutex::new(Dirty {
                 extents: HashMap::new(),
                 dir: loaded.dir_dirty,
@@ -538,7 +559,8 @@ impl ExtentStore {
         self.cache.clear();
         let loaded = load(&*self.disk, &self.cache, &self.opts, true)?;
         // Nothing refers to the old extents any more: no call is in flight, and the dirty set
-        // (which held them) is replaced too.
+        // (which held them) is replaced too. Extents registered without files yet are gone, like
+        // any create not synced before the failure.
         *write(&self.extents) = loaded.extents;
         *lock(&self.dirty) = Dirty {
             extents: HashMap::new(),
@@ -598,15 +620,15 @@ impl ExtentStore {
         self.cache.len()
     }
 
-    /// Creates an empty normal extent; idempotent (an existing extent is left unchanged). A tiny
-    /// extent id makes its file exist. Durable after the next [`ExtentStore::sync`].
+    /// Creates an empty extent; idempotent (an existing extent is left unchanged). Only registers
+    /// it: its files are made by its first write, or by the next [`ExtentStore::sync`] round if that
+    /// comes first, so a create costs no file-system work where it is called (a data partition's
+    /// Raft apply, on a messenger worker). Durable after the next [`ExtentStore::sync`].
     pub fn create(&self, id: ExtentId) -> Result<(), StoreError> {
         let _gate = self.enter()?;
         self.changing(|| {
             kind(id)?;
-            if self.lookup(id).is_none() {
-                self.materialize(id)?;
-            }
+            self.register(id);
             Ok(())
         })
     }
@@ -633,7 +655,7 @@ impl ExtentStore {
                     extent_len: st.len,
                 });
             }
-            let f = self.files_to_change(id)?;
+            let f = self.files_to_change(id, &mut st)?;
             self.write_locked(&ext, &f, &mut st, offset, data)
                 .map_err(|e| match e {
                     StoreError::Io(io) if io.kind() == std::io::ErrorKind::StorageFull => {
@@ -725,7 +747,7 @@ impl ExtentStore {
                 )));
             }
             if len < st.len {
-                let f = self.files_to_change(id)?;
+                let f = self.files_to_change(id, &mut st)?;
                 self.truncate_locked(&f, &mut st, len)?;
             }
             drop(st);
@@ -840,10 +862,7 @@ impl ExtentStore {
                 .checked_mul(bs)
                 .filter(|s| s + bs <= self.max_len)
                 .ok_or_else(|| StoreError::Invalid(format!("{id}: block {index} is too far")))?;
-            let ext = match self.lookup(id) {
-                Some(e) => e,
-                None => self.materialize(id)?,
-            };
+            let ext = self.register(id);
             let mut st = write(&ext.state);
             if st.deleted {
                 return Err(StoreError::NotFound(id));
@@ -863,7 +882,7 @@ impl ExtentStore {
                     data.len()
                 )));
             }
-            let f = self.files_to_change(id)?;
+            let f = self.files_to_change(id, &mut st)?;
             if start < st.len && end < st.len && st.len <= start + bs {
                 // The last block, shorter on the healthy replica.
                 self.truncate_locked(&f, &mut st, end)?;
@@ -884,20 +903,25 @@ impl ExtentStore {
                     "{id} is a tiny extent: release its ranges with punch"
                 )));
             }
-            let _ns = lock(&self.namespace);
             let Some(ext) = self.lookup(id) else {
                 return Ok(());
             };
             {
                 let mut st = write(&ext.state);
                 st.deleted = true;
-                // Under the state lock: a call that reopens files checks `deleted` under it first.
+                // Under the state lock: a call that reopens (or makes) files checks `deleted`
+                // under it first.
                 self.cache.forget(id);
             }
-            write(&self.extents).remove(&id);
             lock(&self.dirty).dir = true;
-            self.disk.remove(&data_name(id))?;
-            self.disk.remove(&crc_name(id))?;
+            // The files go before the entry: until it leaves the map, a call that registers the
+            // id finds the deleted extent, so it cannot make files that these removes then take.
+            let removed = self
+                .disk
+                .remove(&data_name(id))
+                .and_then(|()| self.disk.remove(&crc_name(id)));
+            write(&self.extents).remove(&id);
+            removed?;
             Ok(())
         })
     }
@@ -938,7 +962,7 @@ impl ExtentStore {
             if len == 0 {
                 return Ok(());
             }
-            let f = self.files_to_change(id)?;
+            let f = self.files_to_change(id, &mut st)?;
             let bs = self.bs;
             let first = offset / bs;
             let last = (end - 1) / bs;
@@ -1145,47 +1169,48 @@ impl ExtentStore {
         }
     }
 
-    /// The extent to write to, creating a tiny extent's files on first use.
+    /// The extent to write to, registering a tiny extent on first use.
     fn writable(&self, id: ExtentId) -> Result<Arc<Extent>, StoreError> {
         match self.find(id)? {
             Some(e) => Ok(e),
-            None => self.materialize(id),
+            None => Ok(self.register(id)),
         }
     }
 
-    /// Creates an extent's (empty) files and registers it.
-    fn materialize(&self, id: ExtentId) -> Result<Arc<Extent>, StoreError> {
-        let _ns = lock(&self.namespace);
-        if let Some(e) = self.lookup(id) {
-            return Ok(e);
+    /// Registers an empty extent without making its files ([`ExtentStore::create`]): they are made
+    /// by the first call that changes it, or by the next sync round, whichever comes first
+    /// ([`ExtentStore::files_to_change`]). Returns the extent already registered, if any.
+    fn register(&self, id: ExtentId) -> Arc<Extent> {
+        let mut all = write(&self.extents);
+        if let Some(e) = all.get(&id) {
+            return e.clone();
+        }
+        let ext = Arc::new(Extent::new(id, State::unborn()));
+        all.insert(id, ext.clone());
+        drop(all);
+        // The round that takes it makes its files (if no write did before) and syncs the directory.
+        self.mark_dirty(&ext);
+        ext
+    }
+
+    /// The files of `id`, whose state `st` is (write-locked by the caller, not deleted): opened if
+    /// the cache closed them, made first if the extent has none yet. Making them empties leftovers
+    /// of a delete whose remove failed, so they cannot show through, and has the next round sync
+    /// the directory.
+    fn born_files(&self, id: ExtentId, st: &mut State) -> Result<Arc<Files>, StoreError> {
+        if st.born {
+            return self.files(id, Open::Existing);
         }
         let files = self.files(id, Open::Create)?;
-        // Leftovers of a delete whose remove failed must not show through.
         for f in [&files.data, &files.crc] {
             if f.len()? != 0 {
                 f.set_len(0)?;
                 files.changed();
             }
         }
-        drop(files);
-        let state = State {
-            deleted: false,
-            len: 0,
-            blocks: Vec::new(),
-            hdr: Cursor {
-                slot: 0,
-                seq: 1,
-                generation: 0,
-                lens: [u64::MAX; 2],
-            },
-            uncached: 0,
-            kicked: 0,
-        };
-        let ext = Arc::new(Extent::new(id, state));
-        write(&self.extents).insert(id, ext.clone());
+        st.born = true;
         lock(&self.dirty).dir = true;
-        self.mark_dirty(&ext);
-        Ok(ext)
+        Ok(files)
     }
 
     /// An extent's files (`cache.rs`), opened if the cache closed them. Call under the extent's state
@@ -1202,9 +1227,9 @@ impl ExtentStore {
         })
     }
 
-    /// [`ExtentStore::files`] for a change: marked changed when the returned guard drops.
-    fn files_to_change(&self, id: ExtentId) -> Result<Changing, StoreError> {
-        self.files(id, Open::Existing).map(Changing)
+    /// [`ExtentStore::born_files`] for a change: marked changed when the returned guard drops.
+    fn files_to_change(&self, id: ExtentId, st: &mut State) -> Result<Changing, StoreError> {
+        self.born_files(id, st).map(Changing)
     }
 
     fn mark_dirty(&self, ext: &Arc<Extent>) {
@@ -1519,17 +1544,20 @@ impl ExtentStore {
     /// out of descriptors does not: nothing was written for the extents not synced yet, so they go
     /// back into the dirty set (with the directory) for the next round.
     fn round(&self) -> Result<(), StoreError> {
-        let (extents, dir) = {
+        let extents = {
             let mut d = lock(&self.dirty);
             for e in d.extents.values() {
                 e.dirty.store(false, Ordering::SeqCst);
             }
-            (std::mem::take(&mut d.extents), std::mem::take(&mut d.dir))
+            std::mem::take(&mut d.extents)
         };
         let extents: Vec<Arc<Extent>> = extents.into_values().collect();
         let mut again = Vec::new();
         let mut done = 0;
         let result = self.sync_extents(&extents, &mut done, &mut again);
+        // Taken after the extents: the files this round made for extents registered without them
+        // are in the directory it syncs (so is whatever came or went since the round began).
+        let dir = std::mem::take(&mut lock(&self.dirty).dir);
         let result = result.and_then(|()| {
             if dir {
                 self.disk.sync_dir().map_err(cache::open_error)?;
@@ -1662,7 +1690,7 @@ impl ExtentStore {
         if st.deleted {
             return Ok(None);
         }
-        let f = self.files(ext.id, Open::Existing)?;
+        let f = self.born_files(ext.id, &mut st)?;
         let len = st.len;
         let tail_crc = match (len % self.bs, st.blocks.last()) {
             (0, _) | (_, None) => 0,
