@@ -461,6 +461,16 @@ impl DataNode {
             if part.store.is_failed() && !self.revive_store(part, &lead).await {
                 continue;
             }
+            if part.store.deleted_files() > 0 {
+                // Removing deleted extents' files frees their blocks, slow for large ones: on the
+                // blocking pool, not in the Raft apply that deleted them.
+                let store = part.store.clone();
+                if let Err(e) =
+                    off_worker(move || store.remove_deleted().map_err(store_error)).await
+                {
+                    tracing::warn!(partition = %part.id, error = %e, "cannot remove deleted extents' files");
+                }
+            }
             match part.shared.drop_released(&part.store) {
                 Ok(0) => {}
                 Ok(n) => {

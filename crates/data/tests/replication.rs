@@ -740,6 +740,13 @@ async fn releases_delete_extents_and_punch_tiny_ranges_on_every_replica() {
                 .all(|(x, _, _)| *x != e)
         );
     }
+    // A replica renames a deleted extent's files (the release was applied on a messenger worker;
+    // removing a large file is slow) and removes them at its next tick, on the blocking pool.
+    for i in 0..3 {
+        let trash = c.data_file(i, e).with_extension("data.deleted");
+        c.node(i).maintain().await;
+        assert!(!trash.exists(), "node {i} still has {}", trash.display());
+    }
     // Appending to it is refused too.
     match api.append(e, model.len() as u64, b"late").await.unwrap() {
         Err(DataError::NotFound(_)) => {}

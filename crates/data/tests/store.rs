@@ -975,6 +975,9 @@ fn file_disk_punch_frees_space_and_reopens() {
 
     s.delete(n).unwrap();
     s.sync().unwrap();
+    // The space comes back when the renamed files are removed.
+    assert_eq!(s.used(), after);
+    assert_eq!(s.remove_deleted().unwrap(), 2);
     assert!(s.used() < after);
     drop(s);
 
@@ -1878,6 +1881,63 @@ fn fds_under(dir: &std::path::Path) -> usize {
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
         .filter(|target| target.starts_with(&dir))
         .count()
+}
+
+/// On real files: a delete renames the extent's files out of its namespace at once, and
+/// `remove_deleted` removes them later (removing a large file is slow); a store opened before that
+/// finds them and removes them on its next call. Extents that never had files leave nothing.
+#[test]
+fn deleted_extents_are_removed_later() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk: Arc<dyn Disk> = Arc::new(FileDisk::new(dir.path()).unwrap());
+    let s = ExtentStore::open(disk.clone(), capped(1)).unwrap();
+    let [a, b, c] = NORMAL;
+    s.create(a).unwrap();
+    s.create(b).unwrap();
+    s.write(a, 0, &[1; 4 * BS as usize]).unwrap();
+    s.write(b, 0, &[2; 4 * BS as usize]).unwrap(); // closes a's files
+    s.sync().unwrap();
+    s.create(c).unwrap(); // no files until a write or a round
+    s.delete(a).unwrap();
+    s.delete(b).unwrap();
+    s.delete(c).unwrap();
+    assert_eq!(s.deleted_files(), 4);
+    let mut names = disk.list().unwrap();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "1024.crc.deleted",
+            "1024.data.deleted",
+            "1025.crc.deleted",
+            "1025.data.deleted"
+        ]
+    );
+    assert!(s.extents().is_empty());
+    s.sync().unwrap();
+    // Reopened before the removal: the extents stay gone and the files are found again.
+    drop(s);
+    let s = ExtentStore::open(disk.clone(), capped(1)).unwrap();
+    assert!(s.extents().is_empty());
+    assert!(s.recovery_report().is_empty());
+    assert_eq!(s.deleted_files(), 4);
+    assert_eq!(s.remove_deleted().unwrap(), 4);
+    assert_eq!(s.deleted_files(), 0);
+    assert!(disk.list().unwrap().is_empty());
+    assert_eq!(s.remove_deleted().unwrap(), 0);
+    // A new extent and a delete after a crash that kept only the renames' directory entries.
+    let mem = MemDisk::new();
+    let s = open(&mem);
+    s.create(a).unwrap();
+    s.write(a, 0, b"gone soon").unwrap();
+    s.sync().unwrap();
+    s.delete(a).unwrap();
+    s.sync().unwrap();
+    let r = open(&mem.crash());
+    assert!(r.extents().is_empty());
+    assert_eq!(r.deleted_files(), 2);
+    assert_eq!(s.remove_deleted().unwrap(), 2);
+    assert!(mem.read_file(&data_name(a)).is_none());
 }
 
 /// On real files: with a cap of 4, 40 extents written, synced, read and reopened never hold more

@@ -26,6 +26,7 @@ const ALT: u32 = 1;
 
 const DATA_SUFFIX: &str = ".data";
 const CRC_SUFFIX: &str = ".crc";
+const TRASH_SUFFIX: &str = ".deleted";
 
 pub(super) fn data_name(id: ExtentId) -> String {
     format!("{}{DATA_SUFFIX}", id.0)
@@ -39,6 +40,18 @@ pub(super) fn crc_name(id: ExtentId) -> String {
 pub(super) enum Kind {
     Data,
     Crc,
+}
+
+/// What a deleted extent's file is renamed to (`<id>.data.deleted`, `<id>.crc.deleted`) until it is
+/// removed: removing a large file is slow, so it happens later, off the deleting thread.
+pub(super) fn trash_name(name: &str) -> String {
+    format!("{name}{TRASH_SUFFIX}")
+}
+
+/// Whether `name` is a deleted extent's file waiting for removal ([`trash_name`]).
+pub(super) fn is_trash(name: &str) -> bool {
+    name.strip_suffix(TRASH_SUFFIX)
+        .is_some_and(|n| parse_name(n).is_some())
 }
 
 /// Parses `<id>.data` / `<id>.crc` with `id` in canonical decimal (no sign, no leading zero).

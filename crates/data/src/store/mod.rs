@@ -14,11 +14,11 @@
 //! Besides, every call holds a gate shared for its whole duration, which [`ExtentStore::reopen`]
 //! takes exclusively to replace the state of a failed store.
 //!
-//! Lock order: `reopening` (reopens only), the gate, an extent's state, the cache's
-//! mutex, the extent map, the dirty set. The group commit's `commit` mutex is never held while
-//! another lock is taken; a caller waiting for a round holds only the gate (shared), and the round
-//! it waits for ends once its IO returns, so a reopen waiting for the gate waits for IO, never for
-//! another lock.
+//! Lock order: `reopening` (reopens only), the gate, an extent's state, the cache's mutex, the
+//! extent map, the dirty set, the trash list. The group commit's `commit` mutex is never
+//! held while another lock is taken; a caller waiting for a round holds only the gate (shared), and
+//! the round it waits for ends once its IO returns, so a reopen waiting for the gate waits for IO,
+//! never for another lock.
 //!
 //! Open files: at most [`StoreOptions::max_open_extents`] extents have their files open (`cache.rs`);
 //! the rest are closed and reopened on demand. Memory (lengths, CRCs) stays resident for every extent.
@@ -41,7 +41,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::io::{Disk, DiskFile};
 use cache::{CacheError, Changing, FileCache, Files, Open};
-use format::{Header, RECORD, Record, SLOT, crc_name, data_name, record_at};
+use format::{Header, RECORD, Record, SLOT, crc_name, data_name, record_at, trash_name};
 
 /// Ids `1..=TINY_EXTENTS` are tiny extents.
 pub const TINY_EXTENTS: u64 = nacre_types::TINY_EXTENTS;
@@ -348,6 +348,8 @@ pub struct ExtentStore {
     extents: RwLock<HashMap<ExtentId, Arc<Extent>>>,
     /// The extents' open files, bounded.
     cache: FileCache,
+    /// Renamed files of deleted extents, to remove ([`ExtentStore::remove_deleted`]).
+    trash: Mutex<Vec<String>>,
     dirty: Mutex<Dirty>,
     commit: Mutex<Commit>,
     round_done: Condvar,
@@ -406,6 +408,8 @@ struct Loaded {
     recovery: Recovery,
     /// Remnants were removed: the next round fsyncs the directory.
     dir_dirty: bool,
+    /// Files of deleted extents not removed yet ([`format::trash_name`]).
+    trash: Vec<String>,
 }
 
 /// Lists the disk's files and recovers every extent (docs/data-store.md, "Recovery"), opening the
@@ -419,7 +423,12 @@ fn load(
 ) -> Result<Loaded, StoreError> {
     // (data file, crc file) present
     let mut found: BTreeMap<ExtentId, (bool, bool)> = BTreeMap::new();
+    let mut trash = Vec::new();
     for name in disk.list().map_err(cache::open_error)? {
+        if format::is_trash(&name) {
+            trash.push(name);
+            continue;
+        }
         match format::parse_name(&name) {
             Some((id, k)) if kind(id).is_ok() => {
                 let e = found.entry(id).or_default();
@@ -481,6 +490,7 @@ fn load(
         extents,
         recovery,
         dir_dirty,
+        trash,
     })
 }
 
@@ -518,6 +528,7 @@ impl ExtentStore {
             epoch: AtomicU64::new(0),
             extents: RwLock::new(loaded.extents),
             cache,
+            trash: Mutex::new(loaded.trash),
             dirty: Mutex::new(Dirty {
                 extents: HashMap::new(),
                 dir: loaded.dir_dirty,
@@ -566,6 +577,8 @@ impl ExtentStore {
             extents: HashMap::new(),
             dir: loaded.dir_dirty,
         };
+        // What is still on disk of the deleted extents (the list held only names).
+        *lock(&self.trash) = loaded.trash;
         tracing::debug!(
             trimmed = loaded.recovery.trimmed.len(),
             bad_blocks = loaded.recovery.bad_blocks.len(),
@@ -914,16 +927,54 @@ impl ExtentStore {
                 self.cache.forget(id);
             }
             lock(&self.dirty).dir = true;
-            // The files go before the entry: until it leaves the map, a call that registers the
-            // id finds the deleted extent, so it cannot make files that these removes then take.
-            let removed = self
-                .disk
-                .remove(&data_name(id))
-                .and_then(|()| self.disk.remove(&crc_name(id)));
+            // Removing a large file is slow (its blocks are freed then: tens of ms for a full
+            // extent under load), renaming it is not: the files are renamed out of the extent
+            // namespace here (the caller is a Raft apply, on a messenger worker that serves every
+            // partition's packets) and removed later by `remove_deleted`. They go before the
+            // entry: until it leaves the map, a call that registers the id finds the deleted
+            // extent, so it cannot make files that these renames then take.
+            let mut renamed = Vec::with_capacity(2);
+            let mut result = Ok(());
+            for name in [data_name(id), crc_name(id)] {
+                let trash = trash_name(&name);
+                match self.disk.rename(&name, &trash) {
+                    Ok(()) => renamed.push(trash),
+                    // An extent that never had files (created, never changed, no round since).
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
             write(&self.extents).remove(&id);
-            removed?;
+            lock(&self.trash).extend(renamed);
+            result?;
             Ok(())
         })
+    }
+
+    /// Removes the files of extents deleted since the last call (renamed by
+    /// [`ExtentStore::delete`], or found at open): a file system frees a file's blocks when it is
+    /// removed, which takes tens of milliseconds for a full extent under load, so `delete` leaves
+    /// it to this call and the data service makes it on the blocking pool every tick. Returns how
+    /// many files it removed. A failure keeps the rest for the next call and does not fail the
+    /// store (no extent's state depends on these files); a crash before it loses nothing, since
+    /// the next open finds the renamed files again.
+    pub fn remove_deleted(&self) -> Result<usize, StoreError> {
+        let names = std::mem::take(&mut *lock(&self.trash));
+        for (i, name) in names.iter().enumerate() {
+            if let Err(e) = self.disk.remove(name) {
+                lock(&self.trash).extend(names[i..].iter().cloned());
+                return Err(StoreError::Io(e));
+            }
+        }
+        Ok(names.len())
+    }
+
+    /// Files of deleted extents waiting for [`ExtentStore::remove_deleted`].
+    pub fn deleted_files(&self) -> usize {
+        lock(&self.trash).len()
     }
 
     /// Punches `[offset, offset + len)` out of a tiny extent: the range reads as zeros, its space is
