@@ -68,15 +68,6 @@ pub struct DataNodeConfig {
     pub replicate_stall_limit: Duration,
     /// Bytes per second a repair may copy (per node), so foreground IO keeps the bandwidth.
     pub repair_rate: u64,
-    /// Deleted extents' files are removed — which frees their blocks: tens of ms per full extent,
-    /// and on a file system mounted with online `discard` a stall of its journal commits that
-    /// every writer waits for — once the node has served no write and applied no Raft entry for
-    /// this long (all of them then), ...
-    pub reclaim_idle: Duration,
-    /// ... or, while writes keep coming, once they are this old, at most
-    /// `reclaim_busy_files` per `report_interval`. Until then they take their space.
-    pub reclaim_after: Duration,
-    pub reclaim_busy_files: usize,
     /// Wraps each partition's disk (its directory, the `FileDisk`) before its store opens it:
     /// tests inject faults with it. `None`: the `FileDisk` itself.
     pub wrap_disk: Option<WrapDisk>,
@@ -127,10 +118,6 @@ impl DataNodeConfig {
             replicate_timeout: Duration::from_secs(5),
             replicate_stall_limit: Duration::from_secs(60),
             repair_rate: 64 << 20,
-            // docs/benchmarks.md, "Removing deleted extents in quiet moments".
-            reclaim_idle: Duration::from_secs(1),
-            reclaim_after: Duration::from_secs(60),
-            reclaim_busy_files: 8,
             wrap_disk: None,
         }
     }
@@ -204,8 +191,6 @@ struct Part {
     gate: Option<Arc<nacre_raft::ReadGate>>,
     /// The store's disk use and when it was measured ([`Part::used`]).
     used: Mutex<Option<(Instant, u64)>>,
-    /// The applied Raft index the last tick saw (a change means writes: `DataNode::note_applies`).
-    seen_applied: AtomicU64,
 }
 
 impl Part {
@@ -292,11 +277,6 @@ struct Inner {
     opening: tokio::sync::Mutex<()>,
     /// Repair budget: bytes that may still be copied before the next refill.
     repair_tokens: tokio::sync::Mutex<(f64, Instant)>,
-    /// When the node opened; `last_write` counts milliseconds from here.
-    started: Instant,
-    /// The last write served (an append, a replicated packet, an overwrite, a tiny write) or Raft
-    /// entry applied, in ms since `started`: deleted extents are removed in quiet moments.
-    last_write: AtomicU64,
 }
 
 /// A running data node. Cheap to clone.
@@ -339,8 +319,6 @@ impl DataNode {
                 last_report: Mutex::default(),
                 opening: tokio::sync::Mutex::new(()),
                 repair_tokens: tokio::sync::Mutex::new((0.0, Instant::now())),
-                started: Instant::now(),
-                last_write: AtomicU64::new(0),
             }),
         };
         Ok(node)
@@ -441,7 +419,6 @@ impl DataNode {
             handoffs: AtomicU64::new(0),
             gate,
             used: Mutex::new(None),
-            seen_applied: AtomicU64::new(0),
         });
         if let Ok(mut parts) = self.inner.parts.lock() {
             parts.insert(spec.id, part);
@@ -472,55 +449,6 @@ impl DataNode {
         run_node(self, id, self.inner.config.report_interval, shutdown).await;
     }
 
-    /// Notes a write served now (see [`Inner::last_write`]).
-    fn wrote(&self) {
-        let ms = self.inner.started.elapsed().as_millis();
-        self.inner
-            .last_write
-            .fetch_max(u64::try_from(ms).unwrap_or(u64::MAX), Ordering::Relaxed);
-    }
-
-    /// Notes a write if the partition applied Raft entries since the last tick (overwrites on a
-    /// follower reach it only that way).
-    fn note_applies(&self, part: &Part) {
-        let applied = part.shared.applied();
-        if part.seen_applied.swap(applied, Ordering::Relaxed) != applied {
-            self.wrote();
-        }
-    }
-
-    /// How long since the last write this node served.
-    fn quiet_for(&self) -> Duration {
-        let last = Duration::from_millis(self.inner.last_write.load(Ordering::Relaxed));
-        self.inner.started.elapsed().saturating_sub(last)
-    }
-
-    /// Removes deleted extents' files (on the blocking pool, not in the Raft apply that deleted
-    /// them): every one when the node is quiet, else only those older than `reclaim_after`, a few
-    /// per tick.
-    async fn remove_deleted(&self, part: &Part, idle: bool) {
-        let cfg = &self.inner.config;
-        let now = Instant::now();
-        let (before, max) = if idle {
-            (now, usize::MAX)
-        } else {
-            match now.checked_sub(cfg.reclaim_after) {
-                Some(t) => (t, cfg.reclaim_busy_files),
-                None => return,
-            }
-        };
-        let store = part.store.clone();
-        match off_worker(move || store.remove_deleted(before, max).map_err(store_error)).await {
-            Ok(0) => {}
-            Ok(n) => {
-                tracing::debug!(partition = %part.id, files = n, idle, "removed deleted extents' files")
-            }
-            Err(e) => {
-                tracing::warn!(partition = %part.id, error = %e, "cannot remove deleted extents' files")
-            }
-        }
-    }
-
     /// One round of background duties: leaders align and re-check read-only partitions, followers
     /// repair, and reports are refreshed.
     pub async fn maintain(&self) {
@@ -529,16 +457,20 @@ impl DataNode {
             Err(_) => return,
         };
         for part in &parts {
-            self.note_applies(part);
-        }
-        let idle = self.quiet_for() >= self.inner.config.reclaim_idle;
-        for part in &parts {
+            if part.store.deleted_files() > 0 {
+                // Removing deleted extents' files frees their blocks, slow for large ones: on the
+                // blocking pool, not in the Raft apply that deleted them. Also for a failed store
+                // (the files are outside its state): the space may be what it failed for.
+                let store = part.store.clone();
+                if let Err(e) =
+                    off_worker(move || store.remove_deleted().map_err(store_error)).await
+                {
+                    tracing::warn!(partition = %part.id, error = %e, "cannot remove deleted extents' files");
+                }
+            }
             let lead = self.leader_term(part).await;
             if part.store.is_failed() && !self.revive_store(part, &lead).await {
                 continue;
-            }
-            if part.store.deleted_files() > 0 {
-                self.remove_deleted(part, idle).await;
             }
             match part.shared.drop_released(&part.store) {
                 Ok(0) => {}
@@ -1657,7 +1589,6 @@ impl DataNode {
         let router = router.route::<Append, _, _>(move |req, inc| {
             let node = node.clone();
             async move {
-                node.wrote();
                 let part = node.hosted_part(req.partition)?;
                 node.lead(&part).await?;
                 let (extent, offset) = (req.extent, req.offset);
@@ -1672,7 +1603,6 @@ impl DataNode {
         let router = router.route::<AppendRaft, _, _>(move |req, inc| {
             let node = node.clone();
             async move {
-                node.wrote();
                 let part = node.hosted_part(req.partition)?;
                 node.lead(&part).await?;
                 let out = node.append_raft(&part, req, inc.data).await?;
@@ -1683,7 +1613,6 @@ impl DataNode {
         let router = router.route::<WriteTiny, _, _>(move |req, inc| {
             let node = node.clone();
             async move {
-                node.wrote();
                 let part = node.hosted_part(req.partition)?;
                 node.lead(&part).await?;
                 Ok((node.write_tiny(&part, inc.data).await, Payload::none()))
@@ -1693,7 +1622,6 @@ impl DataNode {
         let router = router.route::<Overwrite, _, _>(move |req, inc| {
             let node = node.clone();
             async move {
-                node.wrote();
                 let part = node.hosted_part(req.partition)?;
                 node.lead(&part).await?;
                 let out = node.overwrite(&part, req, inc.data).await?;
@@ -1756,7 +1684,6 @@ impl DataNode {
         let router = router.route::<Replicate, _, _>(move |req, inc| {
             let node = node.clone();
             async move {
-                node.wrote();
                 let part = node.hosted_part(req.partition)?;
                 let (extent, offset) = (req.extent, req.offset);
                 let out = node.take_replica(&part, req, inc.data).await;

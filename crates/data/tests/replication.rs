@@ -27,7 +27,6 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
@@ -673,37 +672,6 @@ async fn a_new_leader_with_an_unacknowledged_tail_continues_at_the_committed_off
     assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
     for i in 0..3 {
         c.wait_replica(i, e, &model, true).await;
-    }
-    c.shutdown().await;
-}
-
-/// A node that keeps serving writes keeps deleted extents' files (renamed) until they are
-/// `reclaim_after` old: removing them frees their blocks, which stalls the file system.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn deleted_extents_wait_for_a_quiet_moment() {
-    let _serial = SERIAL.lock().await;
-    let c = Cluster::start_with(8, |cfg| {
-        cfg.reclaim_idle = Duration::from_secs(3600);
-        cfg.reclaim_after = Duration::from_secs(3600);
-    })
-    .await;
-    let api = c.api.clone();
-    let e = api.create().await.unwrap().unwrap();
-    let mut model = Vec::new();
-    fill(&api, e, &mut model, 140, 2, 9000).await;
-    api.release(vec![(e, 0, u64::MAX)]).await.unwrap().unwrap();
-    for i in 0..3 {
-        until_applied(c.node(i), "the release to be applied", || async {
-            match api.fetch_all(i, e).await.ok()? {
-                Err(DataError::NotFound(x)) if x == e => Some(()),
-                _ => None,
-            }
-        })
-        .await;
-        c.node(i).maintain().await;
-        assert!(!c.data_file(i, e).exists());
-        let trash = c.data_file(i, e).with_extension("data.deleted");
-        assert!(trash.exists(), "node {i} removed {}", trash.display());
     }
     c.shutdown().await;
 }

@@ -977,7 +977,7 @@ fn file_disk_punch_frees_space_and_reopens() {
     s.sync().unwrap();
     // The space comes back when the renamed files are removed.
     assert_eq!(s.used(), after);
-    assert_eq!(s.remove_deleted(Instant::now(), usize::MAX).unwrap(), 2);
+    assert_eq!(s.remove_deleted().unwrap(), 2);
     assert!(s.used() < after);
     drop(s);
 
@@ -1917,19 +1917,14 @@ fn deleted_extents_are_removed_later() {
     s.sync().unwrap();
     // Reopened before the removal: the extents stay gone and the files are found again.
     drop(s);
-    let before_open = Instant::now();
     let s = ExtentStore::open(disk.clone(), capped(1)).unwrap();
     assert!(s.extents().is_empty());
     assert!(s.recovery_report().is_empty());
     assert_eq!(s.deleted_files(), 4);
-    // Only files deleted (here: found) before the given time, oldest first, at most `max`.
-    assert_eq!(s.remove_deleted(before_open, 4).unwrap(), 0);
-    assert_eq!(s.remove_deleted(Instant::now(), 1).unwrap(), 1);
-    assert_eq!(s.deleted_files(), 3);
-    assert_eq!(s.remove_deleted(Instant::now(), usize::MAX).unwrap(), 3);
+    assert_eq!(s.remove_deleted().unwrap(), 4);
     assert_eq!(s.deleted_files(), 0);
     assert!(disk.list().unwrap().is_empty());
-    assert_eq!(s.remove_deleted(Instant::now(), usize::MAX).unwrap(), 0);
+    assert_eq!(s.remove_deleted().unwrap(), 0);
     // A new extent and a delete after a crash that kept only the renames' directory entries.
     let mem = MemDisk::new();
     let s = open(&mem);
@@ -1941,7 +1936,7 @@ fn deleted_extents_are_removed_later() {
     let r = open(&mem.crash());
     assert!(r.extents().is_empty());
     assert_eq!(r.deleted_files(), 2);
-    assert_eq!(s.remove_deleted(Instant::now(), usize::MAX).unwrap(), 2);
+    assert_eq!(s.remove_deleted().unwrap(), 2);
     assert!(mem.read_file(&data_name(a)).is_none());
 }
 

@@ -34,7 +34,6 @@ use std::sync::{
     Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
     TryLockError,
 };
-use std::time::Instant;
 
 use bytes::Bytes;
 use nacre_types::{ErrorCode, ExtentId, crc32c, crc32c_append};
@@ -349,9 +348,8 @@ pub struct ExtentStore {
     extents: RwLock<HashMap<ExtentId, Arc<Extent>>>,
     /// The extents' open files, bounded.
     cache: FileCache,
-    /// Renamed files of deleted extents, to remove ([`ExtentStore::remove_deleted`]), oldest first,
-    /// with when they were renamed (or found at open).
-    trash: Mutex<Vec<(String, Instant)>>,
+    /// Renamed files of deleted extents, to remove ([`ExtentStore::remove_deleted`]).
+    trash: Mutex<Vec<String>>,
     dirty: Mutex<Dirty>,
     commit: Mutex<Commit>,
     round_done: Condvar,
@@ -496,12 +494,6 @@ fn load(
     })
 }
 
-/// Deleted extents' files found at open, dated then.
-fn found_trash(names: Vec<String>) -> Vec<(String, Instant)> {
-    let now = Instant::now();
-    names.into_iter().map(|n| (n, now)).collect()
-}
-
 impl ExtentStore {
     /// Opens the store, recovering every extent: a torn tail (last blocks whose bytes do not match
     /// their persisted CRC, or data past the CRC records) is trimmed to the end of the last verified
@@ -536,7 +528,7 @@ impl ExtentStore {
             epoch: AtomicU64::new(0),
             extents: RwLock::new(loaded.extents),
             cache,
-            trash: Mutex::new(found_trash(loaded.trash)),
+            trash: Mutex::new(loaded.trash),
             dirty: Mutex::new(Dirty {
                 extents: HashMap::new(),
                 dir: loaded.dir_dirty,
@@ -586,7 +578,7 @@ impl ExtentStore {
             dir: loaded.dir_dirty,
         };
         // What is still on disk of the deleted extents (the list held only names).
-        *lock(&self.trash) = found_trash(loaded.trash);
+        *lock(&self.trash) = loaded.trash;
         tracing::debug!(
             trimmed = loaded.recovery.trimmed.len(),
             bad_blocks = loaded.recovery.bad_blocks.len(),
@@ -956,40 +948,28 @@ impl ExtentStore {
                 }
             }
             write(&self.extents).remove(&id);
-            let now = Instant::now();
-            lock(&self.trash).extend(renamed.into_iter().map(|n| (n, now)));
+            lock(&self.trash).extend(renamed);
             result?;
             Ok(())
         })
     }
 
-    /// Removes the files of deleted extents (renamed by [`ExtentStore::delete`], or found at open)
-    /// that were deleted before `deleted_before`, oldest first, at most `max` of them. Removing a
-    /// file frees its blocks, which takes tens of milliseconds for a full extent under load (and
-    /// on a file system mounted with online `discard`, stalls its journal commits), so `delete`
-    /// leaves it to this call, and the data service decides when (on the blocking pool, in quiet
-    /// moments: `DataNodeConfig::reclaim_idle`). Returns how many files it removed. A failure keeps
-    /// the rest for a later call and does not fail the store (no extent's state depends on these
-    /// files); a crash before the removal loses nothing, since the next open finds them again.
-    pub fn remove_deleted(&self, deleted_before: Instant, max: usize) -> Result<usize, StoreError> {
-        let due: Vec<(String, Instant)> = {
-            let mut trash = lock(&self.trash);
-            let n = trash
-                .iter()
-                .take(max)
-                .take_while(|(_, at)| *at < deleted_before)
-                .count();
-            trash.drain(..n).collect()
-        };
-        for (i, (name, _)) in due.iter().enumerate() {
+    /// Removes the files of extents deleted since the last call (renamed by
+    /// [`ExtentStore::delete`], or found at open): a file system frees a file's blocks when it is
+    /// removed, which takes tens of milliseconds for a full extent under load, so `delete` leaves
+    /// it to this call and the data service makes it on the blocking pool every tick. Returns how
+    /// many files it removed. A failure keeps the rest for the next call and does not fail the
+    /// store (no extent's state depends on these files); a crash before it loses nothing, since
+    /// the next open finds the renamed files again.
+    pub fn remove_deleted(&self) -> Result<usize, StoreError> {
+        let names = std::mem::take(&mut *lock(&self.trash));
+        for (i, name) in names.iter().enumerate() {
             if let Err(e) = self.disk.remove(name) {
-                let mut trash = lock(&self.trash);
-                let rest: Vec<_> = due[i..].to_vec();
-                trash.splice(0..0, rest);
+                lock(&self.trash).extend(names[i..].iter().cloned());
                 return Err(StoreError::Io(e));
             }
         }
-        Ok(due.len())
+        Ok(names.len())
     }
 
     /// Files of deleted extents waiting for [`ExtentStore::remove_deleted`].

@@ -59,8 +59,6 @@ pub fn config(dir: &Path) -> DataNodeConfig {
     cfg.store.block_size = BS;
     cfg.report_interval = Duration::from_millis(50);
     cfg.replicate_timeout = Duration::from_secs(1);
-    // Deleted extents' files go at the next tick (tests look for them).
-    cfg.reclaim_idle = Duration::ZERO;
     cfg
 }
 
