@@ -1246,7 +1246,7 @@ impl ExtentStore {
 
     /// The files of `id`, whose state `st` is (write-locked by the caller, not deleted): opened if
     /// the cache closed them, made first if the extent has none yet. Making them empties leftovers
-    /// of a delete whose remove failed, so they cannot show through, and has the next round sync
+    /// of a delete whose rename failed, so they cannot show through, and has the next round sync
     /// the directory.
     fn born_files(&self, id: ExtentId, st: &mut State) -> Result<Arc<Files>, StoreError> {
         if st.born {
