@@ -68,6 +68,14 @@ pub struct DataNodeConfig {
     pub replicate_stall_limit: Duration,
     /// Bytes per second a repair may copy (per node), so foreground IO keeps the bandwidth.
     pub repair_rate: u64,
+    /// Most bytes of deleted extents' data files a node keeps for new extents to take
+    /// (`StoreOptions::recycle`: their appends then reuse allocated blocks, and no blocks are
+    /// freed while writes run), over all its partitions; never more than a quarter of the file
+    /// system's free space. The oldest go first.
+    pub spare_bytes: u64,
+    /// How long a spare is kept at most; also how long an extent living in a longer recycled file
+    /// may go without growing before the rest of the file is cut (`ExtentStore::cut_tails`).
+    pub spare_keep: Duration,
     /// Wraps each partition's disk (its directory, the `FileDisk`) before its store opens it:
     /// tests inject faults with it. `None`: the `FileDisk` itself.
     pub wrap_disk: Option<WrapDisk>,
@@ -118,6 +126,9 @@ impl DataNodeConfig {
             replicate_timeout: Duration::from_secs(5),
             replicate_stall_limit: Duration::from_secs(60),
             repair_rate: 64 << 20,
+            // docs/benchmarks.md, "Recycling deleted extents' files".
+            spare_bytes: 1 << 30,
+            spare_keep: Duration::from_secs(60),
             wrap_disk: None,
         }
     }
@@ -386,7 +397,8 @@ impl DataNode {
         .await
         .map_err(err_str)??;
         for t in store.recovery_report() {
-            tracing::warn!(partition = %spec.id, trimmed = ?t, "torn extent tail trimmed");
+            // A torn or unsynced tail, or the old bytes of a recycled file past its extent.
+            tracing::info!(partition = %spec.id, trimmed = ?t, "extent file cut to its last verified block");
         }
         let store = Arc::new(store);
         let shared = Arc::new(SmShared::default());
@@ -449,6 +461,36 @@ impl DataNode {
         run_node(self, id, self.inner.config.report_interval, shutdown).await;
     }
 
+    /// Bounds what the spares of all partitions keep (`spare_bytes`, a quarter of the free space,
+    /// `spare_keep`): the newest stay, the rest go to removal (at this tick, off the worker).
+    fn retire_spares(&self, parts: &[Arc<Part>]) {
+        let cfg = &self.inner.config;
+        let mut all: Vec<(u64, Instant)> = parts.iter().flat_map(|p| p.store.spares()).collect();
+        if all.is_empty() {
+            return;
+        }
+        let free = rustix::fs::statvfs(&cfg.dir)
+            .map(|v| v.f_bavail.saturating_mul(v.f_frsize))
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "cannot measure the data directory's free space");
+                0
+            });
+        let budget = cfg.spare_bytes.min(free / 4);
+        let too_old = Instant::now().checked_sub(cfg.spare_keep);
+        // Newest first: keep while they fit.
+        all.sort_by_key(|s| std::cmp::Reverse(s.1));
+        let mut kept = 0u64;
+        let until = all.into_iter().find_map(|(bytes, since)| {
+            kept = kept.saturating_add(bytes);
+            (kept > budget || too_old.is_some_and(|t| since <= t)).then_some(since)
+        });
+        if let Some(until) = until {
+            for p in parts {
+                p.store.retire_spares(until);
+            }
+        }
+    }
+
     /// One round of background duties: leaders align and re-check read-only partitions, followers
     /// repair, and reports are refreshed.
     pub async fn maintain(&self) {
@@ -456,6 +498,8 @@ impl DataNode {
             Ok(p) => p.values().cloned().collect(),
             Err(_) => return,
         };
+        self.retire_spares(&parts);
+        let idle_since = Instant::now().checked_sub(self.inner.config.spare_keep);
         for part in &parts {
             if part.store.deleted_files() > 0 {
                 // Removing deleted extents' files frees their blocks, slow for large ones: on the
@@ -471,6 +515,18 @@ impl DataNode {
             let lead = self.leader_term(part).await;
             if part.store.is_failed() && !self.revive_store(part, &lead).await {
                 continue;
+            }
+            if let Some(idle_since) = idle_since.filter(|_| part.store.tails() > 0) {
+                let store = part.store.clone();
+                match off_worker(move || store.cut_tails(idle_since).map_err(store_error)).await {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        tracing::debug!(partition = %part.id, extents = n, "cut recycled files to their extents")
+                    }
+                    Err(e) => {
+                        tracing::warn!(partition = %part.id, error = %e, "cannot cut recycled files to their extents")
+                    }
+                }
             }
             match part.shared.drop_released(&part.store) {
                 Ok(0) => {}

@@ -676,6 +676,37 @@ async fn a_new_leader_with_an_unacknowledged_tail_continues_at_the_committed_off
     c.shutdown().await;
 }
 
+/// A node keeps no more spare bytes than `spare_bytes` (here none): a deleted extent's data file
+/// is removed at the next tick like its crc file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spares_past_the_nodes_budget_are_removed() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::start_with(8, |cfg| cfg.spare_bytes = 0).await;
+    let api = c.api.clone();
+    let e = api.create().await.unwrap().unwrap();
+    let mut model = Vec::new();
+    fill(&api, e, &mut model, 150, 1, 9000).await;
+    for i in 0..3 {
+        c.wait_replica(i, e, &model, true).await;
+    }
+    api.release(vec![(e, 0, u64::MAX)]).await.unwrap().unwrap();
+    for i in 0..3 {
+        until_applied(c.node(i), "the release to be applied", || async {
+            match api.fetch_all(i, e).await.ok()? {
+                Err(DataError::NotFound(x)) if x == e => Some(()),
+                _ => None,
+            }
+        })
+        .await;
+        c.node(i).maintain().await;
+        for ext in ["data.deleted", "crc.deleted"] {
+            let f = c.data_file(i, e).with_extension(ext);
+            assert!(!f.exists(), "node {i} still has {}", f.display());
+        }
+    }
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn releases_delete_extents_and_punch_tiny_ranges_on_every_replica() {
     let _serial = SERIAL.lock().await;
@@ -741,11 +772,34 @@ async fn releases_delete_extents_and_punch_tiny_ranges_on_every_replica() {
         );
     }
     // A replica renames a deleted extent's files (the release was applied on a messenger worker;
-    // removing a large file is slow) and removes them at its next tick, on the blocking pool.
+    // removing a large file is slow): it removes the crc file at its next tick, on the blocking
+    // pool, and keeps the data file for a new extent (a spare, within the node's budget).
     for i in 0..3 {
-        let trash = c.data_file(i, e).with_extension("data.deleted");
+        let data = c.data_file(i, e).with_extension("data.deleted");
+        let crc = c.data_file(i, e).with_extension("crc.deleted");
         c.node(i).maintain().await;
-        assert!(!trash.exists(), "node {i} still has {}", trash.display());
+        assert!(!crc.exists(), "node {i} still has {}", crc.display());
+        assert!(
+            data.exists(),
+            "node {i} removed its spare {}",
+            data.display()
+        );
+    }
+    // The next extent takes it on every replica: its data file is e's, renamed, and reads back
+    // only what was written to it.
+    let next = api.create().await.unwrap().unwrap();
+    let mut fresh = Vec::new();
+    fill(&api, next, &mut fresh, 140, 1, 3000).await;
+    for i in 0..3 {
+        c.wait_replica(i, next, &fresh, true).await;
+        assert!(!c.data_file(i, e).with_extension("data.deleted").exists());
+        let on_disk = std::fs::metadata(c.data_file(i, next)).unwrap().len();
+        assert_eq!(
+            on_disk,
+            model.len() as u64,
+            "node {i}: not the recycled file"
+        );
+        assert_eq!(api.fetch_all(i, next).await.unwrap().unwrap(), fresh);
     }
     // Appending to it is refused too.
     match api.append(e, model.len() as u64, b"late").await.unwrap() {

@@ -28,12 +28,13 @@ mod crc;
 mod format;
 mod recovery;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{
     Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
     TryLockError,
 };
+use std::time::Instant;
 
 use bytes::Bytes;
 use nacre_types::{ErrorCode, ExtentId, crc32c, crc32c_append};
@@ -104,6 +105,14 @@ pub struct StoreOptions {
     /// the next group commit's fsync; 0: never. A stream's sync then waits for its last packet's
     /// pages instead of its whole MiB (docs/data-store.md, "Page cache"). Ignored without `sync`.
     pub writeback_after: u32,
+    /// A new normal extent takes the data file of a deleted one (a *spare*, renamed) instead of a
+    /// new file: its appends then overwrite blocks the file system already allocated, and the old
+    /// blocks are never freed (on a file system mounted with online `discard`, freeing stalls its
+    /// journal commits). The old bytes past the new extent's length are never read (no record of
+    /// the new crc file vouches for them) and are cut by recovery or
+    /// [`ExtentStore::cut_tails`]. Which spares to keep is the caller's choice
+    /// ([`ExtentStore::retire_spares`]); `false`: every deleted extent's files are removed.
+    pub recycle: bool,
 }
 
 impl Default for StoreOptions {
@@ -115,11 +124,15 @@ impl Default for StoreOptions {
             drop_synced: true,
             sync_fs_from: DEFAULT_SYNC_FS_FROM,
             writeback_after: DEFAULT_WRITEBACK_AFTER,
+            recycle: true,
         }
     }
 }
 
-/// An extent whose tail recovery cut: `old_len` bytes were in its data file, `new_len` verified.
+/// An extent whose tail recovery cut: its writes had reached `old_len` bytes (its data file's
+/// length, but no further than the blocks its crc file has records for: bytes past those were
+/// never vouched for, such as a recycled file's old bytes, and are cut without a report),
+/// `new_len` verified.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Trimmed {
     pub extent: ExtentId,
@@ -269,6 +282,11 @@ struct State {
     uncached: u64,
     /// Appended bytes below this were handed to the OS's write-back (`writeback_after`).
     kicked: u64,
+    /// Size of the data file as far as this store knows, at least `len`: more while the extent
+    /// lives in a recycled file ([`StoreOptions::recycle`]) it has not grown over yet.
+    file_len: u64,
+    /// When the extent last grew (kept while `file_len > len`: [`ExtentStore::cut_tails`]).
+    grown: Instant,
 }
 
 impl State {
@@ -287,6 +305,8 @@ impl State {
             },
             uncached: 0,
             kicked: 0,
+            file_len: 0,
+            grown: Instant::now(),
         }
     }
 }
@@ -327,6 +347,36 @@ enum Kind {
     Normal,
 }
 
+/// Deleted extents' files ([`ExtentStore::delete`]) and the extents living in recycled ones.
+#[derive(Debug, Default)]
+struct Trash {
+    /// Renamed files to remove ([`ExtentStore::remove_deleted`]).
+    remove: Vec<String>,
+    /// Data files kept for new extents ([`StoreOptions::recycle`]), in the order they came.
+    spares: Vec<Spare>,
+    /// Extents whose data file (a recycled one) is longer than they are.
+    tails: HashSet<ExtentId>,
+}
+
+/// A deleted extent's data file kept for a new extent.
+#[derive(Debug)]
+struct Spare {
+    name: String,
+    bytes: u64,
+    since: Instant,
+}
+
+impl Trash {
+    /// What open found on disk: all of it to remove (the sizes are unknown, and a reopen's
+    /// recovery must not meet a half-recycled file).
+    fn found(names: Vec<String>) -> Self {
+        Self {
+            remove: names,
+            ..Self::default()
+        }
+    }
+}
+
 /// The extent store of one data partition. `Send + Sync`; every method takes `&self`.
 pub struct ExtentStore {
     disk: Arc<dyn Disk>,
@@ -348,8 +398,8 @@ pub struct ExtentStore {
     extents: RwLock<HashMap<ExtentId, Arc<Extent>>>,
     /// The extents' open files, bounded.
     cache: FileCache,
-    /// Renamed files of deleted extents, to remove ([`ExtentStore::remove_deleted`]).
-    trash: Mutex<Vec<String>>,
+    /// Deleted extents' files: to remove, or kept for new extents.
+    trash: Mutex<Trash>,
     dirty: Mutex<Dirty>,
     commit: Mutex<Commit>,
     round_done: Condvar,
@@ -483,6 +533,8 @@ fn load(
             hdr: r.cursor,
             uncached: 0,
             kicked: r.len,
+            file_len: r.len,
+            grown: Instant::now(),
         };
         extents.insert(id, Arc::new(Extent::new(id, state)));
     }
@@ -528,7 +580,7 @@ impl ExtentStore {
             epoch: AtomicU64::new(0),
             extents: RwLock::new(loaded.extents),
             cache,
-            trash: Mutex::new(loaded.trash),
+            trash: Mutex::new(Trash::found(loaded.trash)),
             dirty: Mutex::new(Dirty {
                 extents: HashMap::new(),
                 dir: loaded.dir_dirty,
@@ -577,8 +629,9 @@ impl ExtentStore {
             extents: HashMap::new(),
             dir: loaded.dir_dirty,
         };
-        // What is still on disk of the deleted extents (the list held only names).
-        *lock(&self.trash) = loaded.trash;
+        // What is still on disk of the deleted extents (spares included: the list held only
+        // names); recovery cut every recycled file to its extent.
+        *lock(&self.trash) = Trash::found(loaded.trash);
         tracing::debug!(
             trimmed = loaded.recovery.trimmed.len(),
             bad_blocks = loaded.recovery.bad_blocks.len(),
@@ -919,13 +972,14 @@ impl ExtentStore {
             let Some(ext) = self.lookup(id) else {
                 return Ok(());
             };
-            {
+            let bytes = {
                 let mut st = write(&ext.state);
                 st.deleted = true;
                 // Under the state lock: a call that reopens (or makes) files checks `deleted`
                 // under it first.
                 self.cache.forget(id);
-            }
+                st.file_len.max(st.len)
+            };
             lock(&self.dirty).dir = true;
             // Removing a large file is slow (its blocks are freed then: tens of ms for a full
             // extent under load), renaming it is not: the files are renamed out of the extent
@@ -948,7 +1002,20 @@ impl ExtentStore {
                 }
             }
             write(&self.extents).remove(&id);
-            lock(&self.trash).extend(renamed);
+            let mut trash = lock(&self.trash);
+            trash.tails.remove(&id);
+            for name in renamed {
+                if self.opts.recycle && bytes > 0 && name == trash_name(&data_name(id)) {
+                    trash.spares.push(Spare {
+                        name,
+                        bytes,
+                        since: Instant::now(),
+                    });
+                } else {
+                    trash.remove.push(name);
+                }
+            }
+            drop(trash);
             result?;
             Ok(())
         })
@@ -962,10 +1029,10 @@ impl ExtentStore {
     /// store (no extent's state depends on these files); a crash before it loses nothing, since
     /// the next open finds the renamed files again.
     pub fn remove_deleted(&self) -> Result<usize, StoreError> {
-        let names = std::mem::take(&mut *lock(&self.trash));
+        let names = std::mem::take(&mut lock(&self.trash).remove);
         for (i, name) in names.iter().enumerate() {
             if let Err(e) = self.disk.remove(name) {
-                lock(&self.trash).extend(names[i..].iter().cloned());
+                lock(&self.trash).remove.extend(names[i..].iter().cloned());
                 return Err(StoreError::Io(e));
             }
         }
@@ -974,7 +1041,69 @@ impl ExtentStore {
 
     /// Files of deleted extents waiting for [`ExtentStore::remove_deleted`].
     pub fn deleted_files(&self) -> usize {
-        lock(&self.trash).len()
+        lock(&self.trash).remove.len()
+    }
+
+    /// The spares kept for new extents ([`StoreOptions::recycle`]): each one's bytes and when its
+    /// extent was deleted, oldest first.
+    pub fn spares(&self) -> Vec<(u64, Instant)> {
+        lock(&self.trash)
+            .spares
+            .iter()
+            .map(|s| (s.bytes, s.since))
+            .collect()
+    }
+
+    /// Hands the spares whose extents were deleted at or before `until` to
+    /// [`ExtentStore::remove_deleted`]; returns their bytes. Keeping spares keeps their space
+    /// taken: the caller bounds it (the data service keeps at most `spare_bytes` per node, for at
+    /// most `spare_keep`).
+    pub fn retire_spares(&self, until: Instant) -> u64 {
+        let mut trash = lock(&self.trash);
+        let (go, keep): (Vec<Spare>, Vec<Spare>) = std::mem::take(&mut trash.spares)
+            .into_iter()
+            .partition(|s| s.since <= until);
+        trash.spares = keep;
+        let bytes = go.iter().map(|s| s.bytes).sum();
+        trash.remove.extend(go.into_iter().map(|s| s.name));
+        bytes
+    }
+
+    /// Extents living in a recycled file longer than they are ([`ExtentStore::cut_tails`]).
+    pub fn tails(&self) -> usize {
+        lock(&self.trash).tails.len()
+    }
+
+    /// Cuts the data file of every extent that lives in a recycled file longer than itself and has
+    /// not grown since `idle_since` to the extent's length (freeing the old bytes, slow for a large
+    /// file: call it off the hot path). Returns how many it cut. The cut changes nothing the store
+    /// describes (no byte below the length), so it needs no fsync (a crash before it lands leaves
+    /// the old bytes, which recovery cuts) and a failure does not fail the store: the extent keeps
+    /// its tail for the next call.
+    pub fn cut_tails(&self, idle_since: Instant) -> Result<usize, StoreError> {
+        let _gate = self.enter()?;
+        let ids: Vec<ExtentId> = lock(&self.trash).tails.iter().copied().collect();
+        let mut cut = 0;
+        for id in ids {
+            let Some(ext) = self.lookup(id) else {
+                lock(&self.trash).tails.remove(&id);
+                continue;
+            };
+            let mut st = write(&ext.state);
+            if st.deleted || st.file_len <= st.len {
+                lock(&self.trash).tails.remove(&id);
+                continue;
+            }
+            if st.grown > idle_since {
+                continue;
+            }
+            let f = self.files(id, Open::Existing)?;
+            f.data.set_len(st.len)?;
+            st.file_len = st.len;
+            lock(&self.trash).tails.remove(&id);
+            cut += 1;
+        }
+        Ok(cut)
     }
 
     /// Punches `[offset, offset + len)` out of a tiny extent: the range reads as zeros, its space is
@@ -1252,16 +1381,47 @@ impl ExtentStore {
         if st.born {
             return self.files(id, Open::Existing);
         }
+        let recycled = self.recycle(id);
         let files = self.files(id, Open::Create)?;
-        for f in [&files.data, &files.crc] {
+        // The crc file always starts empty: no record may vouch for a recycled file's old bytes.
+        let fresh: &[&Arc<dyn DiskFile>] = if recycled.is_some() {
+            &[&files.crc]
+        } else {
+            &[&files.data, &files.crc]
+        };
+        for f in fresh {
             if f.len()? != 0 {
                 f.set_len(0)?;
                 files.changed();
             }
         }
         st.born = true;
+        if let Some(bytes) = recycled {
+            st.file_len = bytes;
+            st.grown = Instant::now();
+            lock(&self.trash).tails.insert(id);
+        }
         lock(&self.dirty).dir = true;
         Ok(files)
+    }
+
+    /// Makes the newest spare the data file of normal extent `id` (renamed; [`StoreOptions::recycle`]);
+    /// returns its bytes, `None` if there was none (or its rename failed: the file goes to removal).
+    fn recycle(&self, id: ExtentId) -> Option<u64> {
+        if !self.opts.recycle || Self::is_tiny(id) {
+            return None;
+        }
+        let spare = lock(&self.trash).spares.pop()?;
+        match self.disk.rename(&spare.name, &data_name(id)) {
+            Ok(()) => Some(spare.bytes),
+            Err(e) => {
+                tracing::warn!(file = spare.name, error = %e, "cannot recycle a deleted extent's file");
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    lock(&self.trash).remove.push(spare.name);
+                }
+                None
+            }
+        }
     }
 
     /// An extent's files (`cache.rs`), opened if the cache closed them. Call under the extent's state
@@ -1515,6 +1675,15 @@ impl ExtentStore {
             }
         }
         st.len = new_len;
+        if st.file_len > new_len {
+            st.grown = Instant::now();
+        } else {
+            if st.file_len > old_len {
+                // Grown over the whole recycled file: no tail left to cut.
+                lock(&self.trash).tails.remove(&ext.id);
+            }
+            st.file_len = new_len;
+        }
         self.start_writeback(ext.id, f, st, offset >= old_len);
         Ok(())
     }
@@ -1576,6 +1745,7 @@ impl ExtentStore {
             Self::header_durable(st, generation);
         }
         f.data.set_len(len)?;
+        st.file_len = len;
         f.crc.set_len(record_at(nblocks))?;
         // The other slot still says the old, longer length; recovery may fall back to it (when a
         // later in-place write is torn) and must not find the dropped bytes promised there.

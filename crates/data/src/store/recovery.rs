@@ -25,7 +25,9 @@ use crate::io::DiskFile;
 /// One recovered extent.
 #[derive(Debug)]
 pub(super) struct Recovered {
-    /// Length of the data file as found.
+    /// What the extent's writes had reached as found: the data file's length, but no further than
+    /// the blocks its crc file has records for. Bytes past those were never vouched for (a write
+    /// whose records did not land, or a recycled file's old bytes) and are cut without counting.
     pub found_len: u64,
     pub len: u64,
     pub blocks: Vec<Block>,
@@ -163,8 +165,16 @@ pub(super) fn recover(
         data.sync_data()?;
         crc.sync_data()?;
     }
+    // The end of the last block the crc file has a record for (all of it if that record is torn).
+    let recorded = records.last().map_or(0, |r| {
+        let full = records.len() as u64 * bs;
+        match u64::from(r.len) {
+            n @ 1.. if n <= bs => full - bs + n,
+            _ => full,
+        }
+    });
     Ok(Recovered {
-        found_len: data_len,
+        found_len: data_len.min(recorded.max(walk.len)),
         len: walk.len,
         blocks: walk.blocks,
         cursor,
