@@ -9,4 +9,4 @@ pub mod sm;
 pub mod store;
 
 pub use rpc::DataError;
-pub use service::{DataNode, DataNodeConfig};
+pub use service::{DataMetrics, DataNode, DataNodeConfig};

@@ -35,6 +35,8 @@ use nacre_proto::msg::raft::RaftBatchRpc;
 use nacre_proto::msg::sys::{Ping, PingRequest};
 use nacre_raft::{RaftError, RaftHandle, StoreConfig};
 use nacre_types::{ErrorCode, ExtentId, NodeId, PartitionId};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
 use crate::io::{Disk, FileDisk};
@@ -76,9 +78,57 @@ pub struct DataNodeConfig {
     /// How long a spare is kept at most; also how long an extent living in a longer recycled file
     /// may go without growing before the rest of the file is cut (`ExtentStore::cut_tails`).
     pub spare_keep: Duration,
+    /// Gauges the node keeps up to date (registered by the caller); `None`: none.
+    pub metrics: Option<DataMetrics>,
     /// Wraps each partition's disk (its directory, the `FileDisk`) before its store opens it:
     /// tests inject faults with it. `None`: the `FileDisk` itself.
     pub wrap_disk: Option<WrapDisk>,
+}
+
+/// A data node's own gauges, refreshed every duty round (`DataNodeConfig::metrics`).
+#[derive(Clone, Debug, Default)]
+pub struct DataMetrics {
+    spare_bytes: Gauge,
+    spare_files: Gauge,
+    recycled: Gauge,
+}
+
+impl DataMetrics {
+    /// Registers the gauges (`nacre_data_*`).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "nacre_data_spare_bytes",
+            "Bytes of deleted extents' data files kept for new extents to take (at most \
+             spare_bytes per node, a quarter of the free space, each for spare_keep)",
+            self.spare_bytes.clone(),
+        );
+        registry.register(
+            "nacre_data_spare_files",
+            "Deleted extents' data files kept for new extents to take",
+            self.spare_files.clone(),
+        );
+        registry.register(
+            "nacre_data_recycled_extents",
+            "New extents that took a deleted extent's data file, since the hosted partitions' \
+             stores opened",
+            self.recycled.clone(),
+        );
+    }
+
+    /// `nacre_data_spare_bytes` as of the last duty round.
+    pub fn spare_bytes(&self) -> i64 {
+        self.spare_bytes.get()
+    }
+
+    /// `nacre_data_spare_files` as of the last duty round.
+    pub fn spare_files(&self) -> i64 {
+        self.spare_files.get()
+    }
+
+    /// `nacre_data_recycled_extents` as of the last duty round.
+    pub fn recycled(&self) -> i64 {
+        self.recycled.get()
+    }
 }
 
 /// Given a partition's directory and disk, the disk its store uses.
@@ -129,6 +179,7 @@ impl DataNodeConfig {
             // docs/benchmarks.md, "Recycling deleted extents' files".
             spare_bytes: 1 << 30,
             spare_keep: Duration::from_secs(60),
+            metrics: None,
             wrap_disk: None,
         }
     }
@@ -464,6 +515,23 @@ impl DataNode {
     /// Bounds what the spares of all partitions keep (`spare_bytes`, a quarter of the free space,
     /// `spare_keep`): the newest stay, the rest go to removal (at this tick, off the worker).
     fn retire_spares(&self, parts: &[Arc<Part>]) {
+        self.keep_spares_within_bounds(parts);
+        if let Some(m) = &self.inner.config.metrics {
+            let (mut files, mut bytes, mut recycled) = (0u64, 0u64, 0u64);
+            for p in parts {
+                let spares = p.store.spares();
+                files += spares.len() as u64;
+                bytes = bytes.saturating_add(spares.iter().map(|s| s.0).sum());
+                recycled += p.store.recycled();
+            }
+            let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            m.spare_files.set(gauge(files));
+            m.spare_bytes.set(gauge(bytes));
+            m.recycled.set(gauge(recycled));
+        }
+    }
+
+    fn keep_spares_within_bounds(&self, parts: &[Arc<Part>]) {
         let cfg = &self.inner.config;
         let mut all: Vec<(u64, Instant)> = parts.iter().flat_map(|p| p.store.spares()).collect();
         if all.is_empty() {
@@ -1611,6 +1679,11 @@ impl DataNode {
 
     /// The messenger ops of a data node: its raft traffic and the data ops. The agent's ops are
     /// separate (`nacre_master::agent::node_router`).
+    /// The gauges of [`DataNodeConfig::metrics`], if any.
+    pub fn metrics(&self) -> Option<&DataMetrics> {
+        self.inner.config.metrics.as_ref()
+    }
+
     pub fn router(&self) -> Router {
         let n = self.clone();
         let raft_in = self.clone();

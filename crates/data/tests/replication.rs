@@ -30,10 +30,10 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use common::*;
-use nacre_data::DataError;
 use nacre_data::io::{Disk, FaultPlan, FaultyDisk};
 use nacre_data::rpc::{Read, ReadRequest};
 use nacre_data::service::WrapDisk;
+use nacre_data::{DataError, DataMetrics};
 use nacre_master::agent::PartitionHost as _;
 use nacre_types::ExtentId;
 
@@ -710,7 +710,7 @@ async fn spares_past_the_nodes_budget_are_removed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn releases_delete_extents_and_punch_tiny_ranges_on_every_replica() {
     let _serial = SERIAL.lock().await;
-    let c = Cluster::start(7).await;
+    let c = Cluster::start_with(7, |cfg| cfg.metrics = Some(DataMetrics::default())).await;
     let api = c.api.clone();
     let e = api.create().await.unwrap().unwrap();
     let keep = api.create().await.unwrap().unwrap();
@@ -784,6 +784,8 @@ async fn releases_delete_extents_and_punch_tiny_ranges_on_every_replica() {
             "node {i} removed its spare {}",
             data.display()
         );
+        let m = c.node(i).metrics().unwrap();
+        assert_eq!((m.spare_files(), m.spare_bytes()), (1, model.len() as i64));
     }
     // The next extent takes it on every replica: its data file is e's, renamed, and reads back
     // only what was written to it.
@@ -800,6 +802,9 @@ async fn releases_delete_extents_and_punch_tiny_ranges_on_every_replica() {
             "node {i}: not the recycled file"
         );
         assert_eq!(api.fetch_all(i, next).await.unwrap().unwrap(), fresh);
+        c.node(i).maintain().await;
+        let m = c.node(i).metrics().unwrap();
+        assert_eq!((m.spare_files(), m.spare_bytes(), m.recycled()), (0, 0, 1));
     }
     // Appending to it is refused too.
     match api.append(e, model.len() as u64, b"late").await.unwrap() {

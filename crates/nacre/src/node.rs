@@ -277,6 +277,9 @@ impl Node {
              25 us doubling to about 1.6 s",
             log_sync.clone(),
         );
+        // Registered on every node (zero where no data node runs), like the Raft histogram.
+        let data_metrics = nacre_data::DataMetrics::default();
+        data_metrics.register(&mut registry);
         let registry = Arc::new(registry);
         let (stop, _) = watch::channel(false);
         let stopped = |stop: &watch::Sender<bool>| {
@@ -394,6 +397,7 @@ impl Node {
                         data_cfg.raft.early_appends = early;
                     }
                     data_cfg.raft.log_sync_seconds = Some(log_sync.clone());
+                    data_cfg.metrics = Some(data_metrics.clone());
                     let data = DataNode::open(&data_cfg, msgr.client()).with_context(|| {
                         format!("cannot open the data node in {}", cfg.data_dir.display())
                     })?;

@@ -141,6 +141,8 @@ fn server_runs_from_config_with_env_overrides_and_stops_on_sigterm() {
         m.contains("nacre_msgr_frames_total{worker=\"0\",dir=\"in\"}"),
         "{m}"
     );
+    // The data node's gauges are registered on every node (zero where none runs).
+    assert!(m.contains("\nnacre_data_spare_bytes 0\n"), "{m}");
     assert!(http_get(&metrics, "/health").contains("ok"));
 
     // Every thread runs under SCHED_BATCH (the default `--sched`), runtime and messenger included.

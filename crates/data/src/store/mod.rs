@@ -400,6 +400,8 @@ pub struct ExtentStore {
     cache: FileCache,
     /// Deleted extents' files: to remove, or kept for new extents.
     trash: Mutex<Trash>,
+    /// New extents that took a spare since open ([`ExtentStore::recycled`]).
+    recycled: AtomicU64,
     dirty: Mutex<Dirty>,
     commit: Mutex<Commit>,
     round_done: Condvar,
@@ -581,6 +583,7 @@ impl ExtentStore {
             extents: RwLock::new(loaded.extents),
             cache,
             trash: Mutex::new(Trash::found(loaded.trash)),
+            recycled: AtomicU64::new(0),
             dirty: Mutex::new(Dirty {
                 extents: HashMap::new(),
                 dir: loaded.dir_dirty,
@@ -1069,6 +1072,11 @@ impl ExtentStore {
         bytes
     }
 
+    /// New extents that took a spare's file since the store opened.
+    pub fn recycled(&self) -> u64 {
+        self.recycled.load(Ordering::Relaxed)
+    }
+
     /// Extents living in a recycled file longer than they are ([`ExtentStore::cut_tails`]).
     pub fn tails(&self) -> usize {
         lock(&self.trash).tails.len()
@@ -1413,7 +1421,10 @@ impl ExtentStore {
         }
         let spare = lock(&self.trash).spares.pop()?;
         match self.disk.rename(&spare.name, &data_name(id)) {
-            Ok(()) => Some(spare.bytes),
+            Ok(()) => {
+                self.recycled.fetch_add(1, Ordering::Relaxed);
+                Some(spare.bytes)
+            }
             Err(e) => {
                 tracing::warn!(file = spare.name, error = %e, "cannot recycle a deleted extent's file");
                 if e.kind() != std::io::ErrorKind::NotFound {
