@@ -33,6 +33,21 @@ pub trait Disk: Send + Sync + std::fmt::Debug + 'static {
     fn remove(&self, name: &str) -> io::Result<()>;
     /// Renames a file, replacing `to` if it exists.
     fn rename(&self, from: &str, to: &str) -> io::Result<()>;
+    /// The directory this disk's files are in, where it has one on a real file system (so files
+    /// can move here from another disk's: [`Disk::adopt`]).
+    fn location(&self) -> Option<&Path> {
+        None
+    }
+    /// Moves file `name` of the directory `from` (another disk's [`Disk::location`]) here as
+    /// `to`, replacing `to` if it exists: a rename across directories of one file system
+    /// (`EXDEV` across file systems). Durable for this directory with its next `sync_dir`.
+    fn adopt(&self, from: &Path, name: &str, to: &str) -> io::Result<()> {
+        let _ = (from, name, to);
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this disk cannot take files from another directory",
+        ))
+    }
     /// Makes every create, remove and rename before this call durable.
     fn sync_dir(&self) -> io::Result<()>;
     /// Makes every write and length change of every file on this disk's file system durable at
@@ -183,6 +198,15 @@ impl Disk for FileDisk {
 
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
         std::fs::rename(self.path(from)?, self.path(to)?)
+    }
+
+    fn location(&self) -> Option<&Path> {
+        Some(&self.dir)
+    }
+
+    fn adopt(&self, from: &Path, name: &str, to: &str) -> io::Result<()> {
+        check_name(name)?;
+        std::fs::rename(from.join(name), self.path(to)?)
     }
 
     fn sync_dir(&self) -> io::Result<()> {
@@ -925,6 +949,15 @@ impl Disk for FaultyDisk {
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
         self.faults.check()?;
         self.inner.rename(from, to)
+    }
+
+    fn location(&self) -> Option<&Path> {
+        self.inner.location()
+    }
+
+    fn adopt(&self, from: &Path, name: &str, to: &str) -> io::Result<()> {
+        self.faults.check()?;
+        self.inner.adopt(from, name, to)
     }
 
     fn sync_dir(&self) -> io::Result<()> {

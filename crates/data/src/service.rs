@@ -42,7 +42,7 @@ use tokio::sync::watch;
 use crate::io::{Disk, FileDisk};
 use crate::rpc::*;
 use crate::sm::{DataCommand, DataSm, SmShared, store_error};
-use crate::store::{ExtentStore, StoreError, StoreOptions, TINY_EXTENTS};
+use crate::store::{ExtentStore, SparePool, StoreError, StoreOptions, TINY_EXTENTS};
 
 /// Tiny writes start on this boundary so a release can punch whole pages.
 const TINY_ALIGN: u64 = 4096;
@@ -339,6 +339,8 @@ struct Inner {
     opening: tokio::sync::Mutex<()>,
     /// Repair budget: bytes that may still be copied before the next refill.
     repair_tokens: tokio::sync::Mutex<(f64, Instant)>,
+    /// Deleted extents' data files every partition's new extents may take (`retire_spares`).
+    spares: Arc<SparePool>,
 }
 
 /// A running data node. Cheap to clone.
@@ -381,6 +383,7 @@ impl DataNode {
                 last_report: Mutex::default(),
                 opening: tokio::sync::Mutex::new(()),
                 repair_tokens: tokio::sync::Mutex::new((0.0, Instant::now())),
+                spares: SparePool::new(),
             }),
         };
         Ok(node)
@@ -439,11 +442,13 @@ impl DataNode {
         let dir = self.part_dir(spec.id);
         let cfg = self.inner.config.store.clone();
         let wrap = self.inner.config.wrap_disk.clone();
+        let spares = self.inner.spares.clone();
         let store = tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&dir).map_err(err_str)?;
             let disk: Arc<dyn Disk> = Arc::new(FileDisk::new(&dir).map_err(err_str)?);
             let disk = wrap.map_or(disk.clone(), |w| (w.0)(&dir, disk));
-            ExtentStore::open(disk, cfg).map_err(err_str)
+            // One pool for the node: a new extent takes a spare of any partition.
+            ExtentStore::open_with_spares(disk, cfg, spares).map_err(err_str)
         })
         .await
         .map_err(err_str)??;
@@ -512,50 +517,56 @@ impl DataNode {
         run_node(self, id, self.inner.config.report_interval, shutdown).await;
     }
 
-    /// Bounds what the spares of all partitions keep (`spare_bytes`, a quarter of the free space,
-    /// `spare_keep`): the newest stay, the rest go to removal (at this tick, off the worker).
-    fn retire_spares(&self, parts: &[Arc<Part>]) {
-        self.keep_spares_within_bounds(parts);
-        if let Some(m) = &self.inner.config.metrics {
-            let (mut files, mut bytes, mut recycled) = (0u64, 0u64, 0u64);
-            for p in parts {
-                let spares = p.store.spares();
-                files += spares.len() as u64;
-                bytes = bytes.saturating_add(spares.iter().map(|s| s.0).sum());
-                recycled += p.store.recycled();
+    /// Bounds what the node's spares keep (`spare_bytes`, a quarter of the free space,
+    /// `spare_keep`): the newest stay, the rest are removed (off the worker), and the gauges are
+    /// refreshed.
+    async fn retire_spares(&self, parts: &[Arc<Part>]) {
+        let cfg = &self.inner.config;
+        let pool = &self.inner.spares;
+        let mut all = pool.list();
+        if !all.is_empty() {
+            let free = rustix::fs::statvfs(&cfg.dir)
+                .map(|v| v.f_bavail.saturating_mul(v.f_frsize))
+                .unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "cannot measure the data directory's free space");
+                    0
+                });
+            let budget = cfg.spare_bytes.min(free / 4);
+            let too_old = Instant::now().checked_sub(cfg.spare_keep);
+            // Newest first: keep while they fit.
+            all.sort_by_key(|s| std::cmp::Reverse(s.1));
+            let mut kept = 0u64;
+            let until = all.into_iter().find_map(|(bytes, since)| {
+                kept = kept.saturating_add(bytes);
+                (kept > budget || too_old.is_some_and(|t| since <= t)).then_some(since)
+            });
+            let retired = until.map(|u| pool.retire(u)).unwrap_or_default();
+            if !retired.is_empty() {
+                // Removing frees their blocks: slow for large files.
+                let removed = off_worker(move || {
+                    for s in &retired {
+                        s.disk
+                            .remove(&s.name)
+                            .map_err(|e| DataError::Io(e.to_string()))?;
+                    }
+                    Ok(retired.len())
+                })
+                .await;
+                match removed {
+                    Ok(n) => tracing::debug!(files = n, "removed spares"),
+                    // What is left is found and removed when its store next opens.
+                    Err(e) => tracing::warn!(error = %e, "cannot remove spares"),
+                }
             }
+        }
+        if let Some(m) = &cfg.metrics {
+            let spares = pool.list();
+            let bytes = spares.iter().map(|s| s.0).fold(0u64, u64::saturating_add);
+            let recycled: u64 = parts.iter().map(|p| p.store.recycled()).sum();
             let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-            m.spare_files.set(gauge(files));
+            m.spare_files.set(gauge(spares.len() as u64));
             m.spare_bytes.set(gauge(bytes));
             m.recycled.set(gauge(recycled));
-        }
-    }
-
-    fn keep_spares_within_bounds(&self, parts: &[Arc<Part>]) {
-        let cfg = &self.inner.config;
-        let mut all: Vec<(u64, Instant)> = parts.iter().flat_map(|p| p.store.spares()).collect();
-        if all.is_empty() {
-            return;
-        }
-        let free = rustix::fs::statvfs(&cfg.dir)
-            .map(|v| v.f_bavail.saturating_mul(v.f_frsize))
-            .unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "cannot measure the data directory's free space");
-                0
-            });
-        let budget = cfg.spare_bytes.min(free / 4);
-        let too_old = Instant::now().checked_sub(cfg.spare_keep);
-        // Newest first: keep while they fit.
-        all.sort_by_key(|s| std::cmp::Reverse(s.1));
-        let mut kept = 0u64;
-        let until = all.into_iter().find_map(|(bytes, since)| {
-            kept = kept.saturating_add(bytes);
-            (kept > budget || too_old.is_some_and(|t| since <= t)).then_some(since)
-        });
-        if let Some(until) = until {
-            for p in parts {
-                p.store.retire_spares(until);
-            }
         }
     }
 
@@ -566,7 +577,7 @@ impl DataNode {
             Ok(p) => p.values().cloned().collect(),
             Err(_) => return,
         };
-        self.retire_spares(&parts);
+        self.retire_spares(&parts).await;
         let idle_since = Instant::now().checked_sub(self.inner.config.spare_keep);
         for part in &parts {
             if part.store.deleted_files() > 0 {

@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use nacre_data::io::{Disk, DiskFile, FaultPlan, FaultyDisk, FileDisk, MemDisk};
-use nacre_data::store::{ExtentStore, StoreError, StoreOptions, Trimmed};
+use nacre_data::store::{ExtentStore, SparePool, StoreError, StoreOptions, Trimmed};
 use nacre_types::{ErrorCode, ExtentId, crc32c};
 use proptest::prelude::*;
 
@@ -2654,4 +2654,59 @@ fn file_disk_reopen_after_a_failed_fsync() {
     drop(s);
     let s = ExtentStore::open(Arc::new(FileDisk::new(dir.path()).unwrap()), opts()).unwrap();
     assert_eq!(s.len(e).unwrap(), 2004);
+}
+
+/// Stores sharing a pool (a node's): a new extent of one store takes a spare another store's
+/// delete left, moved into its directory, on real files; a disk without a location (MemDisk)
+/// takes only its own.
+#[test]
+fn stores_sharing_a_pool_take_each_others_spares() {
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let pool = SparePool::new();
+    let open_in = |dir: &std::path::Path| {
+        let disk: Arc<dyn Disk> = Arc::new(FileDisk::new(dir).unwrap());
+        ExtentStore::open_with_spares(disk, opts(), pool.clone()).unwrap()
+    };
+    let (a, b) = (open_in(da.path()), open_in(db.path()));
+    let [x, y, _] = NORMAL;
+    a.create(x).unwrap();
+    a.write(x, 0, &[1; 5 * BS as usize]).unwrap();
+    a.sync().unwrap();
+    a.delete(x).unwrap();
+    assert_eq!(b.spares().len(), 1, "one pool");
+    b.create(y).unwrap();
+    b.write(y, 0, &[2; 10]).unwrap();
+    b.sync().unwrap();
+    assert!(b.spares().is_empty());
+    assert_eq!(b.recycled(), 1);
+    assert!(!da.path().join("1024.data.deleted").exists());
+    let moved = db.path().join("1025.data");
+    assert_eq!(std::fs::metadata(&moved).unwrap().len(), 5 * u64::from(BS));
+    assert_eq!(&b.read(y, 0, 10).unwrap()[..], &[2; 10]);
+    // Reopened: the recycled file is cut to its extent, nothing reported.
+    drop(b);
+    let b = open_in(db.path());
+    assert!(b.recovery_report().is_empty());
+    assert_eq!(b.extents(), vec![(y, 10)]);
+    assert_eq!(std::fs::metadata(&moved).unwrap().len(), 10);
+    // A store dropped takes its spares out of the pool (its next open removes the files).
+    b.delete(y).unwrap();
+    assert_eq!(a.spares().len(), 1);
+    drop(b);
+    assert!(a.spares().is_empty());
+
+    let mem_pool = SparePool::new();
+    let (ma, mb) = (MemDisk::new(), MemDisk::new());
+    let a = ExtentStore::open_with_spares(Arc::new(ma.clone()), opts(), mem_pool.clone()).unwrap();
+    let b = ExtentStore::open_with_spares(Arc::new(mb.clone()), opts(), mem_pool.clone()).unwrap();
+    a.create(x).unwrap();
+    a.write(x, 0, &[1; 100]).unwrap();
+    a.delete(x).unwrap();
+    b.create(y).unwrap();
+    b.write(y, 0, &[2; 10]).unwrap();
+    assert_eq!((b.recycled(), mem_pool.list().len()), (0, 1));
+    assert_eq!(mb.read_file(&data_name(y)).unwrap().len(), 10);
+    a.create(ExtentId(1030)).unwrap();
+    a.write(ExtentId(1030), 0, &[3; 10]).unwrap();
+    assert_eq!((a.recycled(), mem_pool.list().len()), (1, 0));
 }

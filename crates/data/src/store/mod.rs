@@ -27,6 +27,7 @@ mod cache;
 mod crc;
 mod format;
 mod recovery;
+mod spares;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -43,6 +44,7 @@ use serde::{Deserialize, Serialize};
 use crate::io::{Disk, DiskFile};
 use cache::{CacheError, Changing, FileCache, Files, Open};
 use format::{Header, RECORD, Record, SLOT, crc_name, data_name, record_at, trash_name};
+pub use spares::{Spare, SparePool};
 
 /// Ids `1..=TINY_EXTENTS` are tiny extents.
 pub const TINY_EXTENTS: u64 = nacre_types::TINY_EXTENTS;
@@ -352,18 +354,8 @@ enum Kind {
 struct Trash {
     /// Renamed files to remove ([`ExtentStore::remove_deleted`]).
     remove: Vec<String>,
-    /// Data files kept for new extents ([`StoreOptions::recycle`]), in the order they came.
-    spares: Vec<Spare>,
     /// Extents whose data file (a recycled one) is longer than they are.
     tails: HashSet<ExtentId>,
-}
-
-/// A deleted extent's data file kept for a new extent.
-#[derive(Debug)]
-struct Spare {
-    name: String,
-    bytes: u64,
-    since: Instant,
 }
 
 impl Trash {
@@ -400,6 +392,8 @@ pub struct ExtentStore {
     cache: FileCache,
     /// Deleted extents' files: to remove, or kept for new extents.
     trash: Mutex<Trash>,
+    /// Deleted extents' data files kept for new extents: this store's own pool, or its node's.
+    spares: Arc<SparePool>,
     /// New extents that took a spare since open ([`ExtentStore::recycled`]).
     recycled: AtomicU64,
     dirty: Mutex<Dirty>,
@@ -408,6 +402,13 @@ pub struct ExtentStore {
     /// Set by an IO error that leaves the files unknown; cleared only by a successful reopen.
     failed: AtomicBool,
     recovery: Mutex<Recovery>,
+}
+
+impl Drop for ExtentStore {
+    fn drop(&mut self) {
+        // Its spares are found and removed by the next open of its directory.
+        self.spares.forget(&self.disk);
+    }
 }
 
 impl std::fmt::Debug for ExtentStore {
@@ -553,6 +554,18 @@ impl ExtentStore {
     /// their persisted CRC, or data past the CRC records) is trimmed to the end of the last verified
     /// block; [`ExtentStore::recovery_report`] lists what was trimmed.
     pub fn open(disk: Arc<dyn Disk>, opts: StoreOptions) -> Result<Self, StoreError> {
+        Self::open_with_spares(disk, opts, SparePool::new())
+    }
+
+    /// [`ExtentStore::open`], keeping the data files of deleted extents in `spares`, a pool other
+    /// stores (a node's) may share: a new extent takes the newest spare it can, from its own
+    /// directory or, where both have one on a real file system, another store's
+    /// ([`Disk::adopt`]). The pool's owner bounds what it holds ([`SparePool::retire`]).
+    pub fn open_with_spares(
+        disk: Arc<dyn Disk>,
+        opts: StoreOptions,
+        spares: Arc<SparePool>,
+    ) -> Result<Self, StoreError> {
         if !(MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&opts.block_size) {
             return Err(StoreError::Invalid(format!(
                 "block size {} is not in {MIN_BLOCK_SIZE}..={MAX_BLOCK_SIZE}",
@@ -583,6 +596,7 @@ impl ExtentStore {
             extents: RwLock::new(loaded.extents),
             cache,
             trash: Mutex::new(Trash::found(loaded.trash)),
+            spares,
             recycled: AtomicU64::new(0),
             dirty: Mutex::new(Dirty {
                 extents: HashMap::new(),
@@ -634,6 +648,7 @@ impl ExtentStore {
         };
         // What is still on disk of the deleted extents (spares included: the list held only
         // names); recovery cut every recycled file to its extent.
+        self.spares.forget(&self.disk);
         *lock(&self.trash) = Trash::found(loaded.trash);
         tracing::debug!(
             trimmed = loaded.recovery.trimmed.len(),
@@ -1009,7 +1024,8 @@ impl ExtentStore {
             trash.tails.remove(&id);
             for name in renamed {
                 if self.opts.recycle && bytes > 0 && name == trash_name(&data_name(id)) {
-                    trash.spares.push(Spare {
+                    self.spares.give(Spare {
+                        disk: self.disk.clone(),
                         name,
                         bytes,
                         since: Instant::now(),
@@ -1047,28 +1063,27 @@ impl ExtentStore {
         lock(&self.trash).remove.len()
     }
 
-    /// The spares kept for new extents ([`StoreOptions::recycle`]): each one's bytes and when its
-    /// extent was deleted, oldest first.
+    /// The spares of this store's pool ([`StoreOptions::recycle`]; a node's pool holds every
+    /// store's): each one's bytes and when its extent was deleted, oldest first.
     pub fn spares(&self) -> Vec<(u64, Instant)> {
-        lock(&self.trash)
-            .spares
-            .iter()
-            .map(|s| (s.bytes, s.since))
-            .collect()
+        self.spares.list()
     }
 
-    /// Hands the spares whose extents were deleted at or before `until` to
-    /// [`ExtentStore::remove_deleted`]; returns their bytes. Keeping spares keeps their space
-    /// taken: the caller bounds it (the data service keeps at most `spare_bytes` per node, for at
-    /// most `spare_keep`).
+    /// Retires the spares of this store's pool whose extents were deleted at or before `until`
+    /// ([`SparePool::retire`]): those of this store go to [`ExtentStore::remove_deleted`], others
+    /// are removed here. Returns their bytes. Keeping spares keeps their space taken: the pool's
+    /// owner bounds it (the data service keeps at most `spare_bytes` per node, for at most
+    /// `spare_keep`).
     pub fn retire_spares(&self, until: Instant) -> u64 {
-        let mut trash = lock(&self.trash);
-        let (go, keep): (Vec<Spare>, Vec<Spare>) = std::mem::take(&mut trash.spares)
-            .into_iter()
-            .partition(|s| s.since <= until);
-        trash.spares = keep;
-        let bytes = go.iter().map(|s| s.bytes).sum();
-        trash.remove.extend(go.into_iter().map(|s| s.name));
+        let mut bytes = 0;
+        for s in self.spares.retire(until) {
+            bytes += s.bytes;
+            if Arc::ptr_eq(&s.disk, &self.disk) {
+                lock(&self.trash).remove.push(s.name);
+            } else if let Err(e) = s.disk.remove(&s.name) {
+                tracing::warn!(file = s.name, error = %e, "cannot remove a spare");
+            }
+        }
         bytes
     }
 
@@ -1419,16 +1434,30 @@ impl ExtentStore {
         if !self.opts.recycle || Self::is_tiny(id) {
             return None;
         }
-        let spare = lock(&self.trash).spares.pop()?;
-        match self.disk.rename(&spare.name, &data_name(id)) {
+        let spare = self.spares.take_for(&self.disk)?;
+        let own = Arc::ptr_eq(&spare.disk, &self.disk);
+        let moved = match spare.disk.location() {
+            _ if own => self.disk.rename(&spare.name, &data_name(id)),
+            Some(from) => self.disk.adopt(from, &spare.name, &data_name(id)),
+            None => Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "the spare's disk has no location",
+            )),
+        };
+        match moved {
             Ok(()) => {
                 self.recycled.fetch_add(1, Ordering::Relaxed);
                 Some(spare.bytes)
             }
+            // Removed meanwhile (its store reopened).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => {
                 tracing::warn!(file = spare.name, error = %e, "cannot recycle a deleted extent's file");
-                if e.kind() != std::io::ErrorKind::NotFound {
+                if own {
                     lock(&self.trash).remove.push(spare.name);
+                } else {
+                    // Another directory (on another file system, say): it stays its store's.
+                    self.spares.give(spare);
                 }
                 None
             }
