@@ -542,20 +542,22 @@ impl DataNode {
             });
             let retired = until.map(|u| pool.retire(u)).unwrap_or_default();
             if !retired.is_empty() {
-                // Removing frees their blocks: slow for large files.
+                // Removing frees their blocks: slow for large files. One that cannot be removed
+                // goes back to the pool, to be retired again at the next round.
+                let back = pool.clone();
                 let removed = off_worker(move || {
-                    for s in &retired {
-                        s.disk
-                            .remove(&s.name)
-                            .map_err(|e| DataError::Io(e.to_string()))?;
+                    let n = retired.len();
+                    for s in retired {
+                        if let Err(e) = s.disk.remove(&s.name) {
+                            tracing::warn!(file = s.name, error = %e, "cannot remove a spare");
+                            back.give(s);
+                        }
                     }
-                    Ok(retired.len())
+                    Ok(n)
                 })
                 .await;
-                match removed {
-                    Ok(n) => tracing::debug!(files = n, "removed spares"),
-                    // What is left is found and removed when its store next opens.
-                    Err(e) => tracing::warn!(error = %e, "cannot remove spares"),
+                if let Err(e) = removed {
+                    tracing::warn!(error = %e, "cannot remove spares");
                 }
             }
         }

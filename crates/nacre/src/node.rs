@@ -64,6 +64,13 @@ pub struct NodeConfig {
     /// overwrites it speeds up even with every replica on one disk; off for masters and meta nodes,
     /// whose creation rates it lowers there. Turn it on where each replica has a disk of its own.
     pub raft_early_appends: Option<bool>,
+    /// Data nodes: most bytes of deleted extents' data files kept for new extents to take (they
+    /// then append over allocated blocks, and nothing is freed while writes run), never more than
+    /// a quarter of the free space; 0 removes every deleted extent's files at once.
+    pub spare_bytes: u64,
+    /// Data nodes: seconds a spare is kept at most, and how long an extent may sit idle in a
+    /// longer recycled file before the rest is cut.
+    pub spare_keep_secs: u64,
     pub msgr: MsgrSection,
     pub master: MasterSection,
 }
@@ -82,6 +89,8 @@ impl Default for NodeConfig {
             heartbeat_ms: 2000,
             capacity: 0,
             raft_early_appends: None,
+            spare_bytes: 1 << 30,
+            spare_keep_secs: 60,
             msgr: MsgrSection::default(),
             master: MasterSection::default(),
         }
@@ -398,6 +407,8 @@ impl Node {
                     }
                     data_cfg.raft.log_sync_seconds = Some(log_sync.clone());
                     data_cfg.metrics = Some(data_metrics.clone());
+                    data_cfg.spare_bytes = cfg.spare_bytes;
+                    data_cfg.spare_keep = Duration::from_secs(cfg.spare_keep_secs);
                     let data = DataNode::open(&data_cfg, msgr.client()).with_context(|| {
                         format!("cannot open the data node in {}", cfg.data_dir.display())
                     })?;

@@ -98,10 +98,13 @@ fn server_runs_from_config_with_env_overrides_and_stops_on_sigterm() {
             .args(["server", "--print-config", "--config"])
             .arg(&cfg)
             .env("NACRE_NAME", "from-env")
-            .env("NACRE_MSGR__WORKERS", "3"),
+            .env("NACRE_MSGR__WORKERS", "3")
+            .env("NACRE_SPARE_BYTES", "0"),
     );
     assert!(text.contains("name = \"from-env\""), "{text}");
     assert!(text.contains("workers = 3"), "{text}");
+    assert!(text.contains("spare_bytes = 0\n"), "{text}");
+    assert!(text.contains("spare_keep_secs = 60\n"), "{text}");
 
     let mut child = Proc(
         Command::new(BIN)

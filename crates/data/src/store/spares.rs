@@ -55,7 +55,8 @@ impl SparePool {
         go
     }
 
-    pub(super) fn give(&self, spare: Spare) {
+    /// Adds a spare (a store's delete, or a caller giving back one it could not remove).
+    pub fn give(&self, spare: Spare) {
         lock(&self.spares).push(spare);
     }
 
