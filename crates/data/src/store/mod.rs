@@ -1428,8 +1428,10 @@ impl ExtentStore {
         Ok(files)
     }
 
-    /// Makes the newest spare the data file of normal extent `id` (renamed; [`StoreOptions::recycle`]);
-    /// returns its bytes, `None` if there was none (or its rename failed: the file goes to removal).
+    /// Makes the newest spare this store can take ([`SparePool`]) the data file of normal extent
+    /// `id` (renamed, or moved from another store's directory; [`StoreOptions::recycle`]); returns
+    /// its bytes. `None` if there was none, or the move failed: a spare of this store then goes to
+    /// removal, another store's back to the pool (its own store can still rename it).
     fn recycle(&self, id: ExtentId) -> Option<u64> {
         if !self.opts.recycle || Self::is_tiny(id) {
             return None;
