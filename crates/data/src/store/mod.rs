@@ -15,7 +15,7 @@
 //! takes exclusively to replace the state of a failed store.
 //!
 //! Lock order: `reopening` (reopens only), the gate, an extent's state, the cache's mutex, the
-//! extent map, the dirty set, the trash list. The group commit's `commit` mutex is never
+//! extent map, the dirty set, the trash list, the spare pool. The group commit's `commit` mutex is never
 //! held while another lock is taken; a caller waiting for a round holds only the gate (shared), and
 //! the round it waits for ends once its IO returns, so a reopen waiting for the gate waits for IO,
 //! never for another lock.
