@@ -16,7 +16,7 @@ use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 
 use rustix::fs::FallocateFlags;
 
@@ -72,6 +72,13 @@ pub trait DiskFile: Send + Sync + std::fmt::Debug {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize>;
     /// Writes the whole of `data` at `off`, extending the file if needed (a gap reads as zeros).
     fn write_at(&self, data: &[u8], off: u64) -> io::Result<()>;
+    /// Writes like [`DiskFile::write_at`] (same durability: none before `sync_data`), for a large
+    /// append the OS's page cache would only hold until the sync that follows drops it: where the
+    /// file, `off` and the length allow, the bytes go to the device without passing through the
+    /// cache (`O_DIRECT`), which spares the copy into it, its write-back and its dropping.
+    fn write_direct_at(&self, data: &[u8], off: u64) -> io::Result<()> {
+        self.write_at(data, off)
+    }
     /// Current length (not necessarily durable).
     fn len(&self) -> io::Result<u64>;
     /// Truncates or extends (with zeros) the file.
@@ -163,7 +170,10 @@ impl FileDisk {
             .create(create)
             .truncate(false)
             .open(self.path(name)?)?;
-        Ok(Arc::new(RealFile { file }))
+        Ok(Arc::new(RealFile {
+            file,
+            direct: OnceLock::new(),
+        }))
     }
 }
 
@@ -239,9 +249,70 @@ impl Disk for FileDisk {
 #[derive(Debug)]
 struct RealFile {
     file: File,
+    /// A second descriptor of the same file opened with `O_DIRECT`, for
+    /// [`DiskFile::write_direct_at`]; opened at the first such write, `None` where the file
+    /// system refuses it.
+    direct: OnceLock<Option<File>>,
+}
+
+/// What `O_DIRECT` needs aligned: the file offset, the length and the buffer's address. 4 KiB
+/// covers every device's logical block and the file system's block (a write of whole blocks is
+/// one ext4 may run beside others).
+const DIRECT_ALIGN: usize = 4096;
+
+/// Largest copy [`with_aligned_copy`] keeps its buffer for (packets are at most 128 KiB).
+const KEEP_ALIGNED: usize = 1 << 20;
+
+thread_local! {
+    /// This thread's buffer for [`with_aligned_copy`], kept between writes: a new one each time
+    /// costs an allocation of fresh pages and their faults, more than the copy itself.
+    static ALIGNED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on a copy of `data` that starts at an address aligned for `O_DIRECT`.
+fn with_aligned_copy<T>(data: &[u8], f: impl FnOnce(&[u8]) -> T) -> T {
+    let copy = |v: &mut Vec<u8>| {
+        if v.len() < data.len() + DIRECT_ALIGN {
+            v.resize(data.len() + DIRECT_ALIGN, 0);
+        }
+        let at = v.as_ptr().align_offset(DIRECT_ALIGN);
+        v[at..at + data.len()].copy_from_slice(data);
+        at
+    };
+    if data.len() > KEEP_ALIGNED {
+        let mut v = Vec::new();
+        let at = copy(&mut v);
+        return f(&v[at..at + data.len()]);
+    }
+    ALIGNED.with_borrow_mut(|v| {
+        let at = copy(v);
+        f(&v[at..at + data.len()])
+    })
 }
 
 impl RealFile {
+    /// The `O_DIRECT` descriptor, opened through `/proc/self/fd` so that it is the same inode
+    /// whatever the file's name is now.
+    #[cfg(target_os = "linux")]
+    fn direct(&self) -> Option<&File> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        self.direct
+            .get_or_init(|| {
+                OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .custom_flags(libc::O_DIRECT)
+                    .open(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+                    .ok()
+            })
+            .as_ref()
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn direct(&self) -> Option<&File> {
+        None
+    }
     /// `posix_fadvise` over `[off, off + len)`; nothing for an empty range (a length of 0 would
     /// mean "to the end of the file").
     fn advise(&self, off: u64, len: u64, advice: rustix::fs::Advice) -> io::Result<()> {
@@ -268,6 +339,26 @@ impl DiskFile for RealFile {
 
     fn write_at(&self, data: &[u8], off: u64) -> io::Result<()> {
         self.file.write_all_at(data, off)
+    }
+
+    fn write_direct_at(&self, data: &[u8], off: u64) -> io::Result<()> {
+        let aligned = |n: usize| n.is_multiple_of(DIRECT_ALIGN);
+        let Some(direct) = self.direct() else {
+            return self.write_at(data, off);
+        };
+        if data.is_empty() || !aligned(data.len()) || !off.is_multiple_of(DIRECT_ALIGN as u64) {
+            return self.write_at(data, off);
+        }
+        let written = if aligned(data.as_ptr() as usize) {
+            direct.write_all_at(data, off)
+        } else {
+            with_aligned_copy(data, |buf| direct.write_all_at(buf, off))
+        };
+        match written {
+            // The file system takes no direct IO here after all: the cache's way.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.write_at(data, off),
+            r => r,
+        }
     }
 
     fn len(&self) -> io::Result<u64> {
@@ -987,6 +1078,30 @@ struct FaultyFile {
     faults: Arc<Faults>,
 }
 
+impl FaultyFile {
+    /// A write through `write`, failed or torn as the faults say: a full disk takes half of it,
+    /// a tearing fault half of it then fails.
+    fn write_with(
+        &self,
+        data: &[u8],
+        off: u64,
+        write: impl Fn(&[u8], u64) -> io::Result<()>,
+    ) -> io::Result<()> {
+        if self.faults.full.load(Ordering::SeqCst) {
+            write(&data[..data.len() / 2], off)?;
+            return Err(io::Error::from(io::ErrorKind::StorageFull));
+        }
+        match self.faults.next() {
+            Verdict::Ok => write(data, off),
+            Verdict::First if self.faults.tear => {
+                write(&data[..data.len() / 2], off)?;
+                Err(injected())
+            }
+            Verdict::First | Verdict::Fail => Err(injected()),
+        }
+    }
+}
+
 impl DiskFile for FaultyFile {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
         self.faults.check()?;
@@ -994,18 +1109,11 @@ impl DiskFile for FaultyFile {
     }
 
     fn write_at(&self, data: &[u8], off: u64) -> io::Result<()> {
-        if self.faults.full.load(Ordering::SeqCst) {
-            self.inner.write_at(&data[..data.len() / 2], off)?;
-            return Err(io::Error::from(io::ErrorKind::StorageFull));
-        }
-        match self.faults.next() {
-            Verdict::Ok => self.inner.write_at(data, off),
-            Verdict::First if self.faults.tear => {
-                self.inner.write_at(&data[..data.len() / 2], off)?;
-                Err(injected())
-            }
-            Verdict::First | Verdict::Fail => Err(injected()),
-        }
+        self.write_with(data, off, |d, o| self.inner.write_at(d, o))
+    }
+
+    fn write_direct_at(&self, data: &[u8], off: u64) -> io::Result<()> {
+        self.write_with(data, off, |d, o| self.inner.write_direct_at(d, o))
     }
 
     fn len(&self) -> io::Result<u64> {
@@ -1049,6 +1157,60 @@ impl DiskFile for FaultyFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn direct_writes_land_like_cached_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = FileDisk::new(dir.path()).unwrap();
+        let f = disk.open("a").unwrap();
+        let bytes: Vec<u8> = (0..64 << 10)
+            .map(|i: u32| (i * 7 + i / 4096) as u8)
+            .collect();
+        let mut want = Vec::new();
+        // Aligned at every offset of the buffer's address (the direct write copies what is not),
+        // then lengths and offsets direct IO cannot take (written through the cache).
+        for (i, skew) in [0usize, 1, 512, 4095].into_iter().enumerate() {
+            let mut buf = vec![0u8; skew];
+            buf.extend_from_slice(&bytes[..32 << 10]);
+            buf[skew] = i as u8;
+            f.write_direct_at(&buf[skew..], want.len() as u64).unwrap();
+            want.extend_from_slice(&buf[skew..]);
+        }
+        // Larger than the buffer a thread keeps.
+        let big: Vec<u8> = bytes
+            .iter()
+            .copied()
+            .cycle()
+            .take((1 << 20) + 4097)
+            .collect();
+        f.write_direct_at(&big[1..], want.len() as u64).unwrap();
+        want.extend_from_slice(&big[1..]);
+        f.write_direct_at(&bytes[..5000], want.len() as u64)
+            .unwrap();
+        want.extend_from_slice(&bytes[..5000]);
+        f.write_direct_at(&bytes[..8192], want.len() as u64)
+            .unwrap();
+        want.extend_from_slice(&bytes[..8192]);
+        // Over what the cache holds: a cached write, read back, then overwritten direct.
+        f.write_at(&[9; 4096], 4096).unwrap();
+        want[4096..8192].fill(9);
+        let mut got = vec![0u8; want.len()];
+        assert_eq!(f.read_at(&mut got, 0).unwrap(), want.len());
+        assert_eq!(got, want);
+        f.write_direct_at(&bytes[..8192], 0).unwrap();
+        want[..8192].copy_from_slice(&bytes[..8192]);
+        // Renamed: the direct descriptor is the same file, whatever its name.
+        disk.rename("a", "b").unwrap();
+        f.write_direct_at(&bytes[..4096], 16384).unwrap();
+        want[16384..20480].copy_from_slice(&bytes[..4096]);
+        f.sync_data().unwrap();
+        drop(f);
+        let g = disk.open_existing("b").unwrap();
+        assert_eq!(g.len().unwrap(), want.len() as u64);
+        let mut got = vec![0u8; want.len()];
+        assert_eq!(g.read_at(&mut got, 0).unwrap(), want.len());
+        assert_eq!(got, want);
+    }
 
     #[test]
     fn mem_crash_keeps_only_synced_content_and_names() {

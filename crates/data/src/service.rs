@@ -22,7 +22,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -78,6 +78,11 @@ pub struct DataNodeConfig {
     /// How long a spare is kept at most; also how long an extent living in a longer recycled file
     /// may go without growing before the rest of the file is cut (`ExtentStore::cut_tails`).
     pub spare_keep: Duration,
+    /// While at least this many extents have appends in flight on the node, appends bypass the
+    /// page cache (`ExtentStore::write_uncached`): with many streams the node runs out of CPU
+    /// before disk, and a direct write costs less of it; with few, each stream waits on its own
+    /// writes and the cache's quicker ones serve it better. 0: never.
+    pub direct_streams: u32,
     /// Gauges the node keeps up to date (registered by the caller); `None`: none.
     pub metrics: Option<DataMetrics>,
     /// Wraps each partition's disk (its directory, the `FileDisk`) before its store opens it:
@@ -179,6 +184,8 @@ impl DataNodeConfig {
             // docs/benchmarks.md, "Recycling deleted extents' files".
             spare_bytes: 1 << 30,
             spare_keep: Duration::from_secs(60),
+            // docs/benchmarks.md, "Appends past the page cache".
+            direct_streams: 8,
             metrics: None,
             wrap_disk: None,
         }
@@ -197,6 +204,8 @@ struct Track {
     replicated: watch::Sender<u64>,
     /// Every byte below is durable on every replica.
     committed: watch::Sender<u64>,
+    /// Appends to this extent under way here ([`Streams`]).
+    appending: AtomicUsize,
 }
 
 impl Track {
@@ -206,6 +215,7 @@ impl Track {
             next: watch::Sender::new(next),
             replicated: watch::Sender::new(committed),
             committed: watch::Sender::new(committed),
+            appending: AtomicUsize::new(0),
         })
     }
 
@@ -217,6 +227,43 @@ impl Track {
     fn commit(&self, upto: u64) {
         grow(&self.replicated, upto);
         grow(&self.committed, upto);
+    }
+}
+
+/// The extents of a node with appends under way (as leader or follower): how many streams the
+/// node is writing at once (`DataNodeConfig::direct_streams`).
+#[derive(Debug, Default)]
+struct Streams(AtomicUsize);
+
+impl Streams {
+    /// Counts an append to `track` until the guard drops.
+    fn enter(&self, track: Arc<Track>) -> Appending<'_> {
+        if track.appending.fetch_add(1, Ordering::Relaxed) == 0 {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+        Appending {
+            streams: self,
+            track,
+        }
+    }
+
+    fn now(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// An append counted in [`Streams`].
+struct Appending<'a> {
+    streams: &'a Streams,
+    track: Arc<Track>,
+}
+
+impl Drop for Appending<'_> {
+    fn drop(&mut self) {
+        // Every decrement follows its own increment, so neither count goes below zero.
+        if self.track.appending.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.streams.0.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -341,6 +388,7 @@ struct Inner {
     repair_tokens: tokio::sync::Mutex<(f64, Instant)>,
     /// Deleted extents' data files every partition's new extents may take (`retire_spares`).
     spares: Arc<SparePool>,
+    streams: Streams,
 }
 
 /// A running data node. Cheap to clone.
@@ -384,6 +432,7 @@ impl DataNode {
                 opening: tokio::sync::Mutex::new(()),
                 repair_tokens: tokio::sync::Mutex::new((0.0, Instant::now())),
                 spares: SparePool::new(),
+                streams: Streams::default(),
             }),
         };
         Ok(node)
@@ -1215,18 +1264,20 @@ impl DataNode {
         }
     }
 
-    /// Sends a packet to every follower and, with `sync`, syncs it locally (written at store
-    /// `epoch`) and has every follower sync it; all must succeed.
+    /// Sends a packet to every follower (with `sync`, each syncs it) while `local` stores it
+    /// here; all must succeed. A failure of `local` with [`Local::Write`] is the caller's (its
+    /// error returns as it is, and the followers' copies stay unacknowledged); any other failure
+    /// makes the partition read-only.
     #[expect(clippy::too_many_arguments, reason = "one packet's placement")]
     async fn replicate(
         &self,
         part: &Part,
         extent: ExtentId,
         offset: u64,
-        epoch: u64,
         committed: u64,
         data: &Payload,
         sync: bool,
+        local: impl Future<Output = Result<(), Local>>,
     ) -> Result<(), DataError> {
         let me = self.raft().map_err(DataError::Io)?.id();
         let req = ReplicateRequest {
@@ -1251,17 +1302,12 @@ impl DataNode {
                     .map_err(|e| format!("{}: {e}", r.addr))
             });
         }
-        let local = async {
-            if sync {
-                Self::sync_store(&part.store, epoch).await
-            } else {
-                Ok(())
-            }
-        };
         let (local, remote) = tokio::join!(local, sends.join_all());
         let mut failed: Vec<String> = remote.into_iter().filter_map(Result::err).collect();
-        if let Err(e) = local {
-            failed.push(format!("local disk: {e}"));
+        match local {
+            Ok(()) => {}
+            Err(Local::Write(e)) => return Err(e),
+            Err(Local::Sync(e)) => failed.push(format!("local disk: {e}")),
         }
         if failed.is_empty() {
             return Ok(());
@@ -1269,6 +1315,23 @@ impl DataNode {
         let why = format!("replication failed: {}", failed.join("; "));
         part.degrade(why.clone());
         Err(DataError::ReadOnly(why))
+    }
+
+    /// Whether appends now bypass the page cache (`DataNodeConfig::direct_streams`).
+    fn uncached(&self) -> bool {
+        let from = self.inner.config.direct_streams;
+        from > 0 && self.inner.streams.now() >= from as usize
+    }
+
+    /// Syncs a packet written at store `epoch` here, for [`Self::replicate`]'s `local`.
+    async fn sync_local(part: &Part, epoch: u64, sync: bool) -> Result<(), Local> {
+        if sync {
+            Self::sync_store(&part.store, epoch)
+                .await
+                .map_err(Local::Sync)
+        } else {
+            Ok(())
+        }
     }
 
     async fn append(
@@ -1305,8 +1368,14 @@ impl DataNode {
                 committed: track.committed(),
             });
         }
+        let _appending = self.inner.streams.enter(track.clone());
+        let uncached = self.uncached();
         let epoch = part.store.epoch();
-        let committed_before = {
+        // The followers learn what was committed before this packet; sent along with it, while
+        // the packet is written here (a packet of a stream needs both, so running them one after
+        // the other would double its time on the way).
+        let committed_before = track.committed();
+        let write = {
             let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
             let (extent, offset) = (req.extent, req.offset);
             off_worker(move || {
@@ -1315,30 +1384,39 @@ impl DataNode {
                     .lock()
                     .map_err(|_| DataError::Io("poisoned".into()))?;
                 let next = *track.next.borrow();
-                let committed = track.committed();
                 if next != offset {
                     return Err(DataError::OutOfRange {
                         extent,
                         offset,
                         len,
-                        committed,
+                        committed: track.committed(),
                     });
                 }
-                store.write(extent, offset, &bytes).map_err(write_error)?;
+                if uncached {
+                    store.write_uncached(extent, offset, &bytes)
+                } else {
+                    store.write(extent, offset, &bytes)
+                }
+                .map_err(write_error)?;
                 track.next.send_replace(offset + len);
-                Ok(committed)
+                Ok(())
             })
-            .await
-            .inspect_err(|e| degrade_if_full(part, e))?
+        };
+        let local = async {
+            write
+                .await
+                .inspect_err(|e| degrade_if_full(part, e))
+                .map_err(Local::Write)?;
+            Self::sync_local(part, epoch, req.sync).await
         };
         self.replicate(
             part,
             req.extent,
             req.offset,
-            epoch,
             committed_before,
             &data,
             req.sync,
+            local,
         )
         .await?;
         // Acknowledge in offset order: the previous packet must be on every replica first. Then a
@@ -1426,7 +1504,8 @@ impl DataNode {
             .await
             .inspect_err(|e| degrade_if_full(part, e))?
         };
-        self.replicate(part, extent, offset, epoch, committed_before, data, true)
+        let local = Self::sync_local(part, epoch, true);
+        self.replicate(part, extent, offset, committed_before, data, true, local)
             .await?;
         track.commit(offset + len);
         self.count(part, data.bytes.len());
@@ -1463,6 +1542,8 @@ impl DataNode {
             Err(e) => return Err(e),
         };
         track.commit(req.committed);
+        let _appending = (!tiny).then(|| self.inner.streams.enter(track.clone()));
+        let uncached = self.uncached();
         let len = data.bytes.len() as u64;
         if !tiny {
             let mut next = track.next.subscribe();
@@ -1501,9 +1582,12 @@ impl DataNode {
                     committed: have,
                 });
             }
-            store
-                .write(req.extent, req.offset, &bytes)
-                .map_err(store_error)?;
+            if uncached {
+                store.write_uncached(req.extent, req.offset, &bytes)
+            } else {
+                store.write(req.extent, req.offset, &bytes)
+            }
+            .map_err(store_error)?;
             track.next.send_replace(req.offset + len);
             Ok(())
         })
@@ -1937,6 +2021,14 @@ async fn alive(client: &Client, addr: &str, within: Duration) -> bool {
 /// What a client is told when this replica's store cannot take an append or a tiny write: a disk
 /// error here is not the client's, and another partition can take the bytes (read-only: write
 /// elsewhere). The partition turns read-only until the store works again.
+/// How storing a packet on the leader failed ([`DataNode::replicate`]'s `local`).
+enum Local {
+    /// The write, refused or failed before anything was synced: the caller's error.
+    Write(DataError),
+    /// The sync of what was written.
+    Sync(DataError),
+}
+
 fn write_error(e: StoreError) -> DataError {
     match e {
         StoreError::Failed | StoreError::Io(_) => {

@@ -33,7 +33,7 @@ use common::*;
 use nacre_data::io::{Disk, FaultPlan, FaultyDisk};
 use nacre_data::rpc::{Read, ReadRequest};
 use nacre_data::service::WrapDisk;
-use nacre_data::{DataError, DataMetrics};
+use nacre_data::{DataError, DataMetrics, DataNodeConfig};
 use nacre_master::agent::PartitionHost as _;
 use nacre_types::ExtentId;
 
@@ -484,12 +484,22 @@ fn truncate(file: &std::path::Path, len: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_bit_on_the_leader_is_repaired_from_a_follower_at_read_time() {
+    flipped_bit_repaired(4, 10_000, |_| {}).await;
+}
+
+/// The same with appends written past the page cache (`direct_streams`: always).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_bit_in_an_uncached_append_is_repaired_at_read_time() {
+    flipped_bit_repaired(14, 32 << 10, |cfg| cfg.direct_streams = 1).await;
+}
+
+async fn flipped_bit_repaired(seed: u64, packet: usize, tweak: fn(&mut DataNodeConfig)) {
     let _serial = SERIAL.lock().await;
-    let c = Cluster::start(4).await;
+    let c = Cluster::start_with(seed, tweak).await;
     let api = c.api.clone();
     let e = api.create().await.unwrap().unwrap();
     let mut model = Vec::new();
-    fill(&api, e, &mut model, 70, 4, 10_000).await;
+    fill(&api, e, &mut model, 70, 4, packet).await;
     let ow = pattern(80, 3000);
     api.overwrite(e, 12_000, &ow).await.unwrap().unwrap();
     model[12_000..15_000].copy_from_slice(&ow);
@@ -531,17 +541,31 @@ async fn a_flipped_bit_on_the_leader_is_repaired_from_a_follower_at_read_time() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_appends_survive_a_leader_crash_in_the_middle_of_a_pipeline() {
+    leader_crash_mid_pipeline(5, 6000, 400, |_| {}).await;
+}
+
+/// The same with appends written past the page cache (`direct_streams`: always): whole 4 KiB
+/// pages, so that they go to the device directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_uncached_appends_survive_a_leader_crash() {
+    leader_crash_mid_pipeline(15, 32 << 10, 400, |cfg| cfg.direct_streams = 1).await;
+}
+
+async fn leader_crash_mid_pipeline(
+    seed: u64,
+    packet_len: usize,
+    packets_n: usize,
+    tweak: fn(&mut DataNodeConfig),
+) {
     let _serial = SERIAL.lock().await;
-    let mut c = Cluster::start(5).await;
+    let mut c = Cluster::start_with(seed, tweak).await;
     let api = c.api.clone();
     let e = api.create().await.unwrap().unwrap();
     let old = api.leader().await;
 
     // One stream of packets, 6 in flight, sent to the leader only (no leader following: after a
     // failure the rest of the stream is not acknowledged).
-    const PACKET: usize = 6000;
-    const PACKETS: usize = 400;
-    let stream = pattern(90, PACKET * PACKETS);
+    let stream = pattern(90, packet_len * packets_n);
     let (acks_tx, mut acks) = tokio::sync::watch::channel(0usize);
     let writer = {
         let (api, stream) = (api.clone(), stream.clone());
@@ -550,9 +574,9 @@ async fn acknowledged_appends_survive_a_leader_crash_in_the_middle_of_a_pipeline
             let mut next = 0;
             let mut acked_end = 0u64;
             loop {
-                while inflight.len() < 6 && next < PACKETS {
-                    let (api, off) = (api.clone(), (next * PACKET) as u64);
-                    let data = stream[next * PACKET..(next + 1) * PACKET].to_vec();
+                while inflight.len() < 6 && next < packets_n {
+                    let (api, off) = (api.clone(), (next * packet_len) as u64);
+                    let data = stream[next * packet_len..(next + 1) * packet_len].to_vec();
                     inflight
                         .push_back(tokio::spawn(async move { api.append(e, off, &data).await }));
                     next += 1;
@@ -562,8 +586,8 @@ async fn acknowledged_appends_survive_a_leader_crash_in_the_middle_of_a_pipeline
                 };
                 match t.await.unwrap() {
                     Ok(Ok(w)) => {
-                        assert!(w.committed >= w.offset + PACKET as u64);
-                        acked_end = acked_end.max(w.offset + PACKET as u64);
+                        assert!(w.committed >= w.offset + packet_len as u64);
+                        acked_end = acked_end.max(w.offset + packet_len as u64);
                         acks_tx.send_modify(|n| *n += 1);
                     }
                     Ok(Err(DataError::ReadOnly(_) | DataError::OutOfRange { .. })) | Err(_) => {
@@ -581,7 +605,7 @@ async fn acknowledged_appends_survive_a_leader_crash_in_the_middle_of_a_pipeline
     acks.wait_for(|n| *n >= 40).await.unwrap();
     c.crash(old).await;
     let acked = writer.await.unwrap();
-    assert!(acked >= 40 * PACKET as u64);
+    assert!(acked >= 40 * packet_len as u64);
     assert!(acked < stream.len() as u64, "the crash cut the stream");
 
     // A new leader is elected and aligns: nothing acknowledged is lost, and the bytes below the
