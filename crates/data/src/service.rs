@@ -1241,6 +1241,12 @@ impl DataNode {
         part.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
+    /// Whether appends now bypass the page cache (`DataNodeConfig::direct_streams`).
+    fn uncached(&self) -> bool {
+        let from = self.inner.config.direct_streams;
+        from > 0 && self.inner.streams.now() >= from as usize
+    }
+
     /// Syncs writes made since the store's `epoch` (taken before them): fails if a reopen came
     /// between, since it may have lost them.
     async fn sync_store(store: &Arc<ExtentStore>, epoch: u64) -> Result<(), DataError> {
@@ -1264,20 +1270,18 @@ impl DataNode {
         }
     }
 
-    /// Sends a packet to every follower (with `sync`, each syncs it) while `local` stores it
-    /// here; all must succeed. A failure of `local` with [`Local::Write`] is the caller's (its
-    /// error returns as it is, and the followers' copies stay unacknowledged); any other failure
-    /// makes the partition read-only.
+    /// Sends a packet to every follower and, with `sync`, syncs it locally (written at store
+    /// `epoch`) and has every follower sync it; all must succeed.
     #[expect(clippy::too_many_arguments, reason = "one packet's placement")]
     async fn replicate(
         &self,
         part: &Part,
         extent: ExtentId,
         offset: u64,
+        epoch: u64,
         committed: u64,
         data: &Payload,
         sync: bool,
-        local: impl Future<Output = Result<(), Local>>,
     ) -> Result<(), DataError> {
         let me = self.raft().map_err(DataError::Io)?.id();
         let req = ReplicateRequest {
@@ -1302,12 +1306,17 @@ impl DataNode {
                     .map_err(|e| format!("{}: {e}", r.addr))
             });
         }
+        let local = async {
+            if sync {
+                Self::sync_store(&part.store, epoch).await
+            } else {
+                Ok(())
+            }
+        };
         let (local, remote) = tokio::join!(local, sends.join_all());
         let mut failed: Vec<String> = remote.into_iter().filter_map(Result::err).collect();
-        match local {
-            Ok(()) => {}
-            Err(Local::Write(e)) => return Err(e),
-            Err(Local::Sync(e)) => failed.push(format!("local disk: {e}")),
+        if let Err(e) = local {
+            failed.push(format!("local disk: {e}"));
         }
         if failed.is_empty() {
             return Ok(());
@@ -1315,23 +1324,6 @@ impl DataNode {
         let why = format!("replication failed: {}", failed.join("; "));
         part.degrade(why.clone());
         Err(DataError::ReadOnly(why))
-    }
-
-    /// Whether appends now bypass the page cache (`DataNodeConfig::direct_streams`).
-    fn uncached(&self) -> bool {
-        let from = self.inner.config.direct_streams;
-        from > 0 && self.inner.streams.now() >= from as usize
-    }
-
-    /// Syncs a packet written at store `epoch` here, for [`Self::replicate`]'s `local`.
-    async fn sync_local(part: &Part, epoch: u64, sync: bool) -> Result<(), Local> {
-        if sync {
-            Self::sync_store(&part.store, epoch)
-                .await
-                .map_err(Local::Sync)
-        } else {
-            Ok(())
-        }
     }
 
     async fn append(
@@ -1371,11 +1363,10 @@ impl DataNode {
         let _appending = self.inner.streams.enter(track.clone());
         let uncached = self.uncached();
         let epoch = part.store.epoch();
-        // The followers learn what was committed before this packet; sent along with it, while
-        // the packet is written here (a packet of a stream needs both, so running them one after
-        // the other would double its time on the way).
-        let committed_before = track.committed();
-        let write = {
+        // Written here before it goes to the followers: a packet this replica refuses (out of
+        // order, a stale retry) must never reach them, since a follower cuts an unacknowledged
+        // tail to make room for it.
+        let committed_before = {
             let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
             let (extent, offset) = (req.extent, req.offset);
             off_worker(move || {
@@ -1384,12 +1375,13 @@ impl DataNode {
                     .lock()
                     .map_err(|_| DataError::Io("poisoned".into()))?;
                 let next = *track.next.borrow();
+                let committed = track.committed();
                 if next != offset {
                     return Err(DataError::OutOfRange {
                         extent,
                         offset,
                         len,
-                        committed: track.committed(),
+                        committed,
                     });
                 }
                 if uncached {
@@ -1399,24 +1391,19 @@ impl DataNode {
                 }
                 .map_err(write_error)?;
                 track.next.send_replace(offset + len);
-                Ok(())
+                Ok(committed)
             })
-        };
-        let local = async {
-            write
-                .await
-                .inspect_err(|e| degrade_if_full(part, e))
-                .map_err(Local::Write)?;
-            Self::sync_local(part, epoch, req.sync).await
+            .await
+            .inspect_err(|e| degrade_if_full(part, e))?
         };
         self.replicate(
             part,
             req.extent,
             req.offset,
+            epoch,
             committed_before,
             &data,
             req.sync,
-            local,
         )
         .await?;
         // Acknowledge in offset order: the previous packet must be on every replica first. Then a
@@ -1504,8 +1491,7 @@ impl DataNode {
             .await
             .inspect_err(|e| degrade_if_full(part, e))?
         };
-        let local = Self::sync_local(part, epoch, true);
-        self.replicate(part, extent, offset, committed_before, data, true, local)
+        self.replicate(part, extent, offset, epoch, committed_before, data, true)
             .await?;
         track.commit(offset + len);
         self.count(part, data.bytes.len());
@@ -2021,14 +2007,6 @@ async fn alive(client: &Client, addr: &str, within: Duration) -> bool {
 /// What a client is told when this replica's store cannot take an append or a tiny write: a disk
 /// error here is not the client's, and another partition can take the bytes (read-only: write
 /// elsewhere). The partition turns read-only until the store works again.
-/// How storing a packet on the leader failed ([`DataNode::replicate`]'s `local`).
-enum Local {
-    /// The write, refused or failed before anything was synced: the caller's error.
-    Write(DataError),
-    /// The sync of what was written.
-    Sync(DataError),
-}
-
 fn write_error(e: StoreError) -> DataError {
     match e {
         StoreError::Failed | StoreError::Io(_) => {

@@ -396,6 +396,37 @@ async fn a_leader_elected_without_committed_bytes_hands_over_and_is_repaired() {
 /// Packets sent without `sync`: acknowledged once on every replica, but committed (and served)
 /// only with the extent's next synced packet; a follower that lost them makes that packet fail
 /// rather than commit bytes it does not hold.
+/// A packet the leader refuses (here a stale retry of one already written, as after a lost reply)
+/// never reaches the followers: they would cut their tails back to its offset to make room for it
+/// (the bytes past it, acknowledged, would then live on the leader alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_packet_leaves_the_followers_tails_alone() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::start(16).await;
+    let api = c.api.clone();
+    let e = api.create().await.unwrap().unwrap();
+    let mut model = Vec::new();
+    fill(&api, e, &mut model, 110, 2, 5000).await;
+    // Two unsynced packets past what the followers know is committed.
+    let retried = pattern(120, 5000);
+    for data in [retried.clone(), pattern(121, 5000)] {
+        api.append_with(e, model.len() as u64, &data, false)
+            .await
+            .unwrap()
+            .unwrap();
+        model.extend_from_slice(&data);
+    }
+    // The first of them again.
+    match api.append_with(e, 10_000, &retried, false).await.unwrap() {
+        Err(DataError::OutOfRange { .. }) => {}
+        other => panic!("expected OutOfRange, got {other:?}"),
+    }
+    for i in 0..3 {
+        assert_eq!(api.local_len(i, e).await, model.len() as u64, "replica {i}");
+    }
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unsynced_appends_are_committed_only_by_a_later_synced_one() {
     let _serial = SERIAL.lock().await;
