@@ -523,13 +523,20 @@ impl SeqWriter {
             self.write_todo().await?;
             if let Some(last) = self.held.take() {
                 self.send(last, true).await?;
+                // Sending waits while the window is full, and a packet that fails meanwhile puts
+                // every byte not durable (this packet's too) back in `todo`, emptying the window:
+                // look at `todo` again before taking an empty window for the end.
+                continue;
             }
             if self.pending.is_empty() {
                 break;
             }
             self.settle_one().await?;
         }
-        debug_assert!(self.unsynced.is_empty(), "the last packet sent was synced");
+        debug_assert!(
+            self.unsynced.is_empty() && self.todo.iter().all(Bytes::is_empty),
+            "every byte was written and the last packet sent was synced"
+        );
         Ok(())
     }
 

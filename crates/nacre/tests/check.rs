@@ -13,11 +13,33 @@ use common::BIN;
 /// One cluster at a time: ten processes on a 2-core machine.
 static ONE: Mutex<()> = Mutex::new(());
 
+/// The run's directory, kept when the test fails: the servers' logs and data are in it.
+struct KeepOnFailure(Option<tempfile::TempDir>);
+
+impl KeepOnFailure {
+    fn path(&self) -> &std::path::Path {
+        self.0.as_ref().map(|d| d.path()).unwrap()
+    }
+}
+
+impl Drop for KeepOnFailure {
+    fn drop(&mut self) {
+        if std::thread::panicking()
+            && let Some(d) = self.0.take()
+        {
+            eprintln!(
+                "kept the run's directory (logs, data): {}",
+                d.keep().display()
+            );
+        }
+    }
+}
+
 /// Runs one schedule and returns its JSON summary, after checking the invariants every schedule
 /// shares.
 fn schedule(name: &str, secs: u32) -> serde_json::Value {
     let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = tempfile::tempdir().unwrap();
+    let dir = KeepOnFailure(Some(tempfile::tempdir().unwrap()));
     let out = Command::new(BIN)
         .args([
             "check",
@@ -33,6 +55,7 @@ fn schedule(name: &str, secs: u32) -> serde_json::Value {
             "--seed",
             "7",
             "--json",
+            "--keep",
             "--dir",
         ])
         .arg(dir.path().join("c"))

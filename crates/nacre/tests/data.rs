@@ -288,3 +288,63 @@ fn a_deleted_file_has_its_extents_released_on_the_data_nodes() {
             .unwrap();
     });
 }
+
+/// A stream whose packets are refused while the flush sends its last one (the window full, so
+/// the flush waits for the oldest, which fails) writes every byte again elsewhere before the
+/// flush returns: the keys cover the whole stream. The flush used to return with the refused
+/// packets only queued, their keys missing and the stream's file offset moved back to the
+/// first of them, so the next append's keys took their file range (`nacre check` found it).
+#[test]
+fn a_refused_last_window_is_rewritten_before_the_flush_returns() {
+    const PACKET: usize = 128 << 10;
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let c = start_cluster(dir.path());
+    runtime().block_on(async {
+        let msgr =
+            Messenger::new("test-client", MsgrConfig::default(), Arc::new(TcpTransport)).unwrap();
+        let mc = MasterClient::new(msgr.client(), vec![c.master_addr.clone()]);
+        create_volume(&mc).await;
+        let vol = Arc::new(
+            NetVolume::connect(msgr.client(), mc.clone(), "v")
+                .await
+                .unwrap(),
+        );
+        let first = content(11, PACKET);
+        let mut w = SeqWriter::new(vol.clone(), 0, 4);
+        w.write(Bytes::from(first.clone())).await.unwrap();
+        w.flush().await.unwrap();
+        let mut keys = w.take_keys();
+        let k = keys[0];
+        assert_eq!((keys.len(), k.size as usize), (1, PACKET), "{keys:?}");
+        // Another writer appends to the stream's extent, so the stream's next packet, at the
+        // offset it expects, is refused (out of range: the client moves on).
+        vol.append(
+            k.partition,
+            k.extent,
+            PACKET as u64,
+            Bytes::from(vec![7u8; 4096]),
+        )
+        .await
+        .unwrap();
+        // Three whole packets and a short one: with four in flight allowed, the window fills only
+        // when the flush sends the last.
+        let more = content(12, 3 * PACKET + 1000);
+        w.write(Bytes::from(more.clone())).await.unwrap();
+        w.flush().await.unwrap();
+        keys.extend(w.take_keys());
+        let mut want = first;
+        want.extend_from_slice(&more);
+        let mut at = 0;
+        for k in &keys {
+            assert_eq!(k.file_offset, at, "keys leave a gap or overlap: {keys:?}");
+            at = k.end();
+        }
+        assert_eq!(at, want.len() as u64, "keys: {keys:?}");
+        assert!(read_keys(&vol, &keys).await.unwrap() == want);
+        let m = msgr.clone();
+        tokio::task::spawn_blocking(move || m.shutdown())
+            .await
+            .unwrap();
+    });
+}
