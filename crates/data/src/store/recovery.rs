@@ -8,7 +8,9 @@
 //!   and the partial last block of that length has CRC `tail_crc`.
 //! - **The candidate header.** The newer of two valid headers (or the only one when the other slot
 //!   was never written) may come from a sync that did not complete. It is used only if every block
-//!   it adds over the trusted one verifies; otherwise recovery falls back to the trusted one.
+//!   it adds over the trusted one verifies (a block the trusted header covers whole was durable
+//!   under both, so its state tells nothing of that sync); otherwise recovery falls back to the
+//!   trusted one.
 //! - Below the chosen header's length blocks are kept even if they fail (they read as `Corrupt` and
 //!   are repaired from a replica): they were durable and only an in-place change can have broken them.
 //!   Above it, blocks are kept while they verify and the first one that does not ends the extent
@@ -253,12 +255,14 @@ impl Ctx<'_> {
                 match check(rec, &buf[..got]) {
                     Some((len, crc)) if len == bs => w.push(i, bs, Block::recorded(crc)),
                     _ => {
-                        // Kept: durable bytes that only an in-place change (or damage) broke.
+                        // Kept: durable bytes that only an in-place change (or damage) broke. Below
+                        // the trusted length that says nothing of whether the header's sync
+                        // completed (the block was durable under either header).
                         let crc = rec
                             .filter(|r| u64::from(r.len) == bs)
                             .map_or(!crc32c(&buf[..got]), |r| r.crc);
                         w.push(i, bs, Block::rotten(crc));
-                        w.clean = false;
+                        w.clean &= i < verify_from;
                     }
                 }
             } else if start < floor {
