@@ -76,8 +76,9 @@ pub trait DiskFile: Send + Sync + std::fmt::Debug {
     /// append the OS's page cache would only hold until the sync that follows drops it: where the
     /// file, `off` and the length allow, the bytes go to the device without passing through the
     /// cache (`O_DIRECT`), which spares the copy into it, its write-back and its dropping.
-    fn write_direct_at(&self, data: &[u8], off: u64) -> io::Result<()> {
-        self.write_at(data, off)
+    /// Returns whether they did (`false`: they went through the cache like `write_at`'s).
+    fn write_direct_at(&self, data: &[u8], off: u64) -> io::Result<bool> {
+        self.write_at(data, off).map(|()| false)
     }
     /// Current length (not necessarily durable).
     fn len(&self) -> io::Result<u64>;
@@ -341,13 +342,14 @@ impl DiskFile for RealFile {
         self.file.write_all_at(data, off)
     }
 
-    fn write_direct_at(&self, data: &[u8], off: u64) -> io::Result<()> {
+    fn write_direct_at(&self, data: &[u8], off: u64) -> io::Result<bool> {
         let aligned = |n: usize| n.is_multiple_of(DIRECT_ALIGN);
+        let cached = || self.write_at(data, off).map(|()| false);
         let Some(direct) = self.direct() else {
-            return self.write_at(data, off);
+            return cached();
         };
         if data.is_empty() || !aligned(data.len()) || !off.is_multiple_of(DIRECT_ALIGN as u64) {
-            return self.write_at(data, off);
+            return cached();
         }
         let written = if aligned(data.as_ptr() as usize) {
             direct.write_all_at(data, off)
@@ -355,9 +357,10 @@ impl DiskFile for RealFile {
             with_aligned_copy(data, |buf| direct.write_all_at(buf, off))
         };
         match written {
+            Ok(()) => Ok(true),
             // The file system takes no direct IO here after all: the cache's way.
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.write_at(data, off),
-            r => r,
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => cached(),
+            Err(e) => Err(e),
         }
     }
 
@@ -1112,8 +1115,13 @@ impl DiskFile for FaultyFile {
         self.write_with(data, off, |d, o| self.inner.write_at(d, o))
     }
 
-    fn write_direct_at(&self, data: &[u8], off: u64) -> io::Result<()> {
-        self.write_with(data, off, |d, o| self.inner.write_direct_at(d, o))
+    fn write_direct_at(&self, data: &[u8], off: u64) -> io::Result<bool> {
+        let direct = std::cell::Cell::new(false);
+        self.write_with(data, off, |d, o| {
+            direct.set(self.inner.write_direct_at(d, o)?);
+            Ok(())
+        })?;
+        Ok(direct.get())
     }
 
     fn len(&self) -> io::Result<u64> {
@@ -1167,13 +1175,18 @@ mod tests {
             .map(|i: u32| (i * 7 + i / 4096) as u8)
             .collect();
         let mut want = Vec::new();
+        // Whether this file system takes direct IO at all (tmpfs may not): every aligned write
+        // below must then say the same.
+        let direct = f.write_direct_at(&bytes[..4096], 0).unwrap();
+        want.extend_from_slice(&bytes[..4096]);
         // Aligned at every offset of the buffer's address (the direct write copies what is not),
         // then lengths and offsets direct IO cannot take (written through the cache).
         for (i, skew) in [0usize, 1, 512, 4095].into_iter().enumerate() {
             let mut buf = vec![0u8; skew];
             buf.extend_from_slice(&bytes[..32 << 10]);
             buf[skew] = i as u8;
-            f.write_direct_at(&buf[skew..], want.len() as u64).unwrap();
+            let went = f.write_direct_at(&buf[skew..], want.len() as u64).unwrap();
+            assert_eq!(went, direct);
             want.extend_from_slice(&buf[skew..]);
         }
         // Larger than the buffer a thread keeps.
@@ -1185,11 +1198,11 @@ mod tests {
             .collect();
         f.write_direct_at(&big[1..], want.len() as u64).unwrap();
         want.extend_from_slice(&big[1..]);
-        f.write_direct_at(&bytes[..5000], want.len() as u64)
-            .unwrap();
+        let went = f.write_direct_at(&bytes[..5000], want.len() as u64);
+        assert!(!went.unwrap(), "an unaligned length goes through the cache");
         want.extend_from_slice(&bytes[..5000]);
-        f.write_direct_at(&bytes[..8192], want.len() as u64)
-            .unwrap();
+        let went = f.write_direct_at(&bytes[..8192], want.len() as u64);
+        assert!(!went.unwrap(), "an unaligned offset goes through the cache");
         want.extend_from_slice(&bytes[..8192]);
         // Over what the cache holds: a cached write, read back, then overwritten direct.
         f.write_at(&[9; 4096], 4096).unwrap();

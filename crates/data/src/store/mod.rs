@@ -1708,7 +1708,8 @@ impl ExtentStore {
         }
 
         let direct = direct && data.len() >= DIRECT_FROM && !Self::is_tiny(ext.id);
-        let io = || -> Result<(), StoreError> {
+        let mut went_direct = false;
+        let mut io = || -> Result<(), StoreError> {
             if offset > old_len {
                 let gap = offset - old_len;
                 if gap <= INLINE_GAP {
@@ -1722,7 +1723,7 @@ impl ExtentStore {
                     f.data.write_at(data, offset)?;
                 }
             } else if offset == old_len && direct {
-                f.data.write_direct_at(data, offset)?;
+                went_direct = f.data.write_direct_at(data, offset)?;
             } else {
                 f.data.write_at(data, offset)?;
             }
@@ -1755,6 +1756,16 @@ impl ExtentStore {
                 lock(&self.trash).tails.remove(&ext.id);
             }
             st.file_len = new_len;
+        }
+        if went_direct {
+            // Nothing of the append is in the page cache: no write-back to start for it, nothing
+            // to drop after the round's sync (unless cached bytes before it still wait for both).
+            if st.kicked == old_len {
+                st.kicked = new_len;
+            }
+            if st.uncached == old_len {
+                st.uncached = new_len;
+            }
         }
         self.start_writeback(ext.id, f, st, offset >= old_len);
         Ok(())
