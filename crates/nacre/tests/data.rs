@@ -11,15 +11,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use nacre_client::{DataCallError, MetaFs, NetVolume, NewInode, SeqWriter};
 use nacre_data::DataError;
-use nacre_master::MasterClient;
 
 use nacre_meta::{ExtentKey, ROOT_INO};
-use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use nacre_types::NodeId;
 
 mod common;
 use common::cluster::{
-    Cluster, ONE_AT_A_TIME, create_volume, runtime, start_cluster, start_node, wait_writable,
+    Cluster, ONE_AT_A_TIME, client_with_volume, open_volume, runtime, shut_down, start_cluster,
+    start_node, wait_writable,
 };
 
 /// Deterministic bytes for file `f`.
@@ -94,15 +93,8 @@ fn acknowledged_data_survives_kill_9_of_leader_and_follower() {
         master_addr,
     } = start_cluster(dir.path());
     runtime().block_on(async {
-        let msgr =
-            Messenger::new("test-client", MsgrConfig::default(), Arc::new(TcpTransport)).unwrap();
-        let mc = MasterClient::new(msgr.client(), vec![master_addr.clone()]);
-        create_volume(&mc).await;
-        let vol = Arc::new(
-            NetVolume::connect(msgr.client(), mc.clone(), "v")
-                .await
-                .unwrap(),
-        );
+        let (msgr, mc) = client_with_volume(&master_addr).await;
+        let vol = open_volume(&msgr, &mc).await;
 
         // A file to overwrite while nodes die.
         let mut w = SeqWriter::new(vol.clone(), 0, 4);
@@ -220,10 +212,7 @@ fn acknowledged_data_survives_kill_9_of_leader_and_follower() {
             "{} files acknowledged, {failed} failed during fail-over, {overwrites} overwrites",
             acked.len()
         );
-        let m = msgr.clone();
-        tokio::task::spawn_blocking(move || m.shutdown())
-            .await
-            .unwrap();
+        shut_down(&msgr).await;
     });
 }
 
@@ -233,15 +222,8 @@ fn a_deleted_file_has_its_extents_released_on_the_data_nodes() {
     let dir = tempfile::tempdir().unwrap();
     let c = start_cluster(dir.path());
     runtime().block_on(async {
-        let msgr =
-            Messenger::new("test-client", MsgrConfig::default(), Arc::new(TcpTransport)).unwrap();
-        let mc = MasterClient::new(msgr.client(), vec![c.master_addr.clone()]);
-        create_volume(&mc).await;
-        let vol = Arc::new(
-            NetVolume::connect(msgr.client(), mc.clone(), "v")
-                .await
-                .unwrap(),
-        );
+        let (msgr, mc) = client_with_volume(&c.master_addr).await;
+        let vol = open_volume(&msgr, &mc).await;
         let fs = MetaFs::new(
             NetVolume::connect(msgr.client(), mc.clone(), "v")
                 .await
@@ -282,10 +264,7 @@ fn a_deleted_file_has_its_extents_released_on_the_data_nodes() {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let m = msgr.clone();
-        tokio::task::spawn_blocking(move || m.shutdown())
-            .await
-            .unwrap();
+        shut_down(&msgr).await;
     });
 }
 
@@ -301,15 +280,8 @@ fn a_refused_last_window_is_rewritten_before_the_flush_returns() {
     let dir = tempfile::tempdir().unwrap();
     let c = start_cluster(dir.path());
     runtime().block_on(async {
-        let msgr =
-            Messenger::new("test-client", MsgrConfig::default(), Arc::new(TcpTransport)).unwrap();
-        let mc = MasterClient::new(msgr.client(), vec![c.master_addr.clone()]);
-        create_volume(&mc).await;
-        let vol = Arc::new(
-            NetVolume::connect(msgr.client(), mc.clone(), "v")
-                .await
-                .unwrap(),
-        );
+        let (msgr, mc) = client_with_volume(&c.master_addr).await;
+        let vol = open_volume(&msgr, &mc).await;
         let first = content(11, PACKET);
         let mut w = SeqWriter::new(vol.clone(), 0, 4);
         w.write(Bytes::from(first.clone())).await.unwrap();
@@ -342,9 +314,6 @@ fn a_refused_last_window_is_rewritten_before_the_flush_returns() {
         }
         assert_eq!(at, want.len() as u64, "keys: {keys:?}");
         assert!(read_keys(&vol, &keys).await.unwrap() == want);
-        let m = msgr.clone();
-        tokio::task::spawn_blocking(move || m.shutdown())
-            .await
-            .unwrap();
+        shut_down(&msgr).await;
     });
 }

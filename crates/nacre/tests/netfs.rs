@@ -10,14 +10,14 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use nacre_client::netfs::HIDDEN_PREFIX;
-use nacre_client::{Caller, FileSystem, HideStep, NetFs, NetVolume, OpenFlags};
+use nacre_client::{Caller, FileSystem, HideStep, NetFs, OpenFlags};
 use nacre_data::store::ExtentStore;
-use nacre_master::MasterClient;
 use nacre_meta::{ROOT_INO, SetAttr};
-use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 
 mod common;
-use common::cluster::{ONE_AT_A_TIME, create_volume, runtime, start_cluster};
+use common::cluster::{
+    ONE_AT_A_TIME, client_with_volume, open_volume, runtime, shut_down, start_cluster,
+};
 
 /// A small deterministic generator (xorshift64*), so a failure replays exactly.
 struct Rng(u64);
@@ -89,17 +89,8 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = start_cluster(dir.path());
     runtime().block_on(async {
-        let msgr =
-            Messenger::new("test-client", MsgrConfig::default(), Arc::new(TcpTransport)).unwrap();
-        let mc = MasterClient::new(msgr.client(), vec![cluster.master_addr.clone()]);
-        create_volume(&mc).await;
-        let connect = || async {
-            NetFs::new(Arc::new(
-                NetVolume::connect(msgr.client(), mc.clone(), "v")
-                    .await
-                    .unwrap(),
-            ))
-        };
+        let (msgr, mc) = client_with_volume(&cluster.master_addr).await;
+        let connect = || async { NetFs::new(open_volume(&msgr, &mc).await) };
         let fs = connect().await;
         let me = Caller { uid: 0, gid: 0 };
 
@@ -354,10 +345,7 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
         ));
         fs.release(h).await.unwrap();
 
-        let m = msgr.clone();
-        tokio::task::spawn_blocking(move || m.shutdown())
-            .await
-            .unwrap();
+        shut_down(&msgr).await;
     });
 }
 
@@ -402,15 +390,8 @@ fn cancelled_writes_and_fsyncs_leave_old_or_new_content() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = start_cluster(dir.path());
     runtime().block_on(async {
-        let msgr =
-            Messenger::new("test-client", MsgrConfig::default(), Arc::new(TcpTransport)).unwrap();
-        let mc = MasterClient::new(msgr.client(), vec![cluster.master_addr.clone()]);
-        create_volume(&mc).await;
-        let vol = Arc::new(
-            NetVolume::connect(msgr.client(), mc.clone(), "v")
-                .await
-                .unwrap(),
-        );
+        let (msgr, mc) = client_with_volume(&cluster.master_addr).await;
+        let vol = open_volume(&msgr, &mc).await;
         let fs = NetFs::new(vol.clone());
         let me = Caller { uid: 0, gid: 0 };
         let mut rng = Rng(0xc0ffee);
@@ -462,9 +443,6 @@ fn cancelled_writes_and_fsyncs_leave_old_or_new_content() {
                 assert!(released.is_ok() && got == data, "{what}");
             }
         }
-        let m = msgr.clone();
-        tokio::task::spawn_blocking(move || m.shutdown())
-            .await
-            .unwrap();
+        shut_down(&msgr).await;
     });
 }

@@ -4,8 +4,12 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
+use nacre_client::NetVolume;
 use nacre_master::MasterClient;
 use nacre_master::map::{Command as MapCommand, PartitionStatus};
+use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 
 use super::{Proc, free_port};
 
@@ -110,6 +114,33 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .unwrap()
+}
+
+/// The test's client: a messenger and a master client for the cluster at `master_addr`, with
+/// volume `v` created and writable ([`create_volume`]).
+pub async fn client_with_volume(master_addr: &str) -> (Messenger, MasterClient) {
+    let msgr =
+        Messenger::new("test-client", MsgrConfig::default(), Arc::new(TcpTransport)).unwrap();
+    let mc = MasterClient::new(msgr.client(), vec![master_addr.to_string()]);
+    create_volume(&mc).await;
+    (msgr, mc)
+}
+
+/// Volume `v` through the test's client.
+pub async fn open_volume(msgr: &Messenger, mc: &MasterClient) -> Arc<NetVolume> {
+    Arc::new(
+        NetVolume::connect(msgr.client(), mc.clone(), "v")
+            .await
+            .unwrap(),
+    )
+}
+
+/// Shuts the test's client down (off the runtime: the shutdown blocks).
+pub async fn shut_down(msgr: &Messenger) {
+    let m = msgr.clone();
+    tokio::task::spawn_blocking(move || m.shutdown())
+        .await
+        .unwrap();
 }
 
 /// Creates volume `v` (1 meta partition, 2 data partitions, 3 replicas) and waits until it is
