@@ -12,10 +12,12 @@
 //! - the system's dirty and under-write-back bytes are below the kernel's background write-back
 //!   threshold (`/proc/meminfo` and `/proc/sys/vm/dirty_background_*`, sampled at most every
 //!   [`SAMPLE_EVERY`]); the kernel throttles no writer below it (it starts only halfway between it
-//!   and the hard limit), and
-//! - no inline write took [`SLOW_WRITE`] or more in the last [`PAUSE`]: whatever made one wait (a
-//!   memory cgroup's own dirty limit, a journal commit, memory reclaim) sends the next writes to
-//!   the pool until it had time to pass.
+//!   and the hard limit). Under cgroup v2 the same holds for each memory cgroup above the process
+//!   with a memory limit (`memory.stat`, `memory.max`): a container's writers are throttled
+//!   against its own limit too. And
+//! - no inline write took [`SLOW_WRITE`] or more lately: whatever made one wait (a journal
+//!   commit, memory reclaim) sends the next writes to the pool for [`PAUSE`], twice as long each
+//!   time a slow write comes soon after the last pause ended (at most [`MAX_PAUSE`]).
 //!
 //! A system whose figures cannot be read gets every write on the pool, as before this existed.
 
@@ -34,7 +36,11 @@ pub const SLOW_WRITE: Duration = Duration::from_millis(2);
 /// How long writes go to the pool after a slow inline write.
 pub const PAUSE: Duration = Duration::from_secs(1);
 
-/// The system's dirty page-cache bytes and where the kernel begins to write them back.
+/// The longest pause, after slow writes in a row.
+pub const MAX_PAUSE: Duration = Duration::from_secs(64);
+
+/// Dirty page-cache bytes of a writeback domain (the system, or a memory cgroup) and where the
+/// kernel begins to write them back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DirtyState {
     /// Bytes dirty or under write-back (`Dirty` + `Writeback` in `/proc/meminfo`).
@@ -47,6 +53,14 @@ impl DirtyState {
     /// Whether a cached write can run without being throttled.
     pub fn calm(&self) -> bool {
         self.dirty < self.background
+    }
+
+    /// Of two domains, the one nearer its threshold (a write is throttled by either).
+    pub fn tighter(self, other: DirtyState) -> DirtyState {
+        // dirty / background compared without division: a / b > c / d ⇔ a·d > c·b.
+        let (a, b) = (u128::from(self.dirty), u128::from(self.background));
+        let (c, d) = (u128::from(other.dirty), u128::from(other.background));
+        if c * b > a * d { other } else { self }
     }
 }
 
@@ -69,13 +83,100 @@ impl DirtyProbe for ProcDirty {
                 .parse()
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{path}: {e}")))
         };
-        dirty_state(
-            &meminfo,
-            vm("dirty_background_bytes")?,
-            vm("dirty_background_ratio")?,
-        )
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+        let (bg_bytes, bg_ratio) = (vm("dirty_background_bytes")?, vm("dirty_background_ratio")?);
+        let bad = |e: String| io::Error::new(io::ErrorKind::InvalidData, e);
+        let mut state = dirty_state(&meminfo, bg_bytes, bg_ratio).map_err(bad)?;
+        for dir in limited_cgroups()? {
+            let file = |name: &str| std::fs::read_to_string(dir.join(name));
+            let (stat, max, current) = (
+                file("memory.stat")?,
+                file("memory.max")?,
+                file("memory.current")?,
+            );
+            if let Some(m) = memcg_state(&stat, &max, &current, bg_bytes, bg_ratio).map_err(bad)? {
+                state = state.tighter(m);
+            }
+        }
+        Ok(state)
     }
+}
+
+/// The memory cgroups (v2) of this process and its ancestors that have a memory limit, nearest
+/// first; none under cgroup v1 (which throttles writers against the system's figures only) or
+/// without a cgroup v2 mount.
+fn limited_cgroups() -> io::Result<Vec<std::path::PathBuf>> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup")?;
+    let (Some(root), Some(path)) = (cgroup2_mount(&mountinfo), cgroup2_path(&cgroup)) else {
+        return Ok(Vec::new());
+    };
+    let mut dir = std::path::PathBuf::from(root);
+    dir.extend(path.split('/').filter(|c| !c.is_empty()));
+    let mut out = Vec::new();
+    for d in dir.ancestors() {
+        if !d.starts_with(root) {
+            break;
+        }
+        match std::fs::read_to_string(d.join("memory.max")) {
+            Ok(max) if max.trim() != "max" => out.push(d.to_path_buf()),
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// Where the cgroup v2 hierarchy is mounted, from `/proc/self/mountinfo`.
+fn cgroup2_mount(mountinfo: &str) -> Option<&str> {
+    mountinfo.lines().find_map(|l| {
+        // "id parent major:minor root mount-point options ... - fstype source super-options"
+        let (left, right) = l.split_once(" - ")?;
+        (right.split_whitespace().next()? == "cgroup2").then_some(())?;
+        left.split_whitespace().nth(4)
+    })
+}
+
+/// This process's cgroup v2 path, from `/proc/self/cgroup` (the `0::` line).
+fn cgroup2_path(cgroup: &str) -> Option<&str> {
+    cgroup.lines().find_map(|l| l.strip_prefix("0::"))
+}
+
+/// The [`DirtyState`] of a memory cgroup from its `memory.stat`, `memory.max` and
+/// `memory.current`; `None` without a limit. As the kernel computes a cgroup's writeback domain:
+/// the memory its dirty pages may take is its file pages plus its room below the limit, and the
+/// threshold the same ratio of it (a byte threshold is used as is: conservative, since the kernel
+/// scales it down to the cgroup's share).
+pub fn memcg_state(
+    stat: &str,
+    max: &str,
+    current: &str,
+    bg_bytes: u64,
+    bg_ratio: u64,
+) -> Result<Option<DirtyState>, String> {
+    let max = max.trim();
+    if max == "max" {
+        return Ok(None);
+    }
+    let num = |what: &str, v: &str| -> Result<u64, String> {
+        v.trim()
+            .parse()
+            .map_err(|_| format!("memory cgroup: bad {what}: {v:?}"))
+    };
+    let (max, current) = (num("memory.max", max)?, num("memory.current", current)?);
+    let field = |name: &str| -> Result<u64, String> {
+        let v = stat
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .ok_or_else(|| format!("memory.stat has no {name}"))?;
+        num(name, v)
+    };
+    let dirty = field("file_dirty")?.saturating_add(field("file_writeback")?);
+    let avail = field("file")?.saturating_add(max.saturating_sub(current));
+    let background = if bg_bytes > 0 {
+        bg_bytes
+    } else {
+        avail / 100 * bg_ratio.min(100)
+    };
+    Ok(Some(DirtyState { dirty, background }))
 }
 
 /// The [`DirtyState`] described by `/proc/meminfo`'s text and the `vm.dirty_background_bytes` and
@@ -121,6 +222,8 @@ pub struct Gate {
     calm: bool,
     /// Writes go to the pool until then (after a slow inline write).
     paused_until: Duration,
+    /// The last pause's length (zero before the first).
+    pause: Duration,
 }
 
 impl Gate {
@@ -144,13 +247,23 @@ impl Gate {
         self.calm
     }
 
-    /// Records an inline write that finished at `now` after `took`; true if it was slow (the
-    /// gate then stays shut for [`PAUSE`]).
+    /// Records an inline write that finished at `now` after `took`; true if it was slow. The
+    /// gate then stays shut for [`PAUSE`], or for twice the last pause if this one ended less
+    /// than its own length ago (at most [`MAX_PAUSE`]).
     pub fn took(&mut self, now: Duration, took: Duration) -> bool {
         if took < SLOW_WRITE {
             return false;
         }
-        self.paused_until = self.paused_until.max(now + PAUSE);
+        if now < self.paused_until {
+            // Started before the pause (several writes in flight): the pause covers it.
+            return true;
+        }
+        self.pause = if now < self.paused_until + self.pause {
+            (self.pause * 2).min(MAX_PAUSE)
+        } else {
+            PAUSE
+        };
+        self.paused_until = now + self.pause;
         true
     }
 }
@@ -263,6 +376,101 @@ mod tests {
         assert!(!g.allows(ms(10), || state(0)));
         assert!(!g.allows(ms(10) + PAUSE - ms(1), || state(0)));
         assert!(g.allows(ms(10) + PAUSE, || state(0)));
+    }
+
+    #[test]
+    fn slow_writes_in_a_row_double_the_pause() {
+        let mut g = Gate::default();
+        let s = Duration::from_secs;
+        let ms = Duration::from_millis;
+        assert!(g.took(s(0), SLOW_WRITE));
+        assert!(!g.allows(ms(999), || state(0)));
+        // A write that started before the pause ends during it: no longer pause.
+        assert!(g.took(ms(500), SLOW_WRITE));
+        assert!(g.allows(s(1), || state(0)));
+        // Slow again soon after: twice as long, then four times.
+        assert!(g.took(ms(1500), SLOW_WRITE));
+        assert!(!g.allows(ms(3499), || state(0)));
+        assert!(g.allows(ms(3500), || state(0)));
+        assert!(g.took(s(4), SLOW_WRITE));
+        assert!(!g.allows(ms(7999), || state(0)));
+        // Slow again long after: back to the first pause.
+        assert!(g.allows(s(8), || state(0)));
+        assert!(g.took(s(20), SLOW_WRITE));
+        assert!(!g.allows(ms(20_999), || state(0)));
+        assert!(g.allows(s(21), || state(0)));
+        // Never longer than the longest.
+        let mut g = Gate::default();
+        let mut t = s(0);
+        for _ in 0..20 {
+            assert!(g.took(t, SLOW_WRITE));
+            t = g.paused_until;
+        }
+        assert_eq!(g.pause, MAX_PAUSE);
+    }
+
+    #[test]
+    fn the_tighter_domain_is_the_one_nearer_its_threshold() {
+        let system = DirtyState {
+            dirty: 100,
+            background: 1000,
+        };
+        let cgroup = DirtyState {
+            dirty: 50,
+            background: 60,
+        };
+        assert_eq!(system.tighter(cgroup), cgroup);
+        assert_eq!(cgroup.tighter(system), cgroup);
+    }
+
+    const STAT: &str = "anon 1000\nfile 1000000\nkernel 10\nfile_mapped 0\nfile_dirty 5000\n\
+        file_writeback 100\nfile_thp 0\n";
+
+    #[test]
+    fn a_memory_cgroups_threshold_is_the_ratio_of_its_file_pages_and_room() {
+        // File pages 1,000,000 plus 500,000 below the limit: 10 % is 150,000.
+        let s = memcg_state(STAT, "2000000\n", "1500000\n", 0, 10)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            s,
+            DirtyState {
+                dirty: 5100,
+                background: 150_000
+            }
+        );
+        assert!(s.calm());
+        // Over its limit: only its file pages count.
+        let s = memcg_state(STAT, "1000000", "1200000", 0, 1)
+            .unwrap()
+            .unwrap();
+        assert_eq!(s.background, 10_000);
+        let s = memcg_state(STAT, "1000000", "1200000", 4096, 10)
+            .unwrap()
+            .unwrap();
+        assert_eq!(s.background, 4096);
+        assert!(!s.calm());
+        assert_eq!(memcg_state(STAT, "max\n", "5", 0, 10), Ok(None));
+        let err = memcg_state("file 1\n", "10", "5", 0, 10).unwrap_err();
+        assert!(err.contains("file_dirty"), "{err}");
+        let err = memcg_state(STAT, "lots", "5", 0, 10).unwrap_err();
+        assert!(err.contains("memory.max"), "{err}");
+    }
+
+    #[test]
+    fn the_cgroup_v2_mount_and_path_are_found() {
+        let hybrid = "30 25 0:26 / /sys/fs/cgroup rw - tmpfs tmpfs rw,mode=755\n\
+            31 30 0:27 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n\
+            32 30 0:28 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n";
+        assert_eq!(cgroup2_mount(hybrid), Some("/sys/fs/cgroup/unified"));
+        assert_eq!(
+            cgroup2_mount("28 1 0:25 / /sys/fs/cgroup rw shared:4 - cgroup2 cgroup2 rw\n"),
+            Some("/sys/fs/cgroup")
+        );
+        assert_eq!(cgroup2_mount("22 1 8:1 / / rw - ext4 /dev/vda rw\n"), None);
+        let cg = "4:memory:/a/b\n0::/kubepods/pod1/c1\n";
+        assert_eq!(cgroup2_path(cg), Some("/kubepods/pod1/c1"));
+        assert_eq!(cgroup2_path("4:memory:/a\n"), None);
     }
 
     #[test]

@@ -141,7 +141,8 @@ impl DataMetrics {
         );
         registry.register(
             "nacre_data_slow_inline_writes",
-            "Inline writes that took 2 ms or more (each sends the next writes to the pool for 1 s)",
+            "Inline writes that took 2 ms or more (each sends the next writes to the pool for 1 s, \
+             longer when they come in a row)",
             self.slow_inline_writes.clone(),
         );
     }
