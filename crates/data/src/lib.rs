@@ -2,7 +2,6 @@
 //! behind the [`io::Disk`] trait), scenario-aware replication (primary-backup appends, Raft
 //! overwrites) and the data node service.
 
-pub mod inline;
 pub mod io;
 pub mod rpc;
 pub mod service;

@@ -35,12 +35,10 @@ use nacre_proto::msg::raft::RaftBatchRpc;
 use nacre_proto::msg::sys::{Ping, PingRequest};
 use nacre_raft::{RaftError, RaftHandle, StoreConfig};
 use nacre_types::{ErrorCode, ExtentId, NodeId, PartitionId};
-use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
-use crate::inline::{DirtyProbe, InlineWrites, ProcDirty};
 use crate::io::{Disk, FileDisk};
 use crate::rpc::*;
 use crate::sm::{DataCommand, DataSm, SmShared, store_error};
@@ -85,11 +83,6 @@ pub struct DataNodeConfig {
     /// before disk, and a direct write costs less of it; with few, each stream waits on its own
     /// writes and the cache's quicker ones serve it better. 0: never.
     pub direct_streams: u32,
-    /// Cached append writes run on the messenger worker that received the packet, instead of
-    /// going to the blocking pool and back, while this probe finds the system's dirty pages below
-    /// the kernel's background write-back threshold and no such write was slow lately
-    /// ([`crate::inline`]); `None`: always on the pool.
-    pub inline_writes: Option<Arc<dyn DirtyProbe>>,
     /// Gauges the node keeps up to date (registered by the caller); `None`: none.
     pub metrics: Option<DataMetrics>,
     /// Wraps each partition's disk (its directory, the `FileDisk`) before its store opens it:
@@ -97,15 +90,12 @@ pub struct DataNodeConfig {
     pub wrap_disk: Option<WrapDisk>,
 }
 
-/// A data node's own gauges, refreshed every duty round, and counters (`DataNodeConfig::metrics`).
+/// A data node's own gauges, refreshed every duty round (`DataNodeConfig::metrics`).
 #[derive(Clone, Debug, Default)]
 pub struct DataMetrics {
     spare_bytes: Gauge,
     spare_files: Gauge,
     recycled: Gauge,
-    inline_writes: Counter,
-    pool_writes: Counter,
-    slow_inline_writes: Counter,
 }
 
 impl DataMetrics {
@@ -128,23 +118,6 @@ impl DataMetrics {
              stores opened",
             self.recycled.clone(),
         );
-        registry.register(
-            "nacre_data_inline_writes",
-            "Cached append writes run on the messenger worker that received them",
-            self.inline_writes.clone(),
-        );
-        registry.register(
-            "nacre_data_pool_writes",
-            "Append writes sent to the blocking pool (direct writes, and cached ones while the \
-             system has many dirty pages or after a slow inline write)",
-            self.pool_writes.clone(),
-        );
-        registry.register(
-            "nacre_data_slow_inline_writes",
-            "Inline writes that took 2 ms or more (each sends the next writes to the pool for 1 s, \
-             longer when they come in a row)",
-            self.slow_inline_writes.clone(),
-        );
     }
 
     /// `nacre_data_spare_bytes` as of the last duty round.
@@ -160,16 +133,6 @@ impl DataMetrics {
     /// `nacre_data_recycled_extents` as of the last duty round.
     pub fn recycled(&self) -> i64 {
         self.recycled.get()
-    }
-
-    /// `nacre_data_inline_writes` (its registered name ends in `_total`).
-    pub fn inline_writes(&self) -> u64 {
-        self.inline_writes.get()
-    }
-
-    /// `nacre_data_pool_writes`.
-    pub fn pool_writes(&self) -> u64 {
-        self.pool_writes.get()
     }
 }
 
@@ -223,8 +186,6 @@ impl DataNodeConfig {
             spare_keep: Duration::from_secs(60),
             // docs/benchmarks.md, "Appends past the page cache".
             direct_streams: 8,
-            // docs/benchmarks.md, "Cached appends written on the worker".
-            inline_writes: Some(Arc::new(ProcDirty)),
             metrics: None,
             wrap_disk: None,
         }
@@ -428,7 +389,6 @@ struct Inner {
     /// Deleted extents' data files every partition's new extents may take (`retire_spares`).
     spares: Arc<SparePool>,
     streams: Streams,
-    inline: InlineWrites,
 }
 
 /// A running data node. Cheap to clone.
@@ -473,7 +433,6 @@ impl DataNode {
                 repair_tokens: tokio::sync::Mutex::new((0.0, Instant::now())),
                 spares: SparePool::new(),
                 streams: Streams::default(),
-                inline: InlineWrites::new(config.inline_writes.clone()),
             }),
         };
         Ok(node)
@@ -1288,36 +1247,6 @@ impl DataNode {
         from > 0 && self.inner.streams.now() >= from as usize
     }
 
-    /// Runs an append's local write: a cached one (`cached`) on this worker when the node's
-    /// [`InlineWrites`] allow it (a copy into the page cache is quicker than two thread hand-offs),
-    /// anything else on the blocking pool ([`off_worker`]).
-    async fn write_append<T: Send + 'static>(
-        &self,
-        cached: bool,
-        f: impl FnOnce() -> Result<T, DataError> + Send + 'static,
-    ) -> Result<T, DataError> {
-        let metrics = self.inner.config.metrics.as_ref();
-        if cached && self.inner.inline.allows() {
-            let t0 = Instant::now();
-            let out = f();
-            let slow = self.inner.inline.took(t0.elapsed());
-            if let Some(m) = metrics {
-                m.inline_writes.inc();
-                if slow {
-                    m.slow_inline_writes.inc();
-                }
-            }
-            if slow {
-                tracing::debug!(took = ?t0.elapsed(), "slow inline write: writes go to the pool for a while");
-            }
-            return out;
-        }
-        if let Some(m) = metrics {
-            m.pool_writes.inc();
-        }
-        off_worker(f).await
-    }
-
     /// Syncs writes made since the store's `epoch` (taken before them): fails if a reopen came
     /// between, since it may have lost them.
     async fn sync_store(store: &Arc<ExtentStore>, epoch: u64) -> Result<(), DataError> {
@@ -1440,7 +1369,7 @@ impl DataNode {
         let committed_before = {
             let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
             let (extent, offset) = (req.extent, req.offset);
-            self.write_append(!uncached, move || {
+            off_worker(move || {
                 let _w = track
                     .write
                     .lock()
@@ -1549,7 +1478,7 @@ impl DataNode {
         let epoch = part.store.epoch();
         let (offset, committed_before) = {
             let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
-            self.write_append(true, move || {
+            off_worker(move || {
                 let _w = track
                     .write
                     .lock()
@@ -1611,9 +1540,7 @@ impl DataNode {
             .await;
         }
         let (store, bytes) = (part.store.clone(), data.bytes.clone());
-        // Cutting a tail syncs: not on the worker.
-        let cut = req.offset < *track.next.borrow();
-        self.write_append(!uncached && !cut, move || {
+        off_worker(move || {
             let _w = track
                 .write
                 .lock()

@@ -15,8 +15,6 @@
 //! - unsynced appends: acknowledged but neither committed nor served until a later synced packet;
 //!   a follower that lost them fails that packet.
 //! - releases: deleted extents are gone on every replica, punched tiny ranges read as zeros.
-//! - where appends are written: on the messenger worker while the system's dirty pages allow it,
-//!   on the blocking pool while they do not; the bytes are the same either way.
 //! - a replica whose extent store failed an IO (injected through its disk): the duty round reopens
 //!   it (a leader first hands leadership over), repair compares every extent with the leader's and
 //!   fills in what it lacks (a cut tail, an overwrite it could not apply), and the partition takes
@@ -32,7 +30,6 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use common::*;
-use nacre_data::inline::{DirtyProbe, DirtyState};
 use nacre_data::io::{Disk, FaultPlan, FaultyDisk};
 use nacre_data::rpc::{Read, ReadRequest};
 use nacre_data::service::WrapDisk;
@@ -180,66 +177,6 @@ async fn fill(api: &Api, e: ExtentId, model: &mut Vec<u8>, seed: u64, n: usize, 
             .unwrap();
         model.extend_from_slice(&data);
         assert_eq!(w.committed, model.len() as u64);
-    }
-}
-
-/// A fixed verdict on the system's dirty pages (`DataNodeConfig::inline_writes`).
-#[derive(Debug)]
-struct Dirty(bool);
-
-impl DirtyProbe for Dirty {
-    fn sample(&self) -> std::io::Result<DirtyState> {
-        Ok(DirtyState {
-            dirty: if self.0 { 1 << 30 } else { 0 },
-            background: 1 << 20,
-        })
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cached_appends_run_on_the_worker_only_while_the_system_is_calm() {
-    let _serial = SERIAL.lock().await;
-    for dirty in [false, true] {
-        let c = Cluster::start_with(
-            20,
-            if dirty {
-                |cfg: &mut DataNodeConfig| {
-                    cfg.metrics = Some(DataMetrics::default());
-                    cfg.inline_writes = Some(Arc::new(Dirty(true)));
-                }
-            } else {
-                |cfg: &mut DataNodeConfig| {
-                    cfg.metrics = Some(DataMetrics::default());
-                    cfg.inline_writes = Some(Arc::new(Dirty(false)));
-                }
-            },
-        )
-        .await;
-        let api = c.api.clone();
-        let e = api.create().await.unwrap().unwrap();
-        let mut model = Vec::new();
-        // One stream: its appends go through the page cache (`direct_streams`).
-        fill(&api, e, &mut model, 150, 4, 100_000).await;
-        let tiny = pattern(160, 3000);
-        let t = api.write_tiny(&tiny).await.unwrap().unwrap();
-        for i in 0..3 {
-            c.wait_replica(i, e, &model, true).await;
-            let m = c.node(i).metrics().unwrap();
-            // Every replica wrote the four packets and the small file: all on the pool while
-            // the system is dirty; else on the worker, but for any that came after a slow one
-            // (a loaded test machine).
-            let (inline, pool) = (m.inline_writes(), m.pool_writes());
-            assert_eq!(inline + pool, 5, "node {i}");
-            if dirty {
-                assert_eq!(inline, 0, "node {i}");
-            } else {
-                assert!(inline >= 1, "node {i}: none inline");
-            }
-        }
-        assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
-        let back = api.read(t.extent, t.offset, 3000).await.unwrap().unwrap();
-        assert_eq!(&back[..], &tiny[..]);
-        c.shutdown().await;
     }
 }
 

@@ -75,10 +75,6 @@ pub struct NodeConfig {
     /// go to the disk past the page cache (less CPU per byte with many streams; a lone stream is
     /// quicker through the cache); 0: never.
     pub direct_streams: u32,
-    /// Data nodes: cached append writes run on the messenger worker that received them while the
-    /// system's dirty pages are below the kernel's background write-back threshold (false: always
-    /// on the blocking pool).
-    pub inline_writes: bool,
     pub msgr: MsgrSection,
     pub master: MasterSection,
 }
@@ -100,7 +96,6 @@ impl Default for NodeConfig {
             spare_bytes: 1 << 30,
             spare_keep_secs: 60,
             direct_streams: 8,
-            inline_writes: true,
             msgr: MsgrSection::default(),
             master: MasterSection::default(),
         }
@@ -420,9 +415,6 @@ impl Node {
                     data_cfg.spare_bytes = cfg.spare_bytes;
                     data_cfg.spare_keep = Duration::from_secs(cfg.spare_keep_secs);
                     data_cfg.direct_streams = cfg.direct_streams;
-                    if !cfg.inline_writes {
-                        data_cfg.inline_writes = None;
-                    }
                     let data = DataNode::open(&data_cfg, msgr.client()).with_context(|| {
                         format!("cannot open the data node in {}", cfg.data_dir.display())
                     })?;

@@ -106,7 +106,6 @@ fn server_runs_from_config_with_env_overrides_and_stops_on_sigterm() {
     assert!(text.contains("spare_bytes = 0\n"), "{text}");
     assert!(text.contains("spare_keep_secs = 60\n"), "{text}");
     assert!(text.contains("direct_streams = 8\n"), "{text}");
-    assert!(text.contains("inline_writes = true\n"), "{text}");
 
     let mut child = Proc(
         Command::new(BIN)
