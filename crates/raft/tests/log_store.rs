@@ -298,9 +298,10 @@ fn injected_write_failures_apply_nothing() {
 
 #[test]
 fn an_invalid_group_write_leaves_the_whole_batch_unapplied() {
+    let dir = tempfile::tempdir().unwrap();
     for store in [
         Box::new(MemLogStore::new()) as Box<dyn LogStore>,
-        Box::new(EngineLogStore::open(tempfile::tempdir().unwrap().keep().as_path()).unwrap()),
+        Box::new(EngineLogStore::open(dir.path()).unwrap()),
     ] {
         let mut ok = GroupWrite::new(1);
         ok.entries = vec![entry(1, 1)];
