@@ -177,7 +177,9 @@ impl Rpc for Release {
     type Response = Result<(), DataError>;
 }
 
-/// Leader → follower: the same bytes at the same place (op `0x0310`). `committed` is the extent's
+/// Leader → follower: the same bytes at the same place (op `0x0310`): one append packet, or
+/// several consecutive ones of an extent as one batch (at most `service::MAX_BATCH` bytes), or a
+/// tiny write. `committed` is the extent's
 /// committed length before this packet: a follower may drop a longer, unacknowledged tail down to
 /// `offset` but never below `committed`. With `sync` the follower syncs (everything it wrote
 /// before too) before it replies.

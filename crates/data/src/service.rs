@@ -35,6 +35,7 @@ use nacre_proto::msg::raft::RaftBatchRpc;
 use nacre_proto::msg::sys::{Ping, PingRequest};
 use nacre_raft::{RaftError, RaftHandle, StoreConfig};
 use nacre_types::{ErrorCode, ExtentId, NodeId, PartitionId};
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
@@ -96,6 +97,8 @@ pub struct DataMetrics {
     spare_bytes: Gauge,
     spare_files: Gauge,
     recycled: Gauge,
+    append_batches: Counter,
+    append_batched: Counter,
 }
 
 impl DataMetrics {
@@ -117,6 +120,17 @@ impl DataMetrics {
             "New extents that took a deleted extent's data file, since the hosted partitions' \
              stores opened",
             self.recycled.clone(),
+        );
+        registry.register(
+            "nacre_data_append_batches",
+            "Batches of append packets this node wrote and forwarded as leader (consecutive \
+             packets of an extent that waited while the batch before them was written)",
+            self.append_batches.clone(),
+        );
+        registry.register(
+            "nacre_data_append_batched_packets",
+            "Append packets in those batches",
+            self.append_batched.clone(),
         );
     }
 
@@ -197,6 +211,8 @@ impl DataNodeConfig {
 struct Track {
     /// Serializes the check-write-advance step of appends to this extent.
     write: Mutex<()>,
+    /// Leader: append packets waiting for their local write ([`DataNode::write_batches`]).
+    inbox: Mutex<Inbox>,
     /// Where the next packet must start (the end of the last one written locally).
     next: watch::Sender<u64>,
     /// Every byte below is written on every replica (maybe not durable yet): packets of the
@@ -212,6 +228,7 @@ impl Track {
     fn new(next: u64, committed: u64) -> Arc<Self> {
         Arc::new(Self {
             write: Mutex::new(()),
+            inbox: Mutex::new(Inbox::default()),
             next: watch::Sender::new(next),
             replicated: watch::Sender::new(committed),
             committed: watch::Sender::new(committed),
@@ -229,6 +246,27 @@ impl Track {
         grow(&self.committed, upto);
     }
 }
+
+/// A leader's append packets of one extent that wait to be written, by offset, and whether a task
+/// writes them ([`DataNode::write_batches`]).
+#[derive(Debug, Default)]
+struct Inbox {
+    waiting: BTreeMap<u64, Arrived>,
+    writing: bool,
+}
+
+/// An append packet that reached the leader.
+#[derive(Debug)]
+struct Arrived {
+    data: Payload,
+    sync: bool,
+    /// The packet's result once written here and sent to every follower.
+    done: tokio::sync::oneshot::Sender<Result<(), DataError>>,
+}
+
+/// Most bytes a leader writes and forwards as one batch: consecutive packets of an extent that
+/// arrived while the previous batch was being written.
+pub const MAX_BATCH: usize = 1 << 20;
 
 /// The extents of a node with appends under way (as leader or follower): how many streams the
 /// node is writing at once (`DataNodeConfig::direct_streams`).
@@ -1328,7 +1366,7 @@ impl DataNode {
 
     async fn append(
         &self,
-        part: &Part,
+        part: &Arc<Part>,
         req: AppendRequest,
         data: Payload,
     ) -> Result<Written, DataError> {
@@ -1344,68 +1382,60 @@ impl DataNode {
         }
         let track = self.leader_track(part, req.extent).await?;
         let len = data.bytes.len() as u64;
-        // Packets of one extent may arrive out of order: wait for the previous one's local write.
-        let mut next = track.next.subscribe();
-        let ready = tokio::time::timeout(
-            self.inner.config.replicate_stall_limit,
-            next.wait_for(|n| *n >= req.offset),
-        )
-        .await
-        .is_ok_and(|r| r.is_ok());
-        if !ready {
-            return Err(DataError::OutOfRange {
-                extent: req.extent,
-                offset: req.offset,
-                len,
-                committed: track.committed(),
-            });
-        }
-        let _appending = self.inner.streams.enter(track.clone());
-        let uncached = self.uncached();
-        let epoch = part.store.epoch();
-        // Written here before it goes to the followers: a packet this replica refuses (out of
-        // order, a stale retry) must never reach them, since a follower cuts an unacknowledged
-        // tail to make room for it.
-        let committed_before = {
-            let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
-            let (extent, offset) = (req.extent, req.offset);
-            off_worker(move || {
-                let _w = track
-                    .write
-                    .lock()
-                    .map_err(|_| DataError::Io("poisoned".into()))?;
-                let next = *track.next.borrow();
-                let committed = track.committed();
-                if next != offset {
-                    return Err(DataError::OutOfRange {
-                        extent,
-                        offset,
-                        len,
-                        committed,
-                    });
-                }
-                if uncached {
-                    store.write_uncached(extent, offset, &bytes)
-                } else {
-                    store.write(extent, offset, &bytes)
-                }
-                .map_err(write_error)?;
-                track.next.send_replace(offset + len);
-                Ok(committed)
-            })
-            .await
-            .inspect_err(|e| degrade_if_full(part, e))?
+        let (extent, offset) = (req.extent, req.offset);
+        let out_of_range = |track: &Track| DataError::OutOfRange {
+            extent,
+            offset,
+            len,
+            committed: track.committed(),
         };
-        self.replicate(
-            part,
-            req.extent,
-            req.offset,
-            epoch,
-            committed_before,
-            &data,
-            req.sync,
-        )
-        .await?;
+        let _appending = self.inner.streams.enter(track.clone());
+        // Packets of one extent may arrive out of order: each waits in the inbox until the bytes
+        // before it are written here, and is written with the packets then waiting after it.
+        let (done, mut written) = tokio::sync::oneshot::channel();
+        let start = {
+            let mut inbox = track
+                .inbox
+                .lock()
+                .map_err(|_| DataError::Io("poisoned".into()))?;
+            // A stale retry (its bytes written already, or a copy of it waiting).
+            if offset < *track.next.borrow() || inbox.waiting.contains_key(&offset) {
+                return Err(out_of_range(&track));
+            }
+            inbox.waiting.insert(
+                offset,
+                Arrived {
+                    data,
+                    sync: req.sync,
+                    done,
+                },
+            );
+            !std::mem::replace(&mut inbox.writing, true)
+        };
+        if start {
+            let (node, part, track) = (self.clone(), part.clone(), track.clone());
+            tokio::spawn(async move { node.write_batches(&part, &track, extent).await });
+        }
+        let stall = self.inner.config.replicate_stall_limit;
+        let out = match tokio::time::timeout(stall, &mut written).await {
+            Ok(out) => out,
+            Err(_) => {
+                // Still waiting for the bytes before it: give up. Taken into a batch meanwhile:
+                // its result is on the way.
+                let gave_up = track
+                    .inbox
+                    .lock()
+                    .map_err(|_| DataError::Io("poisoned".into()))?
+                    .waiting
+                    .remove(&offset)
+                    .is_some();
+                if gave_up {
+                    return Err(out_of_range(&track));
+                }
+                written.await
+            }
+        };
+        out.unwrap_or_else(|_| Err(DataError::Io("the extent's writer stopped".into())))?;
         // Acknowledge in offset order: the previous packet must be on every replica first. Then a
         // synced packet commits everything below its end, since each replica wrote the earlier
         // packets before this one and synced after it.
@@ -1425,12 +1455,90 @@ impl DataNode {
         if req.sync {
             track.commit(req.offset + len);
         }
-        self.count(part, data.bytes.len());
+        self.count(part, len as usize);
         Ok(Written {
             extent: req.extent,
             offset: req.offset,
             committed: track.committed(),
         })
+    }
+
+    /// The leader's writer of an extent's appends, one task per extent while packets wait
+    /// (started by the packet that found none running). It takes the packets waiting in the inbox
+    /// that continue the extent, up to [`MAX_BATCH`] bytes, writes them here with one write, and
+    /// sends them to every follower as one message, while it goes on with the next batch. Each
+    /// packet gets the batch's result. Packets a refused batch leaves behind can never be written
+    /// in order: they get the same answer.
+    async fn write_batches(&self, part: &Arc<Part>, track: &Arc<Track>, extent: ExtentId) {
+        loop {
+            let Some((offset, batch)) = take_batch(track, extent) else {
+                return;
+            };
+            let sync = batch.iter().any(|a| a.sync);
+            let data = join_packets(&batch);
+            tracing::trace!(%extent, offset, packets = batch.len(), bytes = data.bytes.len(), "append batch");
+            if let Some(m) = &self.inner.config.metrics {
+                m.append_batches.inc();
+                m.append_batched.inc_by(batch.len() as u64);
+            }
+            let len = data.bytes.len() as u64;
+            let uncached = self.uncached();
+            let epoch = part.store.epoch();
+            // Written here before it goes to the followers: a packet this replica refuses (out of
+            // order, a stale retry) must never reach them, since a follower cuts an unacknowledged
+            // tail to make room for it.
+            let written = {
+                let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
+                off_worker(move || {
+                    let _w = track
+                        .write
+                        .lock()
+                        .map_err(|_| DataError::Io("poisoned".into()))?;
+                    let committed = track.committed();
+                    if *track.next.borrow() != offset {
+                        return Err(DataError::OutOfRange {
+                            extent,
+                            offset,
+                            len,
+                            committed,
+                        });
+                    }
+                    if uncached {
+                        store.write_uncached(extent, offset, &bytes)
+                    } else {
+                        store.write(extent, offset, &bytes)
+                    }
+                    .map_err(write_error)?;
+                    track.next.send_replace(offset + len);
+                    Ok(committed)
+                })
+                .await
+                .inspect_err(|e| degrade_if_full(part, e))
+            };
+            match written {
+                Ok(committed) => {
+                    let (node, part) = (self.clone(), part.clone());
+                    tokio::spawn(async move {
+                        let out = node
+                            .replicate(&part, extent, offset, epoch, committed, &data, sync)
+                            .await;
+                        for a in batch {
+                            let _ = a.done.send(out.clone());
+                        }
+                    });
+                }
+                Err(e) => {
+                    let left = track
+                        .inbox
+                        .lock()
+                        .map(|mut i| std::mem::take(&mut i.waiting))
+                        .unwrap_or_default();
+                    for a in batch.into_iter().chain(left.into_values()) {
+                        let _ = a.done.send(Err(e.clone()));
+                    }
+                }
+            }
+        }
     }
 
     async fn write_tiny(&self, part: &Part, data: Payload) -> Result<Written, DataError> {
@@ -1509,7 +1617,12 @@ impl DataNode {
         req: ReplicateRequest,
         data: Payload,
     ) -> Result<(), DataError> {
-        check_packet(&data)?;
+        if data.bytes.is_empty() || data.bytes.len() > MAX_BATCH {
+            return Err(DataError::Invalid(format!(
+                "a replicated batch of {} bytes; 1 to {MAX_BATCH}",
+                data.bytes.len()
+            )));
+        }
         let epoch = part.store.epoch();
         let tiny = ExtentStore::is_tiny(req.extent);
         let track = match part.track_with(req.extent, false) {
@@ -2085,6 +2198,56 @@ async fn off_worker<T: Send + 'static>(
         .map_err(|e| DataError::Io(format!("store task failed: {e}")))?
 }
 
+/// Takes from the inbox the packets that continue the extent from where the leader wrote up to, as
+/// one batch of at most [`MAX_BATCH`] bytes, with its offset; refuses the stale ones (below that
+/// point). None, and the writer stops: nothing to write yet.
+fn take_batch(track: &Track, extent: ExtentId) -> Option<(u64, Vec<Arrived>)> {
+    let mut inbox = track.inbox.lock().ok()?;
+    let start = *track.next.borrow();
+    let mut batch: Vec<Arrived> = Vec::new();
+    let (mut at, mut bytes) = (start, 0);
+    while let Some(first) = inbox.waiting.first_entry() {
+        let offset = *first.key();
+        let len = first.get().data.bytes.len();
+        if offset < start {
+            let a = first.remove();
+            let _ = a.done.send(Err(DataError::OutOfRange {
+                extent,
+                offset,
+                len: len as u64,
+                committed: track.committed(),
+            }));
+            continue;
+        }
+        if offset != at || (bytes > 0 && bytes + len > MAX_BATCH) {
+            break;
+        }
+        batch.push(first.remove());
+        at += len as u64;
+        bytes += len;
+    }
+    if batch.is_empty() {
+        inbox.writing = false;
+        return None;
+    }
+    Some((start, batch))
+}
+
+/// The packets of a batch as one data segment, with its CRC combined from theirs.
+fn join_packets(batch: &[Arrived]) -> Payload {
+    if let [one] = batch {
+        return Payload::with_crc(one.data.bytes.clone(), one.data.crc());
+    }
+    let total = batch.iter().map(|a| a.data.bytes.len()).sum();
+    let mut all = bytes::BytesMut::with_capacity(total);
+    let mut crc = 0;
+    for a in batch {
+        all.extend_from_slice(&a.data.bytes);
+        crc = nacre_types::crc32c_combine(crc, a.data.crc(), a.data.bytes.len() as u64);
+    }
+    Payload::with_crc(all.freeze(), crc)
+}
+
 fn check_packet(data: &Payload) -> Result<(), DataError> {
     if data.bytes.is_empty() {
         return Err(DataError::Invalid("empty packet".into()));
@@ -2208,6 +2371,87 @@ mod tests {
         );
         assert!(holds(&whole.1, &committed));
         assert!(holds(&lens(&[]), &[(ExtentId(3), 0)]));
+    }
+
+    fn arrive(
+        track: &Track,
+        offset: u64,
+        len: usize,
+    ) -> tokio::sync::oneshot::Receiver<Result<(), DataError>> {
+        let (done, rx) = tokio::sync::oneshot::channel();
+        let data = Payload::new(Bytes::from(vec![offset as u8; len]));
+        let mut inbox = track.inbox.lock().unwrap();
+        inbox.waiting.insert(
+            offset,
+            Arrived {
+                data,
+                sync: false,
+                done,
+            },
+        );
+        inbox.writing = true;
+        rx
+    }
+
+    /// A batch takes the packets that continue the extent from where the leader wrote up to, in
+    /// offset order, up to a gap or [`MAX_BATCH`] bytes; packets below that point are refused;
+    /// with nothing to take, the writer stops.
+    #[test]
+    fn a_batch_takes_the_packets_that_continue_the_extent() {
+        let e = ExtentId(1024);
+        let track = Track::new(100, 100);
+        let mut stale = arrive(&track, 50, 10);
+        let _a = arrive(&track, 100, 10);
+        let _b = arrive(&track, 110, 20);
+        let _gap = arrive(&track, 140, 5);
+        let (at, batch) = take_batch(&track, e).unwrap();
+        assert_eq!(at, 100);
+        let lens: Vec<usize> = batch.iter().map(|a| a.data.bytes.len()).collect();
+        assert_eq!(lens, [10, 20]);
+        assert!(matches!(
+            stale.try_recv(),
+            Ok(Err(DataError::OutOfRange { offset: 50, .. }))
+        ));
+        // Written: the packet after the gap waits for the bytes before it.
+        track.next.send_replace(130);
+        assert!(take_batch(&track, e).is_none());
+        assert!(!track.inbox.lock().unwrap().writing);
+        assert!(track.inbox.lock().unwrap().waiting.contains_key(&140));
+
+        let track = Track::new(0, 0);
+        let mut rxs = Vec::new();
+        for k in 0..9u64 {
+            rxs.push(arrive(&track, k * MAX_PACKET as u64, MAX_PACKET));
+        }
+        let (at, batch) = take_batch(&track, e).unwrap();
+        assert_eq!((at, batch.len()), (0, MAX_BATCH / MAX_PACKET));
+        track.next.send_replace(MAX_BATCH as u64);
+        let (at, batch) = take_batch(&track, e).unwrap();
+        assert_eq!((at, batch.len()), (MAX_BATCH as u64, 1));
+    }
+
+    /// A batch's data is its packets' bytes in order, with the CRC of the whole.
+    #[test]
+    fn a_batch_joins_its_packets_with_their_combined_crc() {
+        let track = Track::new(0, 0);
+        let _rx: Vec<_> = [(0, 3000), (3000, 5), (3005, 70_000)]
+            .into_iter()
+            .map(|(o, l)| arrive(&track, o, l))
+            .collect();
+        let (_, batch) = take_batch(&track, ExtentId(1024)).unwrap();
+        let joined = join_packets(&batch);
+        let mut want = Vec::new();
+        for a in &batch {
+            want.extend_from_slice(&a.data.bytes);
+        }
+        assert_eq!(joined.bytes, want);
+        assert_eq!(joined.crc(), nacre_types::crc32c(&want));
+        let one = join_packets(&batch[..1]);
+        assert_eq!(
+            one.bytes.as_ptr(),
+            batch[0].data.bytes.as_ptr(),
+            "one packet: no copy"
+        );
     }
 
     /// A new leader keeps the shortest copy and the longest committed length; an extent only a
