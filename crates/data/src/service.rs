@@ -265,8 +265,10 @@ struct Arrived {
 }
 
 /// Most bytes a leader writes and forwards as one batch: consecutive packets of an extent that
-/// arrived while the previous batch was being written.
-pub const MAX_BATCH: usize = 1 << 20;
+/// arrived while the previous batch was being written. Four packets: larger batches write and send
+/// fewer, bigger pieces, but a follower starts writing a batch only once all of it has arrived
+/// (1 MiB and 256 KiB both measured slower; docs/benchmarks.md, "Appends batched on the leader").
+pub const MAX_BATCH: usize = 512 << 10;
 
 /// The extents of a node with appends under way (as leader or follower): how many streams the
 /// node is writing at once (`DataNodeConfig::direct_streams`).
@@ -2420,7 +2422,7 @@ mod tests {
 
         let track = Track::new(0, 0);
         let mut rxs = Vec::new();
-        for k in 0..9u64 {
+        for k in 0..=(MAX_BATCH / MAX_PACKET) as u64 {
             rxs.push(arrive(&track, k * MAX_PACKET as u64, MAX_PACKET));
         }
         let (at, batch) = take_batch(&track, e).unwrap();
