@@ -240,6 +240,13 @@ impl Track {
         *self.committed.borrow()
     }
 
+    /// Holds the extent's write lock ([`Track::write`]).
+    fn lock_write(&self) -> Result<std::sync::MutexGuard<'_, ()>, DataError> {
+        self.write
+            .lock()
+            .map_err(|_| DataError::Io("poisoned".into()))
+    }
+
     /// Raises the committed length (and so the replicated one) to `upto`.
     fn commit(&self, upto: u64) {
         grow(&self.replicated, upto);
@@ -1492,10 +1499,7 @@ impl DataNode {
             let written = {
                 let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
                 off_worker(move || {
-                    let _w = track
-                        .write
-                        .lock()
-                        .map_err(|_| DataError::Io("poisoned".into()))?;
+                    let _w = track.lock_write()?;
                     let committed = track.committed();
                     if *track.next.borrow() != offset {
                         return Err(DataError::OutOfRange {
@@ -1589,10 +1593,7 @@ impl DataNode {
         let (offset, committed_before) = {
             let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
             off_worker(move || {
-                let _w = track
-                    .write
-                    .lock()
-                    .map_err(|_| DataError::Io("poisoned".into()))?;
+                let _w = track.lock_write()?;
                 let offset = (*track.next.borrow()).next_multiple_of(TINY_ALIGN);
                 store.write(extent, offset, &bytes).map_err(write_error)?;
                 track.next.send_replace(offset + len);
@@ -1656,10 +1657,7 @@ impl DataNode {
         }
         let (store, bytes) = (part.store.clone(), data.bytes.clone());
         off_worker(move || {
-            let _w = track
-                .write
-                .lock()
-                .map_err(|_| DataError::Io("poisoned".into()))?;
+            let _w = track.lock_write()?;
             let have = *track.next.borrow();
             if req.offset < have {
                 // A longer, unacknowledged tail from an earlier leader: drop it, never below what
