@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
-use nacre_data::rpc::{
+use nacre_api::data::{
     Append, AppendRaft, AppendRequest, CreateExtent, CreateExtentRequest, DataError, MAX_PACKET,
     Overwrite, OverwriteRequest, Read, ReadRequest, Release, ReleaseRequest, WriteTiny,
     WriteTinyRequest, Written,
 };
-use nacre_meta::ExtentKey;
+use nacre_api::meta::ExtentKey;
 use nacre_msgr::Payload;
 use nacre_proto::msg::Rpc;
 use nacre_types::{ExtentId, PartitionId};

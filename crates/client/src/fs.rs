@@ -6,14 +6,14 @@
 //! sits at the bottom. Errors are typed ([`FsError`]); POSIX errno values exist only in the FUSE
 //! front end.
 //!
-//! Inode numbers are the volume's (`nacre_meta::ROOT_INO` is the root directory). Open files are named by a
+//! Inode numbers are the volume's (`nacre_api::meta::ROOT_INO` is the root directory). Open files are named by a
 //! handle ([`Fh`]) that `open`/`create` return and `release` ends; data calls take the handle, so
 //! an implementation can keep per-open-file state (write buffers, read-ahead).
 
 use std::future::Future;
 
 use bytes::Bytes;
-use nacre_meta::{Attr, DirEntry, SetAttr, XattrMode};
+use nacre_api::meta::{Attr, DirEntry, SetAttr, XattrMode};
 use nacre_types::Ino;
 
 pub use crate::meta::{Entry, FsError, FsResult};

@@ -5,6 +5,7 @@
 pub mod data;
 pub mod fs;
 pub mod layers;
+pub mod master;
 pub mod meta;
 pub mod net;
 pub mod netfs;
@@ -13,6 +14,7 @@ pub mod task;
 pub use data::{DataCallError, SeqWriter};
 pub use fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
 pub use layers::{MetaCache, MetaCacheConfig, Metrics};
+pub use master::MasterClient;
 pub use meta::{CallError, Entry, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};
 pub use net::{DataPartitionInfo, NetVolume};
 pub use netfs::{HideHook, HideStep, NetFs, NetFsConfig};

@@ -27,8 +27,10 @@ use std::time::{Duration, Instant};
 
 use behind::Behind;
 
-use nacre_meta::ops::{ExtentKey, XattrMode};
-use nacre_meta::{Attr, Command, Dentry, DirEntry, FileType, MetaError, Query, Reply, SetAttr};
+use nacre_api::meta::{
+    Attr, Command, Dentry, DirEntry, FileType, MetaError, Query, Reply, SetAttr,
+};
+use nacre_api::meta::{ExtentKey, XattrMode};
 use nacre_types::{Ino, PartitionId};
 use thiserror::Error;
 
@@ -229,7 +231,7 @@ pub struct MetaFs<T> {
 /// How long a change waits for a directory delegated to another client: the delegation's
 /// length and a second more (the holder gives it back sooner when asked to).
 const DELEGATED_WAIT: Duration =
-    Duration::from_nanos(nacre_meta::ops::DELEGATION_NS + 1_000_000_000);
+    Duration::from_nanos(nacre_api::meta::DELEGATION_NS + 1_000_000_000);
 
 impl<T: MetaTransport> MetaFs<T> {
     /// Every change is applied before its call returns.
@@ -460,13 +462,13 @@ impl<T: MetaTransport> MetaFs<T> {
     /// typically) land on different partitions and their leaders. A remote inode is created first,
     /// then its dentry.
     pub async fn create(&self, parent: Ino, name: &[u8], new: &NewInode) -> FsResult<Entry> {
-        nacre_meta::ops::check_name(name)?;
+        nacre_api::meta::check_name(name)?;
         if let Some(done) = self.create_behind(parent, name, new).await {
             return done;
         }
         let pp = self.partition_of(parent)?;
         let parts = self.t.partitions();
-        let local = if new.kind == FileType::Dir && parent == nacre_meta::ROOT_INO {
+        let local = if new.kind == FileType::Dir && parent == nacre_api::meta::ROOT_INO {
             let writable: Vec<&MetaRange> = parts.iter().filter(|p| p.writable).collect();
             let pick = self.next.fetch_add(1, Ordering::Relaxed);
             writable
@@ -550,7 +552,7 @@ impl<T: MetaTransport> MetaFs<T> {
 
     /// A new name for an existing inode: nlink + 1, then the dentry.
     pub async fn link(&self, ino: Ino, parent: Ino, name: &[u8]) -> FsResult<Entry> {
-        nacre_meta::ops::check_name(name)?;
+        nacre_api::meta::check_name(name)?;
         let attr = Self::attr(self.write_ino(ino, Command::LinkInode { ino }).await?)?;
         let cmd = Command::CreateDentry {
             parent,
@@ -708,7 +710,7 @@ impl<T: MetaTransport> MetaFs<T> {
         dst_parent: Ino,
         dst_name: &[u8],
     ) -> FsResult<Vec<Attr>> {
-        nacre_meta::ops::check_name(dst_name)?;
+        nacre_api::meta::check_name(dst_name)?;
         let src = self.lookup_dentry(src_parent, src_name).await?;
         if src_parent == dst_parent && src_name == dst_name {
             return Ok(Vec::new());
@@ -776,7 +778,7 @@ impl<T: MetaTransport> MetaFs<T> {
                 )
                 .into());
             }
-            if x == nacre_meta::ROOT_INO {
+            if x == nacre_api::meta::ROOT_INO {
                 return Ok(());
             }
             x = self.parent_of(x).await?;

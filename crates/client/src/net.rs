@@ -11,10 +11,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use nacre_master::MasterClient;
-use nacre_master::map::{PartitionKind, PartitionStatus, VolumeView};
-use nacre_meta::rpc::{MetaRead, MetaWrite, ReadRequest, WriteRequest};
-use nacre_meta::{Command, MetaError, Query, Reply};
+use crate::master::MasterClient;
+use nacre_api::master::{PartitionKind, PartitionStatus, VolumeView};
+use nacre_api::meta::rpc::{MetaRead, MetaWrite, ReadRequest, WriteRequest};
+use nacre_api::meta::{Command, MetaError, Query, Reply};
 use nacre_msgr::{CallOptions, Client, MsgrError, Payload};
 use nacre_proto::msg::Rpc;
 use nacre_types::{ErrorCode, PartitionId};
@@ -264,13 +264,8 @@ impl NetVolume {
     /// Capacity and used bytes of the cluster's data nodes, divided by the replica count (3):
     /// what `statfs` reports.
     pub async fn space(&self) -> Result<(u64, u64), String> {
-        let map = self.master.map().await.map_err(|e| e.to_string())?;
-        let (cap, used) = map
-            .nodes
-            .values()
-            .filter(|n| n.role == nacre_master::map::Role::Data)
-            .fold((0u64, 0u64), |(c, u), n| (c + n.capacity, u + n.used));
-        Ok((cap / 3, used / 3))
+        let space = self.master.space().await.map_err(|e| e.to_string())?;
+        Ok((space.capacity / 3, space.used / 3))
     }
 }
 

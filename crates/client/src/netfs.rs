@@ -34,9 +34,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
-use nacre_data::rpc::MAX_PACKET;
-use nacre_data::store::ExtentStore;
-use nacre_meta::{Attr, ExtentKey, FileType, MetaError, SetAttr, XattrMode, without_suidgid};
+use nacre_api::data::MAX_PACKET;
+use nacre_api::meta::{Attr, ExtentKey, FileType, MetaError, SetAttr, XattrMode, without_suidgid};
 use nacre_types::{Ino, PartitionId};
 use tokio::task::JoinSet;
 
@@ -488,7 +487,7 @@ impl Inner {
             if from > pos {
                 cow.push((pos, from));
             }
-            if ExtentStore::is_tiny(k.extent) {
+            if k.extent.is_tiny() {
                 cow.push((from, to));
             } else {
                 let mut at = from;
@@ -966,7 +965,7 @@ impl Inner {
             files: inodes,
             free_files: u64::from(u32::MAX).saturating_sub(inodes),
             block_size: MAX_PACKET as u32,
-            max_name: nacre_meta::ops::MAX_NAME as u32,
+            max_name: nacre_api::meta::MAX_NAME as u32,
         })
     }
 }

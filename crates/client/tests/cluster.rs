@@ -3,15 +3,16 @@
 //! acknowledged survives the crash of a partition leader in the middle of a create storm.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
+use nacre_master::MasterAdmin as _;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use nacre_api::master::{RegisterRequest, Role};
+use nacre_client::MasterClient;
 use nacre_client::{FsError, MetaFs, NetVolume, NewInode};
-use nacre_master::agent::{AgentConfig, node_router, run_agent};
-use nacre_master::map::{ClusterMap, Command, Role};
-use nacre_master::rpc::RegisterRequest;
-use nacre_master::{MASTER_GROUP, Master, MasterClient, MasterConfig, MasterSm};
+use nacre_cluster::{AgentConfig, node_router, run_agent};
+use nacre_master::{ClusterMap, Command, MASTER_GROUP, Master, MasterConfig, MasterSm};
 use nacre_meta::{MetaNode, MetaNodeConfig, ROOT_INO};
 use nacre_msgr::mem::MemNetwork;
 use nacre_msgr::{Messenger, MsgrConfig};
@@ -169,7 +170,7 @@ async fn wait_map(
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         epochs.mark_unchanged();
-        let map = mc.map().await.unwrap();
+        let map = mc.cluster_map().await.unwrap();
         if pred(&map) {
             return map;
         }
@@ -622,7 +623,7 @@ async fn a_delegated_directory_is_given_back_to_another_client_that_changes_it()
     b.create(e, b"y", &file).await.unwrap();
     let waited = started.elapsed();
     assert!(
-        waited < Duration::from_nanos(nacre_meta::ops::DELEGATION_NS / 2),
+        waited < Duration::from_nanos(nacre_api::meta::DELEGATION_NS / 2),
         "waited {waited:?}"
     );
     let mut names: Vec<Vec<u8>> = b

@@ -8,12 +8,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use nacre_api::meta::{Attr, DirEntry, FileType, MetaError, ROOT_INO, SetAttr, XattrMode};
 use nacre_client::layers::CacheStats;
 use nacre_client::{
     Caller, DirEntryPlus, Entry, Fh, FileSystem, FsError, FsResult, MetaCache, MetaCacheConfig,
     Metrics, OpenFlags, StatFs,
 };
-use nacre_meta::{Attr, DirEntry, FileType, MetaError, ROOT_INO, SetAttr, XattrMode};
 use nacre_types::Ino;
 use tokio::sync::oneshot;
 
@@ -167,7 +167,7 @@ impl ToyState {
 
     /// Adds a name; returns the new inode and the parent's ctime before the change.
     fn add(&mut self, parent: Ino, name: &[u8], kind: FileType, mode: u32) -> FsResult<(Ino, u64)> {
-        nacre_meta::ops::check_name(name)?;
+        nacre_api::meta::check_name(name)?;
         if self.dir(parent)?.children.contains_key(name) {
             return err(MetaError::Exists);
         }
@@ -323,7 +323,7 @@ impl FileSystem for Toy {
 
     async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Entry> {
         self.with("link", |st| {
-            nacre_meta::ops::check_name(new_name)?;
+            nacre_api::meta::check_name(new_name)?;
             if st.get(ino)?.attr.kind == FileType::Dir {
                 return err(MetaError::IsDir);
             }
@@ -376,7 +376,7 @@ impl FileSystem for Toy {
         new_name: &[u8],
     ) -> FsResult<Vec<Attr>> {
         self.with("rename", |st| {
-            nacre_meta::ops::check_name(new_name)?;
+            nacre_api::meta::check_name(new_name)?;
             let ino = st.child(parent, name)?;
             st.dir(new_parent)?;
             let is_dir = st.get(ino)?.attr.kind == FileType::Dir;

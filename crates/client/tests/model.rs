@@ -8,8 +8,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use nacre_api::meta::{Attr, Command, FileType, MetaError, Query, ROOT_INO, Reply};
 use nacre_client::{CallError, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};
-use nacre_meta::{Attr, Command, FileType, MetaError, MetaPartition, Query, ROOT_INO, Reply};
+use nacre_meta::MetaPartition;
 use nacre_types::{Ino, PartitionId};
 use proptest::prelude::*;
 
@@ -183,7 +184,7 @@ impl Model {
         kind: FileType,
         mode: u32,
     ) -> Result<(), MetaError> {
-        nacre_meta::ops::check_name(name)?;
+        nacre_api::meta::check_name(name)?;
         if self.nodes[dir].children.contains_key(name) {
             return Err(MetaError::Exists);
         }
@@ -227,7 +228,7 @@ impl Model {
         name: &[u8],
     ) -> Result<(), MetaError> {
         let id = self.lookup(src_dir, src)?;
-        nacre_meta::ops::check_name(name)?;
+        nacre_api::meta::check_name(name)?;
         if self.nodes[id].kind == FileType::Dir {
             return Err(MetaError::IsDir);
         }
@@ -252,7 +253,7 @@ impl Model {
 
     fn rename(&mut self, sd: usize, sn: &[u8], dd: usize, dn: &[u8]) -> Result<(), MetaError> {
         let id = self.lookup(sd, sn)?;
-        nacre_meta::ops::check_name(dn)?;
+        nacre_api::meta::check_name(dn)?;
         if sd == dd && sn == dn {
             return Ok(());
         }
@@ -534,7 +535,7 @@ async fn step(
                 Ok(d) => fs
                     .setattr(
                         d.ino,
-                        nacre_meta::SetAttr {
+                        nacre_api::meta::SetAttr {
                             mode: Some(mode),
                             ..Default::default()
                         },

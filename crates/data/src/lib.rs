@@ -3,10 +3,12 @@
 //! overwrites) and the data node service.
 
 pub mod io;
-pub mod rpc;
 pub mod service;
 pub mod sm;
 pub mod store;
 
-pub use rpc::DataError;
+/// The data node's RPCs and their typed error live in `nacre-api`, where clients find them without
+/// linking this crate.
+pub use nacre_api::data as rpc;
+pub use nacre_api::data::DataError;
 pub use service::{DataMetrics, DataNode, DataNodeConfig};

@@ -27,8 +27,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use nacre_master::agent::{BoxFuture, NodeDuties, NodeRaft, PartitionHost, SpecRegistry, run_node};
-use nacre_master::map::{PartitionKind, PartitionReport, PartitionSpec, Replica, Role};
+use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Replica, Role};
+use nacre_cluster::{BoxFuture, NodeDuties, NodeRaft, PartitionHost, SpecRegistry, run_node};
 use nacre_msgr::{CallOptions, Client, MsgrError, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
@@ -1874,7 +1874,7 @@ impl DataNode {
     }
 
     /// The messenger ops of a data node: its raft traffic and the data ops. The agent's ops are
-    /// separate (`nacre_master::agent::node_router`).
+    /// separate (`nacre_cluster::node_router`).
     /// The gauges of [`DataNodeConfig::metrics`], if any.
     pub fn metrics(&self) -> Option<&DataMetrics> {
         self.inner.config.metrics.as_ref()

@@ -1,7 +1,7 @@
 //! The one place where typed file system errors become POSIX errno values (DESIGN.md §2).
 
+use nacre_api::meta::MetaError;
 use nacre_client::{DataCallError, FsError};
-use nacre_meta::MetaError;
 
 /// The errno the kernel hands to the application for `e`.
 ///
@@ -47,8 +47,8 @@ pub fn errno(e: &FsError) -> i32 {
 
 #[cfg(test)]
 mod tests {
+    use nacre_api::data::DataError;
     use nacre_client::CallError;
-    use nacre_data::DataError;
     use nacre_types::{ExtentId, Ino};
 
     use super::*;

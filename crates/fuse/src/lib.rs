@@ -32,8 +32,8 @@ use fuser::{
     ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
     WriteFlags,
 };
+use nacre_api::meta::{Attr, FileType, MetaError, SetAttr, XattrMode, without_suidgid};
 use nacre_client::{Caller, DirEntryPlus, Fh, FileSystem, FsError, OpenFlags};
-use nacre_meta::{Attr, FileType, MetaError, SetAttr, XattrMode, without_suidgid};
 use nacre_types::Ino;
 use tokio::runtime::Handle;
 

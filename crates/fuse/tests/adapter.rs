@@ -12,11 +12,11 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use nacre_api::meta::{Attr, DirEntry, FileType, MetaError, SetAttr, XattrMode, without_suidgid};
 use nacre_client::{
     Caller, DirEntryPlus, Entry, Fh, FileSystem, FsError, FsResult, OpenFlags, StatFs,
 };
 use nacre_fuse::{MountOptions, Mounted, mount};
-use nacre_meta::{Attr, DirEntry, FileType, MetaError, SetAttr, XattrMode, without_suidgid};
 use nacre_types::Ino;
 
 /// Every readdir page is at most this long, whatever the caller asks: the adapter must go on

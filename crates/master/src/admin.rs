@@ -6,12 +6,12 @@
 use nacre_types::{NodeId, PartitionId, VolumeId};
 use serde::{Deserialize, Serialize};
 
-use crate::client::MasterClient;
-use crate::map::{
-    ClusterMap, Command, MapError, NodeStatus, OPEN_END, Outcome, PartitionStatus, Role, Tenant,
-};
-use crate::rpc::PendingReplica;
-use crate::service::{Master, MasterError};
+use nacre_api::master::{MapError, MasterError, OPEN_END, PartitionStatus, PendingReplica, Role};
+use nacre_client::MasterClient;
+
+use crate::map::{ClusterMap, Command, NodeStatus, Outcome, Tenant};
+use crate::rpc::MasterAdmin;
+use crate::service::Master;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct MasterInfo {
@@ -140,7 +140,7 @@ impl Admin {
 
     pub async fn status(&self) -> Result<ClusterStatus, MasterError> {
         let st = self.mc.status().await?;
-        let map = self.mc.map().await?;
+        let map = self.mc.cluster_map().await?;
         let up = map
             .nodes
             .values()
@@ -173,7 +173,7 @@ impl Admin {
     }
 
     pub async fn nodes(&self) -> Result<Vec<NodeInfo>, MasterError> {
-        let map = self.mc.map().await?;
+        let map = self.mc.cluster_map().await?;
         let now = Master::now_ms();
         Ok(map
             .nodes
@@ -193,7 +193,7 @@ impl Admin {
     }
 
     pub async fn volumes(&self) -> Result<Vec<VolumeInfo>, MasterError> {
-        let map = self.mc.map().await?;
+        let map = self.mc.cluster_map().await?;
         Ok(map
             .volumes
             .keys()
@@ -202,7 +202,7 @@ impl Admin {
     }
 
     pub async fn volume(&self, name: &str) -> Result<VolumeDetail, MasterError> {
-        let map = self.mc.map().await?;
+        let map = self.mc.cluster_map().await?;
         let volume =
             volume_info(&map, name).ok_or_else(|| MapError::NoSuchVolume(name.to_string()))?;
         Ok(VolumeDetail {
@@ -223,7 +223,7 @@ impl Admin {
                 inode_step: req.inode_step,
             })
             .await?;
-        let map = self.mc.map().await?;
+        let map = self.mc.cluster_map().await?;
         volume_info(&map, &req.name)
             .ok_or_else(|| MasterError::Map(MapError::NoSuchVolume(req.name.clone())))
     }
@@ -239,7 +239,7 @@ impl Admin {
         &self,
         volume: Option<&str>,
     ) -> Result<Vec<PartitionInfo>, MasterError> {
-        let map = self.mc.map().await?;
+        let map = self.mc.cluster_map().await?;
         if let Some(v) = volume
             && !map.volumes.contains_key(v)
         {
@@ -249,7 +249,7 @@ impl Admin {
     }
 
     pub async fn tenants(&self) -> Result<Vec<TenantInfo>, MasterError> {
-        let map = self.mc.map().await?;
+        let map = self.mc.cluster_map().await?;
         Ok(map
             .tenants
             .values()

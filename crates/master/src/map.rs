@@ -7,37 +7,20 @@
 
 use std::collections::BTreeMap;
 
+pub use nacre_api::master::{
+    ClusterSpace, FIRST_INODE, MapError, OPEN_END, PartitionKind, PartitionReport, PartitionSpec,
+    PartitionStatus, PartitionView, Replica, Role, Volume, VolumeView,
+};
 use nacre_types::{NodeId, PartitionId, VolumeId};
 use serde::{Deserialize, Serialize};
-use thiserror::Error;
 
-use crate::placement::{Candidate, PlacementError, place};
-
-/// First inode number of a volume (1 is the root directory).
-pub const FIRST_INODE: u64 = 1;
-/// The open end of the last meta partition's inode range.
-pub const OPEN_END: u64 = u64::MAX;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Role {
-    Master,
-    Meta,
-    Data,
-}
+use crate::placement::{Candidate, place};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum NodeStatus {
     Up,
     /// Silent past the heartbeat timeout; its partitions are read-only.
     Down,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum PartitionStatus {
-    /// Writable.
-    Rw,
-    /// Read-only: a replica is down (or the partition is full); repaired partitions return to RW.
-    Ro,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -98,85 +81,6 @@ pub struct Tenant {
     pub name: String,
     pub access_key: String,
     pub secret_key: String,
-}
-
-/// What kind of partition a node is asked to host.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum PartitionKind {
-    /// A meta partition owning inodes `[start, end)`.
-    Meta {
-        start: u64,
-        end: u64,
-    },
-    Data,
-}
-
-/// One replica of a partition: the node and where to reach it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Replica {
-    pub node: NodeId,
-    pub addr: String,
-}
-
-/// Everything a node needs to host one replica of a partition.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PartitionSpec {
-    pub id: PartitionId,
-    pub volume: String,
-    pub kind: PartitionKind,
-    /// In order; for data partitions replica 0 leads appends.
-    pub replicas: Vec<Replica>,
-    /// Map epoch at which the partition was created (a node never drops a partition on the word of an
-    /// older map).
-    pub created_epoch: u64,
-}
-
-/// What a node says about one partition it hosts, in every heartbeat.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PartitionReport {
-    pub id: PartitionId,
-    /// This replica leads the partition.
-    pub leader: bool,
-    /// Meta partitions: inodes in use and the highest inode allocated.
-    pub inode_count: u64,
-    pub max_inode: u64,
-    /// Bytes: memory for meta partitions, disk for data partitions.
-    pub used: u64,
-    /// The partition takes no more writes (data partition at its size limit).
-    pub full: bool,
-    /// Operations served per second on this replica (the leader's figure is the partition's).
-    pub ops_per_s: u64,
-    /// Bytes written per second through this replica as leader (data partitions).
-    pub bytes_per_s: u64,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Volume {
-    pub id: VolumeId,
-    pub name: String,
-    pub owner: String,
-    pub replicas: u8,
-    pub capacity: u64,
-    /// In inode-range order; the last one is open-ended.
-    pub meta_partitions: Vec<PartitionId>,
-    pub data_partitions: Vec<PartitionId>,
-}
-
-/// What a client needs to use a volume: its partitions, where their replicas are, who leads.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VolumeView {
-    /// The map epoch this view was taken at.
-    pub epoch: u64,
-    pub volume: Volume,
-    pub meta_partitions: Vec<PartitionView>,
-    pub data_partitions: Vec<PartitionView>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PartitionView {
-    pub spec: PartitionSpec,
-    pub leader: Option<NodeId>,
-    pub status: PartitionStatus,
 }
 
 /// A change to the map.
@@ -248,36 +152,6 @@ pub enum Outcome {
         epoch: u64,
         partitions: Vec<PartitionSpec>,
     },
-}
-
-#[derive(Debug, Error, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum MapError {
-    #[error(
-        "invalid volume name {0:?}: use 1-63 characters from a-z, 0-9, '-', starting with a letter"
-    )]
-    InvalidName(String),
-    #[error("volume {0:?} already exists")]
-    VolumeExists(String),
-    #[error("no volume named {0:?}")]
-    NoSuchVolume(String),
-    #[error("unknown node {0}")]
-    UnknownNode(NodeId),
-    #[error("unknown partition {0}")]
-    UnknownPartition(PartitionId),
-    #[error("cannot place {role:?} partition: {source}")]
-    Placement { role: Role, source: PlacementError },
-    #[error("invalid request: {0}")]
-    Invalid(String),
-    #[error(
-        "invalid tenant name {0:?}: use 1-63 characters from a-z, 0-9, '-', starting with a letter"
-    )]
-    InvalidTenant(String),
-    #[error("tenant {0:?} already exists")]
-    TenantExists(String),
-    #[error("no tenant named {0:?} (create it with `nacre tenant create`)")]
-    NoSuchTenant(String),
-    #[error("tenant {0:?} still owns volumes: {1}")]
-    TenantInUse(String, String),
 }
 
 /// The cluster map.
@@ -835,6 +709,17 @@ impl ClusterMap {
     }
 
     /// The client's view of a volume.
+    /// Capacity and used bytes summed over the data nodes.
+    pub fn data_space(&self) -> ClusterSpace {
+        self.nodes.values().filter(|n| n.role == Role::Data).fold(
+            ClusterSpace::default(),
+            |s, n| ClusterSpace {
+                capacity: s.capacity + n.capacity,
+                used: s.used + n.used,
+            },
+        )
+    }
+
     pub fn volume_view(&self, name: &str) -> Result<VolumeView, MapError> {
         let volume = self
             .volumes

@@ -5,8 +5,8 @@
 //! minimum-weight basis of a partition matroid, so choosing greedily (least used first, skipping a
 //! zone already used) is optimal; a property test checks it against brute force.
 
+use nacre_api::master::PlacementError;
 use nacre_types::NodeId;
-use thiserror::Error;
 
 /// A node that may receive a replica.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -24,13 +24,6 @@ impl Candidate {
     fn key(&self) -> (u64, u64, NodeId) {
         (self.used_ppm, self.partitions, self.id)
     }
-}
-
-/// Why replicas cannot be placed.
-#[derive(Debug, Error, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum PlacementError {
-    #[error("need {needed} nodes for {needed} replicas, only {available} are up")]
-    NotEnoughNodes { needed: usize, available: usize },
 }
 
 /// Chooses `replicas` distinct nodes. When the candidates span at least `replicas` zones, the chosen

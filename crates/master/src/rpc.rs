@@ -1,16 +1,13 @@
-//! The master's messages: what nodes, clients and admins send to the master (`0x010x`), and what
-//! the master sends to nodes (`0x011x`).
+//! The master's admin messages: what admins send to the master leader and the whole map it
+//! answers with. The messages nodes and clients send are in `nacre_api::master`.
 
-use std::collections::BTreeMap;
-
+use nacre_api::master::{MapError, MasterError};
+use nacre_client::MasterClient;
 use nacre_proto::Op;
 use nacre_proto::msg::Rpc;
-use nacre_types::{NodeId, PartitionId};
 use serde::{Deserialize, Serialize};
 
-use crate::map::{
-    ClusterMap, Command, MapError, Outcome, PartitionReport, PartitionSpec, Role, VolumeView,
-};
+use crate::map::{ClusterMap, Command, Outcome};
 
 /// Executes an admin command on the master leader (op `0x0101`).
 #[derive(Debug)]
@@ -37,111 +34,20 @@ impl Rpc for GetMap {
     type Response = ClusterMap;
 }
 
-/// A client's view of one volume (op `0x0103`).
-#[derive(Debug)]
-pub struct GetVolume;
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct GetVolumeRequest {
-    pub name: String,
+/// The admin calls on a [`MasterClient`] that carry the master's own types.
+pub trait MasterAdmin {
+    /// Executes a command on the leader.
+    fn execute(&self, cmd: &Command) -> impl Future<Output = Result<Outcome, MasterError>> + Send;
+    /// Reads the whole map from the leader.
+    fn cluster_map(&self) -> impl Future<Output = Result<ClusterMap, MasterError>> + Send;
 }
 
-impl Rpc for GetVolume {
-    const OP: Op = Op(0x0103);
-    const NAME: &'static str = "master_get_volume";
-    type Request = GetVolumeRequest;
-    type Response = Result<VolumeView, MapError>;
-}
+impl MasterAdmin for MasterClient {
+    async fn execute(&self, cmd: &Command) -> Result<Outcome, MasterError> {
+        self.call::<Execute>(cmd).await?.map_err(MasterError::from)
+    }
 
-/// A node announces itself (op `0x0104`); the answer is its id (kept across restarts at the same
-/// address).
-#[derive(Debug)]
-pub struct Register;
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct RegisterRequest {
-    pub addr: String,
-    pub role: Role,
-    pub zone: String,
-    pub capacity: u64,
-}
-
-impl Rpc for Register {
-    const OP: Op = Op(0x0104);
-    const NAME: &'static str = "master_register";
-    type Request = RegisterRequest;
-    type Response = Result<NodeId, MapError>;
-}
-
-/// A node's periodic report (op `0x0105`); the answer lists every partition it should host.
-#[derive(Debug)]
-pub struct Heartbeat;
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct HeartbeatRequest {
-    pub node: NodeId,
-    pub used: u64,
-    pub partitions: Vec<PartitionReport>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct HeartbeatReply {
-    /// Map epoch the assignment was computed at.
-    pub epoch: u64,
-    pub assigned: Vec<PartitionSpec>,
-}
-
-impl Rpc for Heartbeat {
-    const OP: Op = Op(0x0105);
-    const NAME: &'static str = "master_heartbeat";
-    type Request = HeartbeatRequest;
-    type Response = Result<HeartbeatReply, MapError>;
-}
-
-/// The master leader's own state (op `0x0106`): who leads, and the work it has not finished.
-#[derive(Debug)]
-pub struct Status;
-
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct StatusRequest {}
-
-/// A partition replica the leader asked a node to create and that has not reported it yet.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PendingReplica {
-    pub partition: PartitionId,
-    pub node: NodeId,
-    pub addr: String,
-    pub attempts: u32,
-    /// Why the last attempt failed; empty while the node has accepted and not yet reported.
-    pub last_error: String,
-}
-
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct MasterStatus {
-    /// Raft id of the leader answering.
-    pub leader: u64,
-    /// Every master: raft id → messenger address.
-    pub masters: BTreeMap<u64, String>,
-    pub pending: Vec<PendingReplica>,
-    /// Background duties that failed in their last run (e.g. no room for new data partitions).
-    pub duty_errors: Vec<String>,
-}
-
-impl Rpc for Status {
-    const OP: Op = Op(0x0106);
-    const NAME: &'static str = "master_status";
-    type Request = StatusRequest;
-    type Response = MasterStatus;
-}
-
-/// The master asks a node to host (or update) a partition replica (op `0x0110`). Idempotent.
-#[derive(Debug)]
-pub struct CreatePartition;
-
-impl Rpc for CreatePartition {
-    const OP: Op = Op(0x0110);
-    const NAME: &'static str = "node_create_partition";
-    type Request = PartitionSpec;
-    /// `Err` carries the node's reason (e.g. out of disk).
-    type Response = Result<(), String>;
+    async fn cluster_map(&self) -> Result<ClusterMap, MasterError> {
+        self.call::<GetMap>(&GetMapRequest {}).await
+    }
 }

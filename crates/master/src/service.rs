@@ -3,7 +3,7 @@
 //! Every change goes through Raft as one [`Command`], so a command (say, creating a volume with all its
 //! partitions) is applied on every master or on none. Reads of the map go through ReadIndex on the
 //! leader. A master that is not the leader answers `NotLeader` with the leader's address, and
-//! [`crate::MasterClient`] follows it.
+//! `nacre_client::MasterClient` follows it.
 //!
 //! The leader also runs the cluster's duties ([`Master::run_duties`]): it marks silent nodes down,
 //! keeps enough writable data partitions per volume, splits a volume's last meta partition when it
@@ -19,14 +19,15 @@ use nacre_msgr::{CallOptions, Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_raft::{GroupId, RaftError, RaftHandle, StateMachine};
 use nacre_types::{ErrorCode, NodeId, PartitionId};
-use thiserror::Error;
 use tokio::sync::{Notify, watch};
 
-use crate::map::{ClusterMap, Command, MapError, Outcome, PartitionStatus};
-use crate::rpc::{
-    CreatePartition, Execute, GetMap, GetVolume, Heartbeat, HeartbeatReply, MasterStatus,
-    PendingReplica, Register, Status,
+use nacre_api::master::{
+    CreatePartition, GetSpace, GetVolume, Heartbeat, HeartbeatReply, MapError, MasterError,
+    MasterStatus, PartitionStatus, PendingReplica, Register, Status,
 };
+
+use crate::map::{ClusterMap, Command, Outcome};
+use crate::rpc::{Execute, GetMap};
 
 /// The Raft group holding the cluster map.
 pub const MASTER_GROUP: GroupId = 1;
@@ -80,18 +81,6 @@ impl StateMachine for MasterSm {
         self.publish();
         Ok(())
     }
-}
-
-/// Why a master request failed.
-#[derive(Debug, Error, Clone, PartialEq, Eq)]
-pub enum MasterError {
-    #[error(transparent)]
-    Map(#[from] MapError),
-    /// This master is not the leader; `leader` is the leader's address if known.
-    #[error("not the master leader (leader: {})", leader.as_deref().unwrap_or("unknown"))]
-    NotLeader { leader: Option<String> },
-    #[error("master unavailable: {0}")]
-    Unavailable(String),
 }
 
 /// Tunables of the master's duties.
@@ -446,7 +435,8 @@ impl Master {
 
     /// The master's ops (its raft traffic is served by the raft handle's own router).
     pub fn router(&self) -> Router {
-        let (a, b, c, d, e, f) = (
+        let (a, b, c, d, e, f, g) = (
+            self.clone(),
             self.clone(),
             self.clone(),
             self.clone(),
@@ -515,6 +505,15 @@ impl Master {
                 let m = f.clone();
                 async move {
                     m.status()
+                        .await
+                        .map(|s| (s, Payload::none()))
+                        .map_err(remote)
+                }
+            })
+            .route::<GetSpace, _, _>(move |_req, _inc| {
+                let m = g.clone();
+                async move {
+                    m.read(|map| map.data_space())
                         .await
                         .map(|s| (s, Payload::none()))
                         .map_err(remote)

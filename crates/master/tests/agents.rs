@@ -6,19 +6,19 @@
 
 mod common;
 
+use nacre_master::MasterAdmin as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use common::*;
-use nacre_master::agent::{
-    AgentConfig, BoxFuture, PartitionHost, SpecRegistry, node_router, run_agent,
-};
+use nacre_api::master::RegisterRequest;
+use nacre_client::MasterClient;
+use nacre_cluster::{AgentConfig, BoxFuture, PartitionHost, SpecRegistry, node_router, run_agent};
+use nacre_master::MasterConfig;
 use nacre_master::map::{
     ClusterMap, Command, OPEN_END, PartitionReport, PartitionSpec, PartitionStatus, Role,
 };
-use nacre_master::rpc::RegisterRequest;
-use nacre_master::{MasterClient, MasterConfig};
 use nacre_msgr::mem::MemNetwork;
 use nacre_msgr::{Messenger, MsgrConfig};
 use nacre_types::{NodeId, PartitionId};

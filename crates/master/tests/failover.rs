@@ -4,6 +4,7 @@
 
 mod common;
 
+use nacre_master::MasterAdmin as _;
 use std::time::Duration;
 
 use common::*;
@@ -36,7 +37,7 @@ async fn three_masters_keep_the_map_and_serve_after_the_leader_dies() {
 
     // The survivors elect a new leader; the map is intact and changes still commit.
     mc.execute(&volume("after")).await.unwrap();
-    let map = mc.map().await.unwrap();
+    let map = mc.cluster_map().await.unwrap();
     for name in ["before", "after"] {
         let v = &map.volumes[name];
         assert_eq!(

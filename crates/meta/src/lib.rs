@@ -2,10 +2,13 @@
 //! state machine ([`partition::MetaPartition`]), replicated by one Raft group per partition on the
 //! meta nodes.
 
-pub mod ops;
 pub mod partition;
-pub mod rpc;
 pub mod service;
+
+/// The partition's vocabulary (attributes, commands, queries, errors) and its RPCs live in
+/// `nacre-api`, where clients find them without linking this crate.
+pub use nacre_api::meta as ops;
+pub use nacre_api::meta::rpc;
 
 pub use ops::{
     Attr, Command, Dentry, DirEntry, ExtentKey, FileType, MetaError, PartitionStats, Query,

@@ -12,8 +12,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
-use nacre_master::agent::{BoxFuture, NodeDuties, NodeRaft, PartitionHost, SpecRegistry, run_node};
-use nacre_master::map::{PartitionKind, PartitionReport, PartitionSpec, Role};
+use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Role};
+use nacre_client::{MasterClient, NetVolume};
+use nacre_cluster::{BoxFuture, NodeDuties, NodeRaft, PartitionHost, SpecRegistry, run_node};
 use nacre_msgr::{Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
@@ -24,6 +25,9 @@ use tokio::sync::watch;
 use crate::ops::{Command, MetaError, Query, Reply};
 use crate::partition::MetaPartition;
 use crate::rpc::{MetaRead, MetaWrite};
+
+/// How long one release of freed extents may look for a data partition's leader.
+const RELEASE_RETRY_FOR: Duration = Duration::from_secs(2);
 
 /// A meta partition as a Raft state machine. Entries are postcard `(now_ns, Command)`; results are
 /// postcard `Result<Reply, MetaError>`.
@@ -114,9 +118,10 @@ struct Inner {
     /// Operations served per partition since start, and the counts at the last report.
     ops: Mutex<BTreeMap<PartitionId, (u64, u64)>>,
     last_report: Mutex<Option<std::time::Instant>>,
-    masters: Vec<String>,
-    /// Data partition → its replicas' addresses, leader first, from the master's volume views.
-    data_replicas: Mutex<BTreeMap<PartitionId, Vec<String>>>,
+    /// The master, for volume views; `None` when no master is configured.
+    master: Option<MasterClient>,
+    /// Each volume's data partitions, reached through the SDK (leaders followed, views refreshed).
+    volumes: Mutex<BTreeMap<String, Arc<NetVolume>>>,
     /// Partitions readable without the Raft thread (see [`MetaSm`]).
     direct: Mutex<BTreeMap<PartitionId, Arc<Direct>>>,
 }
@@ -149,6 +154,8 @@ impl MetaNode {
     pub fn open(config: &MetaNodeConfig, client: Client) -> std::io::Result<Self> {
         let raft = NodeRaft::open(&config.dir, "meta", config.raft.clone(), client.clone())?;
         let registry = SpecRegistry::open(&config.dir.join("partitions"), Role::Meta)?;
+        let master = (!config.masters.is_empty())
+            .then(|| MasterClient::new(client.clone(), config.masters.clone()));
         let node = Self {
             inner: Arc::new(Inner {
                 dir: config.dir.clone(),
@@ -161,8 +168,8 @@ impl MetaNode {
                 orphans_seen: Mutex::default(),
                 ops: Mutex::default(),
                 last_report: Mutex::default(),
-                masters: config.masters.clone(),
-                data_replicas: Mutex::default(),
+                master,
+                volumes: Mutex::default(),
                 direct: Mutex::default(),
             }),
         };
@@ -310,7 +317,7 @@ impl MetaNode {
         let Some(raft) = self.inner.raft.get() else {
             return;
         };
-        if self.inner.masters.is_empty() {
+        if self.inner.master.is_none() {
             return;
         }
         for spec in self.inner.registry.specs() {
@@ -364,77 +371,28 @@ impl MetaNode {
         }
     }
 
-    /// Sends one release to a data partition's leader (hinted or any replica).
+    /// Releases extent ranges on a data partition of `volume` (its leader, found and followed by
+    /// the SDK's volume routing). Idempotent.
     async fn release_on(
         &self,
         volume: &str,
         partition: PartitionId,
         ranges: Vec<(nacre_types::ExtentId, u64, u64)>,
     ) -> Result<(), String> {
-        use nacre_data::rpc::{Release, ReleaseRequest};
-        let known = self
-            .inner
-            .data_replicas
-            .lock()
-            .ok()
-            .and_then(|m| m.get(&partition).cloned());
-        let addrs = match known {
-            Some(a) => a,
+        let known = lock(&self.inner.volumes).get(volume).cloned();
+        let vol = match known {
+            Some(v) => v,
             None => {
-                let mc = nacre_master::MasterClient::new(
-                    self.inner.client.clone(),
-                    self.inner.masters.clone(),
-                );
-                let view = mc.volume(volume).await.map_err(|e| e.to_string())?;
-                let mut m = self.inner.data_replicas.lock().map_err(|e| e.to_string())?;
-                for p in &view.data_partitions {
-                    let mut addrs: Vec<String> =
-                        p.spec.replicas.iter().map(|r| r.addr.clone()).collect();
-                    if let Some(l) = p.leader
-                        && let Some(i) = p.spec.replicas.iter().position(|r| r.node == l)
-                    {
-                        addrs.swap(0, i);
-                    }
-                    m.insert(p.spec.id, addrs);
-                }
-                m.get(&partition).cloned().ok_or_else(|| {
-                    format!("data partition {partition} is not in volume {volume}")
-                })?
+                let master = self.inner.master.clone().ok_or("no master configured")?;
+                let mut vol = NetVolume::connect(self.inner.client.clone(), master, volume).await?;
+                // A release is retried on the next report anyway: do not hold up the node's duties.
+                vol.retry_for = RELEASE_RETRY_FOR;
+                let vol = Arc::new(vol);
+                lock(&self.inner.volumes).insert(volume.to_string(), Arc::clone(&vol));
+                vol
             }
         };
-        let req = ReleaseRequest { partition, ranges };
-        let mut last = String::from("no replica");
-        let mut targets: std::collections::VecDeque<String> = addrs.into();
-        let mut tries = 0;
-        while let Some(addr) = targets.pop_front() {
-            tries += 1;
-            if tries > 6 {
-                break;
-            }
-            match self
-                .inner
-                .client
-                .call::<Release>(&addr, &req, Payload::none())
-                .await
-            {
-                Ok((Ok(()), _)) => return Ok(()),
-                Ok((Err(e), _)) => return Err(e.to_string()),
-                Err(nacre_msgr::MsgrError::Remote { error, .. })
-                    if error.code() == ErrorCode::NotLeader =>
-                {
-                    if let Some(h) = error.leader_hint {
-                        targets.push_front(h);
-                    }
-                    last = format!("{addr}: not the leader");
-                }
-                Err(e) => last = e.to_string(),
-            }
-        }
-        // The view may be stale: look it up again next time.
-        if let Ok(mut m) = self.inner.data_replicas.lock() {
-            m.remove(&partition);
-        }
-        Err(last)
+        vol.release(partition, ranges).await.map_err(|e| e.to_string())
     }
 
     fn count_op(&self, p: PartitionId) {
@@ -525,7 +483,7 @@ impl MetaNode {
     }
 
     /// The messenger ops of a meta node: its raft traffic (delivered once the store runs) and the
-    /// meta ops. The agent's ops are separate (`nacre_master::agent::node_router`).
+    /// meta ops. The agent's ops are separate (`nacre_cluster::node_router`).
     pub fn router(&self) -> Router {
         let (w, r, b) = (self.clone(), self.clone(), self.clone());
         Router::new()

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
-use nacre_meta::ops::{
+use nacre_api::meta::{
     DELEGATION_MARGIN_NS, DELEGATION_NS, MAX_NAME, MAX_RESERVE, MAX_SYMLINK, MAX_XATTR_VALUE,
     SESSION_NS,
 };

@@ -14,7 +14,7 @@ use axum::routing::{delete, get};
 use axum::{Json, Router};
 use clap::{Args, Subcommand};
 use comfy_table::Table;
-use nacre_master::MasterClient;
+use nacre_client::MasterClient;
 use nacre_master::MasterError;
 use nacre_master::admin::{Admin, CreateVolume, PartitionInfo, VolumeInfo};
 use nacre_master::map::MapError;

@@ -19,6 +19,7 @@ mod http;
 mod mount;
 mod node;
 
+use nacre_master::MasterAdmin as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -650,11 +651,11 @@ async fn wait_until_ready(master: &str, nodes: usize) -> anyhow::Result<()> {
         },
         Arc::new(TcpTransport),
     )?;
-    let mc = nacre_master::MasterClient::new(msgr.client(), vec![master.to_string()]);
+    let mc = nacre_client::MasterClient::new(msgr.client(), vec![master.to_string()]);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut last = String::from("no answer yet");
     let ready = loop {
-        match mc.map().await {
+        match mc.cluster_map().await {
             Ok(m) if m.nodes.len() >= nodes && m.tenants.contains_key("default") => break true,
             Ok(m) => {
                 last = format!(

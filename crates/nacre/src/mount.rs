@@ -1,16 +1,17 @@
 //! Mounting volumes: `nacre mount VOLUME DIR`, `nacre up --mount DIR`, and `nacre down`.
 
+use nacre_master::MasterAdmin as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::Args;
+use nacre_client::MasterClient;
 use nacre_client::{
     FileSystem, MetaCache, MetaCacheConfig, Metrics, NetFs, NetFsConfig, NetVolume,
 };
 use nacre_fuse::{MountOptions, Mounted};
-use nacre_master::MasterClient;
 use nacre_master::admin::{Admin, CreateVolume};
 use nacre_master::map::PartitionStatus;
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
@@ -244,7 +245,7 @@ pub async fn ensure_volume(master: &str, volume: &str) -> anyhow::Result<()> {
     )?;
     let r = async {
         let mc = MasterClient::new(msgr.client(), vec![master.to_string()]);
-        if !mc.map().await?.volumes.contains_key(volume) {
+        if !mc.cluster_map().await?.volumes.contains_key(volume) {
             Admin::new(mc.clone())
                 .create_volume(&CreateVolume {
                     name: volume.to_string(),

@@ -6,11 +6,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use nacre_api::master::RegisterRequest;
+use nacre_client::MasterClient;
+use nacre_cluster::{AgentConfig, PartitionHost, node_router, run_agent};
 use nacre_data::{DataNode, DataNodeConfig};
-use nacre_master::agent::{AgentConfig, PartitionHost, node_router, run_agent};
 use nacre_master::map::Role;
-use nacre_master::rpc::RegisterRequest;
-use nacre_master::{MASTER_GROUP, Master, MasterClient, MasterConfig, MasterSm};
+use nacre_master::{MASTER_GROUP, Master, MasterConfig, MasterSm};
 use nacre_meta::{MetaNode, MetaNodeConfig};
 use nacre_msgr::{AssignKind, Messenger, MsgrConfig, Payload, Router, TcpTransport};
 use nacre_proto::msg::sys::{Echo, EchoResponse, Ping, PingResponse};

@@ -1,7 +1,10 @@
 //! Identifiers, error codes and checksums shared by every nacre crate.
 //!
 //! This crate is pure: no IO, no async, no clocks. Everything in it is cheap to copy and stable on the
-//! wire (ids are plain little-endian integers once encoded).
+//! wire (ids are plain little-endian integers once encoded). [`sync`] holds the workspace's one policy
+//! for poisoned locks.
+
+pub mod sync;
 
 use std::fmt;
 

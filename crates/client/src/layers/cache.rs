@@ -53,7 +53,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use nacre_meta::{Attr, FileType, MetaError, SetAttr, XattrMode};
+use nacre_api::meta::{Attr, FileType, MetaError, SetAttr, XattrMode};
 use nacre_types::Ino;
 use tokio::time::Instant;
 
@@ -183,7 +183,7 @@ impl State {
         self.complete
             .get(&parent)
             .is_some_and(|c| c.expires > now && !c.names.contains(name))
-            && nacre_meta::ops::check_name(name).is_ok()
+            && nacre_api::meta::check_name(name).is_ok()
     }
 
     fn inval_entry(&mut self, parent: Ino, name: &[u8]) {

@@ -14,7 +14,7 @@ use std::future::Future;
 use std::time::Instant;
 
 use bytes::Bytes;
-use nacre_meta::{Attr, SetAttr, XattrMode};
+use nacre_api::meta::{Attr, SetAttr, XattrMode};
 use nacre_types::Ino;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;

@@ -26,8 +26,8 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use nacre_meta::ops::{DELEGATION_MARGIN_NS, DELEGATION_NS};
-use nacre_meta::{Attr, Command, Dentry, FileType, MetaError, Query, Reply};
+use nacre_api::meta::{Attr, Command, Dentry, FileType, MetaError, Query, Reply};
+use nacre_api::meta::{DELEGATION_MARGIN_NS, DELEGATION_NS};
 use nacre_types::{Ino, PartitionId};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -203,7 +203,7 @@ fn now_ns() -> u64 {
 /// A directory's attributes after a change of its entries, as the partition will make them.
 fn touched(attr: &mut Attr, subdirs: i32) {
     attr.nlink = attr.nlink.saturating_add_signed(subdirs);
-    let t = nacre_meta::ops::dir_changed_at(attr.ctime, now_ns());
+    let t = nacre_api::meta::dir_changed_at(attr.ctime, now_ns());
     attr.mtime = t;
     attr.ctime = t;
 }

@@ -1,12 +1,14 @@
 //! A 3-master cluster over the in-memory network, with node agents, for the master's tests.
 #![allow(dead_code, clippy::unwrap_used)] // shared by several test binaries
 
+use nacre_master::MasterAdmin as _;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use nacre_client::MasterClient;
 use nacre_master::map::{ClusterMap, Command, Role};
-use nacre_master::{MASTER_GROUP, Master, MasterClient, MasterConfig, MasterSm};
+use nacre_master::{MASTER_GROUP, Master, MasterConfig, MasterSm};
 use nacre_msgr::mem::MemNetwork;
 use nacre_msgr::{Messenger, MsgrConfig};
 use nacre_raft::store::start;
@@ -156,7 +158,7 @@ pub async fn wait_map(
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         epochs.mark_unchanged();
-        let map = mc.map().await.unwrap();
+        let map = mc.cluster_map().await.unwrap();
         if pred(&map) {
             return Some(map);
         }

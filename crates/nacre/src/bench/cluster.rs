@@ -1,10 +1,11 @@
 //! A cluster started inside the benchmark process: one master and the asked number of meta and
 //! data nodes, each a [`Node`] on its own loopback port with its data in a temporary directory.
 
+use nacre_master::MasterAdmin as _;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use nacre_master::MasterClient;
+use nacre_client::MasterClient;
 use nacre_master::map::Command as MapCommand;
 
 use crate::node::{MasterSection, MsgrSection, Node, NodeConfig, RoleName};
@@ -79,7 +80,7 @@ impl LocalCluster {
         data_partitions: u32,
     ) -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(60);
-        while mc.map().await?.nodes.len() < self.registering {
+        while mc.cluster_map().await?.nodes.len() < self.registering {
             anyhow::ensure!(Instant::now() < deadline, "nodes did not register in 60 s");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -119,7 +120,7 @@ pub fn bench_dir() -> std::path::PathBuf {
 async fn wait_ready(mc: &MasterClient, volume: &str) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let map = mc.map().await?;
+        let map = mc.cluster_map().await?;
         let ready = map.volumes.get(volume).is_some_and(|v| {
             v.meta_partitions.iter().all(|p| {
                 map.meta_partitions

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use bytes::Bytes;
+use nacre_client::MasterClient;
 use nacre_client::{NetVolume, SeqWriter};
-use nacre_master::MasterClient;
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use nacre_types::{ExtentId, PartitionId};
 use serde::Serialize;

@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context as _;
+use nacre_client::MasterClient;
 use nacre_client::{MetaFs, NetVolume, NewInode};
-use nacre_master::MasterClient;
 use nacre_meta::{Command, ExtentKey, FileType, MetaPartition, ROOT_INO};
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use nacre_types::{ExtentId, Ino, PartitionId};

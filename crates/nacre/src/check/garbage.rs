@@ -385,8 +385,8 @@ fn msgr_cases(rng: &mut Rng) -> Vec<Case> {
         ("body CRC mismatch", body_crc),
         ("data CRC mismatch", data_crc),
         ("unknown op", frame(Kind::Request, Op(0xfffe), 1, vec![], vec![])),
-        ("garbage data append", garbage::<nacre_data::rpc::Append>(rng, Kind::Request)),
-        ("garbage meta write", garbage::<nacre_meta::rpc::MetaWrite>(rng, Kind::Request)),
+        ("garbage data append", garbage::<nacre_api::data::Append>(rng, Kind::Request)),
+        ("garbage meta write", garbage::<nacre_api::meta::rpc::MetaWrite>(rng, Kind::Request)),
         ("garbage master command", garbage::<nacre_master::rpc::Execute>(rng, Kind::Request)),
     ];
     v.extend(errors.into_iter().map(|(name, b)| Case::new(name, b, Expect::Error)));
@@ -496,7 +496,7 @@ mod tests {
                 Ok((PingResponse { name, version }, Payload::none()))
             })
             // Reached only if a garbage body decoded, which the report flags as an internal error.
-            .route::<nacre_data::rpc::Append, _, _>(|_req, _inc| async {
+            .route::<nacre_api::data::Append, _, _>(|_req, _inc| async {
                 Err(RemoteError::new(ErrorCode::Internal, "garbage decoded"))
             });
         let (srv, cli) = (messenger("garbage-srv"), messenger("garbage-cli"));

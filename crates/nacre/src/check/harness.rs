@@ -10,6 +10,7 @@
 //! Dropping the harness kills every process it started (by PID), unmounts what it mounted and
 //! deletes its namespaces and bridge, also when a run fails half way.
 
+use nacre_master::MasterAdmin as _;
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
@@ -19,7 +20,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use nacre_master::MasterClient;
+use nacre_client::MasterClient;
 use nacre_master::map::{NodeStatus, Role as MapRole};
 use rustix::process::{Pid, Signal, kill_process};
 use serde::Serialize;
@@ -520,7 +521,7 @@ impl Harness {
         let want_data = self.of(Role::Data).len();
         let deadline = Instant::now() + within;
         loop {
-            let last = match mc.map().await {
+            let last = match mc.cluster_map().await {
                 Ok(map) => {
                     let up = |r: MapRole| {
                         map.nodes

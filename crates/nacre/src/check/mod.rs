@@ -11,14 +11,15 @@ pub mod port;
 mod port_tests;
 pub mod workload;
 
+use nacre_master::MasterAdmin as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
+use nacre_client::MasterClient;
 use nacre_client::{FileSystem, MetaFs, MetaTransport, NetFs, NetVolume};
-use nacre_master::MasterClient;
 use nacre_master::map::{Command as MapCommand, PartitionStatus};
 use nacre_meta::SetAttr;
 use nacre_msgr::{Client, Messenger, MsgrConfig, TcpTransport};
@@ -580,7 +581,7 @@ async fn probe_targets(fs: &NetFs, vol: &NetVolume) -> anyhow::Result<Vec<Target
 
 /// The targets node `addr` leads, by the master's view.
 async fn led_by(mc: &MasterClient, addr: &str, targets: &[Target]) -> Vec<Target> {
-    let (Ok(map), Ok(v)) = (mc.map().await, mc.volume(VOLUME).await) else {
+    let (Ok(map), Ok(v)) = (mc.cluster_map().await, mc.volume(VOLUME).await) else {
         return Vec::new();
     };
     let Some(id) = map

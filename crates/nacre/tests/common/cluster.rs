@@ -1,13 +1,14 @@
 //! A multi-process test cluster: 1 master, 3 meta and 3 data nodes as `nacre server` processes on
 //! fixed loopback ports (so a restarted node keeps its identity), and a volume on it.
 
+use nacre_master::MasterAdmin as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
+use nacre_client::MasterClient;
 use nacre_client::NetVolume;
-use nacre_master::MasterClient;
 use nacre_master::map::{Command as MapCommand, PartitionStatus};
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 

@@ -1,4 +1,6 @@
-//! [`MasterClient`]: talks to whichever master leads.
+//! [`MasterClient`]: talks to whichever master leads. The admin calls that need the master's own
+//! types (the whole cluster map, map commands) are `nacre_master::MasterAdmin`, over
+//! [`MasterClient::call`].
 
 use std::time::Duration;
 
@@ -6,12 +8,11 @@ use nacre_msgr::{CallOptions, Client, MsgrError, Payload};
 use nacre_proto::msg::Rpc;
 use nacre_types::{ErrorCode, NodeId};
 
-use crate::map::{ClusterMap, Command, Outcome, PartitionReport, VolumeView};
-use crate::rpc::{
-    Execute, GetMap, GetMapRequest, GetVolume, GetVolumeRequest, Heartbeat, HeartbeatReply,
-    HeartbeatRequest, MasterStatus, Register, RegisterRequest, Status, StatusRequest,
+use nacre_api::master::{
+    ClusterSpace, GetSpace, GetSpaceRequest, GetVolume, GetVolumeRequest, Heartbeat,
+    HeartbeatReply, HeartbeatRequest, MasterError, MasterStatus, PartitionReport, Register,
+    RegisterRequest, Status, StatusRequest, VolumeView,
 };
-use crate::service::MasterError;
 
 /// Talks to whichever master leads: follows `NotLeader` hints and otherwise tries the masters in turn,
 /// backing off while no leader is known, for at most `retry_for`.
@@ -46,7 +47,9 @@ impl MasterClient {
         &self.masters
     }
 
-    async fn call<R: Rpc>(&self, req: &R::Request) -> Result<R::Response, MasterError> {
+    /// Sends one call to the leader, following `NotLeader` hints and riding out elections for at
+    /// most `retry_for`.
+    pub async fn call<R: Rpc>(&self, req: &R::Request) -> Result<R::Response, MasterError> {
         if self.masters.is_empty() {
             return Err(MasterError::Unavailable(
                 "no master address configured".into(),
@@ -101,16 +104,6 @@ impl MasterClient {
         }
     }
 
-    /// Executes a command on the leader.
-    pub async fn execute(&self, cmd: &Command) -> Result<Outcome, MasterError> {
-        self.call::<Execute>(cmd).await?.map_err(MasterError::from)
-    }
-
-    /// Reads the map from the leader.
-    pub async fn map(&self) -> Result<ClusterMap, MasterError> {
-        self.call::<GetMap>(&GetMapRequest {}).await
-    }
-
     /// A client's view of one volume.
     pub async fn volume(&self, name: &str) -> Result<VolumeView, MasterError> {
         self.call::<GetVolume>(&GetVolumeRequest { name: name.into() })
@@ -138,6 +131,11 @@ impl MasterClient {
         self.call::<Heartbeat>(&req)
             .await?
             .map_err(MasterError::from)
+    }
+
+    /// Capacity and used bytes summed over the data nodes.
+    pub async fn space(&self) -> Result<ClusterSpace, MasterError> {
+        self.call::<GetSpace>(&GetSpaceRequest {}).await
     }
 
     /// The leader's status.

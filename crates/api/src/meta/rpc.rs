@@ -5,7 +5,7 @@ use nacre_proto::msg::Rpc;
 use nacre_types::PartitionId;
 use serde::{Deserialize, Serialize};
 
-use crate::ops::{Command, MetaError, Query, Reply};
+use super::{Command, MetaError, Query, Reply};
 
 /// Applies a command through the partition's Raft group (served by its leader; op `0x0201`).
 #[derive(Debug)]

@@ -7,6 +7,8 @@
 //! client from these single-partition steps, in the CFS order that keeps "every dentry points to an
 //! existing inode" true under any single failure (see `nacre-client`'s meta module).
 
+pub mod rpc;
+
 use nacre_types::{ExtentId, Ino, PartitionId};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;

@@ -1,0 +1,292 @@
+//! The master's vocabulary: what nodes and clients send to the master (`0x010x`), what the master
+//! sends to nodes (`0x011x`), and the client's view of a volume and its partitions. The master's own
+//! state (the cluster map and its commands) lives in `nacre-master`.
+
+use std::collections::BTreeMap;
+
+use nacre_proto::Op;
+use nacre_proto::msg::Rpc;
+use nacre_types::{NodeId, PartitionId, VolumeId};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// First inode number of a volume (1 is the root directory).
+pub const FIRST_INODE: u64 = 1;
+
+/// The open end of the last meta partition's inode range.
+pub const OPEN_END: u64 = u64::MAX;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    Master,
+    Meta,
+    Data,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PartitionStatus {
+    /// Writable.
+    Rw,
+    /// Read-only: a replica is down (or the partition is full); repaired partitions return to RW.
+    Ro,
+}
+
+/// What kind of partition a node is asked to host.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PartitionKind {
+    /// A meta partition owning inodes `[start, end)`.
+    Meta {
+        start: u64,
+        end: u64,
+    },
+    Data,
+}
+
+/// One replica of a partition: the node and where to reach it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Replica {
+    pub node: NodeId,
+    pub addr: String,
+}
+
+/// Everything a node needs to host one replica of a partition.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionSpec {
+    pub id: PartitionId,
+    pub volume: String,
+    pub kind: PartitionKind,
+    /// In order; for data partitions replica 0 leads appends.
+    pub replicas: Vec<Replica>,
+    /// Map epoch at which the partition was created (a node never drops a partition on the word of an
+    /// older map).
+    pub created_epoch: u64,
+}
+
+/// What a node says about one partition it hosts, in every heartbeat.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionReport {
+    pub id: PartitionId,
+    /// This replica leads the partition.
+    pub leader: bool,
+    /// Meta partitions: inodes in use and the highest inode allocated.
+    pub inode_count: u64,
+    pub max_inode: u64,
+    /// Bytes: memory for meta partitions, disk for data partitions.
+    pub used: u64,
+    /// The partition takes no more writes (data partition at its size limit).
+    pub full: bool,
+    /// Operations served per second on this replica (the leader's figure is the partition's).
+    pub ops_per_s: u64,
+    /// Bytes written per second through this replica as leader (data partitions).
+    pub bytes_per_s: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Volume {
+    pub id: VolumeId,
+    pub name: String,
+    pub owner: String,
+    pub replicas: u8,
+    pub capacity: u64,
+    /// In inode-range order; the last one is open-ended.
+    pub meta_partitions: Vec<PartitionId>,
+    pub data_partitions: Vec<PartitionId>,
+}
+
+/// What a client needs to use a volume: its partitions, where their replicas are, who leads.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeView {
+    /// The map epoch this view was taken at.
+    pub epoch: u64,
+    pub volume: Volume,
+    pub meta_partitions: Vec<PartitionView>,
+    pub data_partitions: Vec<PartitionView>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionView {
+    pub spec: PartitionSpec,
+    pub leader: Option<NodeId>,
+    pub status: PartitionStatus,
+}
+
+#[derive(Debug, Error, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MapError {
+    #[error(
+        "invalid volume name {0:?}: use 1-63 characters from a-z, 0-9, '-', starting with a letter"
+    )]
+    InvalidName(String),
+    #[error("volume {0:?} already exists")]
+    VolumeExists(String),
+    #[error("no volume named {0:?}")]
+    NoSuchVolume(String),
+    #[error("unknown node {0}")]
+    UnknownNode(NodeId),
+    #[error("unknown partition {0}")]
+    UnknownPartition(PartitionId),
+    #[error("cannot place {role:?} partition: {source}")]
+    Placement { role: Role, source: PlacementError },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error(
+        "invalid tenant name {0:?}: use 1-63 characters from a-z, 0-9, '-', starting with a letter"
+    )]
+    InvalidTenant(String),
+    #[error("tenant {0:?} already exists")]
+    TenantExists(String),
+    #[error("no tenant named {0:?} (create it with `nacre tenant create`)")]
+    NoSuchTenant(String),
+    #[error("tenant {0:?} still owns volumes: {1}")]
+    TenantInUse(String, String),
+}
+
+/// Why replicas cannot be placed.
+#[derive(Debug, Error, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum PlacementError {
+    #[error("need {needed} nodes for {needed} replicas, only {available} are up")]
+    NotEnoughNodes { needed: usize, available: usize },
+}
+
+/// Why a master request failed.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum MasterError {
+    #[error(transparent)]
+    Map(#[from] MapError),
+    /// This master is not the leader; `leader` is the leader's address if known.
+    #[error("not the master leader (leader: {})", leader.as_deref().unwrap_or("unknown"))]
+    NotLeader { leader: Option<String> },
+    #[error("master unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// A client's view of one volume (op `0x0103`).
+#[derive(Debug)]
+pub struct GetVolume;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GetVolumeRequest {
+    pub name: String,
+}
+
+impl Rpc for GetVolume {
+    const OP: Op = Op(0x0103);
+    const NAME: &'static str = "master_get_volume";
+    type Request = GetVolumeRequest;
+    type Response = Result<VolumeView, MapError>;
+}
+
+/// A node announces itself (op `0x0104`); the answer is its id (kept across restarts at the same
+/// address).
+#[derive(Debug)]
+pub struct Register;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RegisterRequest {
+    pub addr: String,
+    pub role: Role,
+    pub zone: String,
+    pub capacity: u64,
+}
+
+impl Rpc for Register {
+    const OP: Op = Op(0x0104);
+    const NAME: &'static str = "master_register";
+    type Request = RegisterRequest;
+    type Response = Result<NodeId, MapError>;
+}
+
+/// A node's periodic report (op `0x0105`); the answer lists every partition it should host.
+#[derive(Debug)]
+pub struct Heartbeat;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HeartbeatRequest {
+    pub node: NodeId,
+    pub used: u64,
+    pub partitions: Vec<PartitionReport>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HeartbeatReply {
+    /// Map epoch the assignment was computed at.
+    pub epoch: u64,
+    pub assigned: Vec<PartitionSpec>,
+}
+
+impl Rpc for Heartbeat {
+    const OP: Op = Op(0x0105);
+    const NAME: &'static str = "master_heartbeat";
+    type Request = HeartbeatRequest;
+    type Response = Result<HeartbeatReply, MapError>;
+}
+
+/// The master leader's own state (op `0x0106`): who leads, and the work it has not finished.
+#[derive(Debug)]
+pub struct Status;
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StatusRequest {}
+
+/// A partition replica the leader asked a node to create and that has not reported it yet.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingReplica {
+    pub partition: PartitionId,
+    pub node: NodeId,
+    pub addr: String,
+    pub attempts: u32,
+    /// Why the last attempt failed; empty while the node has accepted and not yet reported.
+    pub last_error: String,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct MasterStatus {
+    /// Raft id of the leader answering.
+    pub leader: u64,
+    /// Every master: raft id → messenger address.
+    pub masters: BTreeMap<u64, String>,
+    pub pending: Vec<PendingReplica>,
+    /// Background duties that failed in their last run (e.g. no room for new data partitions).
+    pub duty_errors: Vec<String>,
+}
+
+impl Rpc for Status {
+    const OP: Op = Op(0x0106);
+    const NAME: &'static str = "master_status";
+    type Request = StatusRequest;
+    type Response = MasterStatus;
+}
+
+/// The master asks a node to host (or update) a partition replica (op `0x0110`). Idempotent.
+#[derive(Debug)]
+pub struct CreatePartition;
+
+impl Rpc for CreatePartition {
+    const OP: Op = Op(0x0110);
+    const NAME: &'static str = "node_create_partition";
+    type Request = PartitionSpec;
+    /// `Err` carries the node's reason (e.g. out of disk).
+    type Response = Result<(), String>;
+}
+
+/// The data nodes' capacity and used bytes, summed over every data node (op `0x0107`): what a
+/// client's `statfs` reports, divided by the replica count.
+#[derive(Debug)]
+pub struct GetSpace;
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct GetSpaceRequest {}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterSpace {
+    /// Bytes of disk on every data node.
+    pub capacity: u64,
+    /// Bytes used on them.
+    pub used: u64,
+}
+
+impl Rpc for GetSpace {
+    const OP: Op = Op(0x0107);
+    const NAME: &'static str = "master_get_space";
+    type Request = GetSpaceRequest;
+    type Response = ClusterSpace;
+}

@@ -1,0 +1,162 @@
+//! What a node keeps on disk about itself: the partitions it was asked to host
+//! ([`SpecRegistry`]) and the id the master gave it (`DIR/node-id`).
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Role};
+use nacre_msgr::BoxFuture;
+use nacre_types::{NodeId, PartitionId};
+
+use crate::agent::PartitionHost;
+
+/// A durable record of the partitions a node was asked to host: one file, replaced atomically
+/// (write, fsync, rename, fsync the directory). The meta and data roles keep their partitions'
+/// state beside it; this is what tells them, after a restart, which partitions to open.
+#[derive(Debug)]
+pub struct SpecRegistry {
+    path: Option<PathBuf>,
+    specs: Mutex<Vec<PartitionSpec>>,
+    role: Role,
+}
+
+impl SpecRegistry {
+    /// Opens (or creates) the registry in `dir`.
+    pub fn open(dir: &Path, role: Role) -> std::io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join("partitions.bin");
+        let specs = match std::fs::read(&path) {
+            Ok(bytes) => postcard::from_bytes(&bytes).map_err(|e| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{}: corrupt partition registry: {e}", path.display()),
+                )
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e),
+        };
+        Ok(Self {
+            path: Some(path),
+            specs: Mutex::new(specs),
+            role,
+        })
+    }
+
+    /// A registry that lives in memory only (tests).
+    pub fn in_memory(role: Role) -> Self {
+        Self {
+            path: None,
+            specs: Mutex::default(),
+            role,
+        }
+    }
+
+    pub fn specs(&self) -> Vec<PartitionSpec> {
+        self.specs.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    fn persist(&self, specs: &[PartitionSpec]) -> Result<(), String> {
+        let Some(path) = &self.path else {
+            return Ok(());
+        };
+        let bytes = postcard::to_allocvec(specs).map_err(|e| e.to_string())?;
+        let tmp = path.with_extension("tmp");
+        let write = || -> std::io::Result<()> {
+            use std::io::Write as _;
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&bytes)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)?;
+            if let Some(dir) = path.parent() {
+                std::fs::File::open(dir)?.sync_all()?;
+            }
+            Ok(())
+        };
+        write().map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    fn change(&self, f: impl FnOnce(&mut Vec<PartitionSpec>)) -> Result<(), String> {
+        let mut specs = self
+            .specs
+            .lock()
+            .map_err(|_| "partition registry poisoned".to_string())?;
+        let mut next = specs.clone();
+        f(&mut next);
+        if next != *specs {
+            self.persist(&next)?;
+            *specs = next;
+        }
+        Ok(())
+    }
+}
+
+impl PartitionHost for SpecRegistry {
+    fn hosted(&self) -> Vec<PartitionSpec> {
+        self.specs()
+    }
+
+    fn reports(&self) -> Vec<PartitionReport> {
+        self.specs()
+            .iter()
+            .map(|s| PartitionReport {
+                id: s.id,
+                ..PartitionReport::default()
+            })
+            .collect()
+    }
+
+    fn used(&self) -> u64 {
+        0
+    }
+
+    fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), String>> {
+        let r = match (&spec.kind, self.role) {
+            (PartitionKind::Meta { .. }, Role::Meta) | (PartitionKind::Data, Role::Data) => self
+                .change(|specs| {
+                    specs.retain(|s| s.id != spec.id);
+                    specs.push(spec);
+                    specs.sort_by_key(|s| s.id);
+                }),
+            _ => Err(format!(
+                "a {:?} node cannot host partition {} of kind {:?}",
+                self.role, spec.id, spec.kind
+            )),
+        };
+        Box::pin(async move { r })
+    }
+
+    fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), String>> {
+        let r = self.change(|specs| specs.retain(|s| s.id != id));
+        Box::pin(async move { r })
+    }
+}
+
+/// The node id persisted in `DIR/node-id` by an earlier run, if any.
+pub fn read_node_id(dir: &Path) -> std::io::Result<Option<NodeId>> {
+    match std::fs::read_to_string(dir.join("node-id")) {
+        Ok(s) => s
+            .trim()
+            .parse::<u64>()
+            .map(|n| Some(NodeId(n)))
+            .map_err(|e| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{}: bad node id: {e}", dir.join("node-id").display()),
+                )
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Persists the node id in `DIR/node-id` (temp file, fsync, rename, fsync dir).
+pub fn write_node_id(dir: &Path, id: NodeId) -> std::io::Result<()> {
+    use std::io::Write as _;
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join("node-id.tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    writeln!(f, "{}", id.0)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join("node-id"))?;
+    std::fs::File::open(dir)?.sync_all()
+}
