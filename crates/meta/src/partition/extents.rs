@@ -1,0 +1,158 @@
+//! The algebra of a file's extent keys: validity, overlaying a new key on the sorted,
+//! non-overlapping keys of a file, truncating them, and which parts of dropped keys no live key
+//! refers to any more (only those may be freed). Pure functions over slices of [`ExtentKey`].
+
+use nacre_types::{ExtentId, PartitionId};
+
+use crate::ops::ExtentKey;
+
+/// A key can be stored: it covers at least one byte, and neither its file range nor its extent
+/// range overflows.
+pub(super) fn key_is_valid(k: &ExtentKey) -> bool {
+    k.size > 0
+        && k.file_offset.checked_add(u64::from(k.size)).is_some()
+        && k.extent_offset.checked_add(u64::from(k.size)).is_some()
+}
+
+/// An inode's keys are valid, sorted, non-overlapping and within `size`.
+pub(super) fn check_extents(keys: &[ExtentKey], size: u64) -> Result<(), String> {
+    let mut end = 0;
+    for k in keys {
+        if !key_is_valid(k) || k.file_offset < end {
+            return Err(format!("extent key {k:?} invalid or out of order"));
+        }
+        end = k.end();
+    }
+    if end > size {
+        return Err(format!("extent keys end at {end}, past the size {size}"));
+    }
+    Ok(())
+}
+
+/// `key` cut to the file range `[from, to)` within it; the CRC survives only an uncut key.
+fn cut(key: &ExtentKey, from: u64, to: u64) -> ExtentKey {
+    let whole = from == key.file_offset && to == key.end();
+    ExtentKey {
+        file_offset: from,
+        extent_offset: key.extent_offset + (from - key.file_offset),
+        // Within the key's own size.
+        size: (to - from) as u32,
+        crc: if whole { key.crc } else { 0 },
+        ..*key
+    }
+}
+
+/// Records `new` over `keys` (sorted, non-overlapping): parts of older keys outside its range stay
+/// (trimmed), older keys entirely inside it go to `dropped`.
+pub(super) fn overlay(keys: &mut Vec<ExtentKey>, new: ExtentKey, dropped: &mut Vec<ExtentKey>) {
+    let (start, end) = (new.file_offset, new.end());
+    // Keys are sorted and disjoint, so their ends are sorted too: keys[first..last] overlap `new`.
+    let first = keys.partition_point(|k| k.end() <= start);
+    let last = keys.partition_point(|k| k.file_offset < end).max(first);
+    let (mut left, mut right) = (None, None);
+    for k in &keys[first..last] {
+        if k.file_offset < start {
+            left = Some(cut(k, k.file_offset, start));
+        }
+        if k.end() > end {
+            right = Some(cut(k, end, k.end()));
+        }
+        if k.file_offset >= start && k.end() <= end {
+            dropped.push(*k);
+        }
+    }
+    keys.splice(first..last, left.into_iter().chain([new]).chain(right));
+}
+
+/// Splits `keys` at file offset `size`: the keys before it (the one straddling it trimmed) and the
+/// keys past it.
+pub(super) fn truncate(keys: &[ExtentKey], size: u64) -> (Vec<ExtentKey>, Vec<ExtentKey>) {
+    let at = keys.partition_point(|k| k.file_offset < size);
+    let (kept, dropped) = keys.split_at(at);
+    let mut kept = kept.to_vec();
+    if let Some(k) = kept.last_mut()
+        && k.end() > size
+    {
+        *k = cut(k, k.file_offset, size);
+    }
+    (kept, dropped.to_vec())
+}
+
+/// The parts of `dropped` keys whose bytes no key in `live` refers to any more: only those may be
+/// freed. A client that extends a piece records a longer key over the same extent bytes, which
+/// drops the shorter key; freeing it would destroy live data. A normal extent (id from
+/// `FIRST_NORMAL_EXTENT`) no live key uses at all is freed whole, as one key with offset 0 and size `u32::MAX` (the data node deletes
+/// it); the unused ranges of others are punched out. O((dropped + live) · log).
+pub(super) fn unreferenced(dropped: Vec<ExtentKey>, live: &[ExtentKey]) -> Vec<ExtentKey> {
+    if dropped.is_empty() {
+        return dropped;
+    }
+    let mut extents: Vec<_> = dropped.iter().map(|k| (k.partition, k.extent)).collect();
+    extents.sort_unstable();
+    extents.dedup();
+    // The extent ranges live keys use in those extents, by extent and start...
+    let mut used: Vec<_> = live
+        .iter()
+        .filter(|k| extents.binary_search(&(k.partition, k.extent)).is_ok())
+        .map(|k| {
+            let start = k.extent_offset;
+            ((k.partition, k.extent), start, start + u64::from(k.size))
+        })
+        .collect();
+    used.sort_unstable();
+    // ...and the furthest end reached so far within each extent (non-decreasing per extent).
+    let mut reach = Vec::with_capacity(used.len());
+    let mut last = None;
+    for &(extent, _, end) in &used {
+        let r = match last {
+            Some((e, r)) if e == extent => end.max(r),
+            _ => end,
+        };
+        reach.push(r);
+        last = Some((extent, r));
+    }
+    let mut out = Vec::with_capacity(dropped.len());
+    let mut whole: Vec<(PartitionId, ExtentId)> = Vec::new();
+    for d in &dropped {
+        let (mut pos, end) = (d.extent_offset, d.extent_offset + u64::from(d.size));
+        let extent = (d.partition, d.extent);
+        let group = used.partition_point(|u| u.0 < extent);
+        let group_end = used.partition_point(|u| u.0 <= extent);
+        if group == group_end && d.extent.is_normal() {
+            // No live key uses this normal extent any more: release all of it (the data node
+            // deletes it), once.
+            if !whole.contains(&extent) {
+                whole.push(extent);
+                out.push(ExtentKey {
+                    file_offset: 0,
+                    extent_offset: 0,
+                    size: u32::MAX,
+                    crc: 0,
+                    ..*d
+                });
+            }
+            continue;
+        }
+        // The ranges before `first` all end at or before `pos`.
+        let first = group + reach[group..group_end].partition_point(|&r| r <= pos);
+        for &(_, from, to) in &used[first..group_end] {
+            if from >= end {
+                break;
+            }
+            if from > pos {
+                out.push(cut_extent(d, pos, from));
+            }
+            pos = pos.max(to);
+        }
+        if pos < end {
+            out.push(cut_extent(d, pos, end));
+        }
+    }
+    out
+}
+
+/// `key` cut to the extent range `[from, to)` within it.
+fn cut_extent(key: &ExtentKey, from: u64, to: u64) -> ExtentKey {
+    let offset = key.file_offset + (from - key.extent_offset);
+    cut(key, offset, offset + (to - from))
+}
