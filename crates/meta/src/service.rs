@@ -392,7 +392,9 @@ impl MetaNode {
                 vol
             }
         };
-        vol.release(partition, ranges).await.map_err(|e| e.to_string())
+        vol.release(partition, ranges)
+            .await
+            .map_err(|e| e.to_string())
     }
 
     fn count_op(&self, p: PartitionId) {

@@ -1,0 +1,105 @@
+//! A data node's settings ([`DataNodeConfig`]) and the disk wrapper tests inject faults with
+//! ([`WrapDisk`]).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nacre_raft::StoreConfig;
+
+use super::DataMetrics;
+use crate::io::Disk;
+use crate::store::StoreOptions;
+
+/// Settings of a data node.
+#[derive(Clone, Debug)]
+pub struct DataNodeConfig {
+    pub dir: PathBuf,
+    pub raft: StoreConfig,
+    pub store: StoreOptions,
+    /// How often reports are refreshed, read-only partitions re-checked and repairs run.
+    pub report_interval: Duration,
+    /// How long the leader waits for a follower's answer to a packet before it checks that the
+    /// follower is alive at all (a ping). One that answers the ping is slow, not gone (a saturated
+    /// disk), and is waited for up to `replicate_stall_limit`; one that does not fails the packet
+    /// and turns the partition read-only.
+    pub replicate_timeout: Duration,
+    /// Longest wait for a live but slow follower, or for an earlier packet of the same extent.
+    pub replicate_stall_limit: Duration,
+    /// Bytes per second a repair may copy (per node), so foreground IO keeps the bandwidth.
+    pub repair_rate: u64,
+    /// Most bytes of deleted extents' data files a node keeps for new extents to take
+    /// (`StoreOptions::recycle`: their appends then reuse allocated blocks, and no blocks are
+    /// freed while writes run), over all its partitions; never more than a quarter of the file
+    /// system's free space. The oldest go first.
+    pub spare_bytes: u64,
+    /// How long a spare is kept at most; also how long an extent living in a longer recycled file
+    /// may go without growing before the rest of the file is cut (`ExtentStore::cut_tails`).
+    pub spare_keep: Duration,
+    /// While at least this many extents have appends in flight on the node, appends bypass the
+    /// page cache (`ExtentStore::write_uncached`): with many streams the node runs out of CPU
+    /// before disk, and a direct write costs less of it; with few, each stream waits on its own
+    /// writes and the cache's quicker ones serve it better. 0: never.
+    pub direct_streams: u32,
+    /// Gauges the node keeps up to date (registered by the caller); `None`: none.
+    pub metrics: Option<DataMetrics>,
+    /// Wraps each partition's disk (its directory, the `FileDisk`) before its store opens it:
+    /// tests inject faults with it. `None`: the `FileDisk` itself.
+    pub wrap_disk: Option<WrapDisk>,
+}
+
+impl DataNodeConfig {
+    pub fn new(dir: PathBuf) -> Self {
+        let mut raft = StoreConfig::default().with_read_lease();
+        // Overwrites carry data: keep the log short behind the snapshots.
+        raft.node.compact_after = 2_000;
+        // A leader's appends leave before its own log write, so a lone overwrite waits for one
+        // sync instead of the leader's then a follower's (docs/benchmarks.md, "Data partitions
+        // send their appends early").
+        raft.early_appends = true;
+        // Log writes on a thread of their own: acknowledgements, commits and replies do not
+        // wait behind another round's sync (docs/benchmarks.md, "Log writes off the Raft
+        // thread"). Meta nodes keep writing on their Raft thread: the metadata phases measured
+        // lower with it.
+        raft.async_log = true;
+        // The Raft loop shares the messenger's worker with the request handlers that propose and
+        // the connections that carry its messages: fewer thread wake-ups per overwrite
+        // (docs/benchmarks.md, "Overwrites patch the block CRC; the Raft loop on the messenger's worker"). Its applies are short
+        // (one `pwrite` and a CRC patch) and their reads are prefetched.
+        raft.on_msgr_worker = true;
+        Self {
+            dir,
+            raft,
+            // A CRC per 32 KiB: a 4 KiB overwrite or read touches 32 KiB, not 128 KiB (1.5x the 4 KiB
+            // overwrites/s measured), for 8 bytes of memory per block (256 MiB per TiB of data).
+            store: StoreOptions {
+                block_size: 32 << 10,
+                ..StoreOptions::default()
+            },
+            report_interval: Duration::from_millis(500),
+            replicate_timeout: Duration::from_secs(5),
+            replicate_stall_limit: Duration::from_secs(60),
+            repair_rate: 64 << 20,
+            // docs/benchmarks.md, "Recycling deleted extents' files".
+            spare_bytes: 1 << 30,
+            spare_keep: Duration::from_secs(60),
+            // docs/benchmarks.md, "Appends past the page cache".
+            direct_streams: 8,
+            metrics: None,
+            wrap_disk: None,
+        }
+    }
+}
+
+/// Given a partition's directory and disk, the disk its store uses.
+pub type WrapDiskFn = dyn Fn(&Path, Arc<dyn Disk>) -> Arc<dyn Disk> + Send + Sync;
+
+/// A function wrapping a partition's disk ([`DataNodeConfig::wrap_disk`]).
+#[derive(Clone)]
+pub struct WrapDisk(pub Arc<WrapDiskFn>);
+
+impl std::fmt::Debug for WrapDisk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WrapDisk")
+    }
+}

@@ -1,0 +1,208 @@
+//! The primary forwards each append batch to every backup; a backup takes it, cutting an
+//! unacknowledged tail of an earlier leader, never below the committed offset.
+
+use std::time::Duration;
+
+use nacre_msgr::{CallOptions, Client, MsgrError, Payload};
+use nacre_proto::msg::sys::{Ping, PingRequest};
+use nacre_types::ExtentId;
+
+use super::append::{MAX_BATCH, Track};
+use super::{DataNode, Part, off_worker};
+use crate::rpc::*;
+use crate::sm::store_error;
+use crate::store::ExtentStore;
+
+impl DataNode {
+    /// Sends a packet to every follower and, with `sync`, syncs it locally (written at store
+    /// `epoch`) and has every follower sync it; all must succeed.
+    #[expect(clippy::too_many_arguments, reason = "one packet's placement")]
+    pub(super) async fn replicate(
+        &self,
+        part: &Part,
+        extent: ExtentId,
+        offset: u64,
+        epoch: u64,
+        committed: u64,
+        data: &Payload,
+        sync: bool,
+    ) -> Result<(), DataError> {
+        let me = self.raft().map_err(DataError::Io)?.id();
+        let req = ReplicateRequest {
+            partition: part.id,
+            extent,
+            offset,
+            committed,
+            sync,
+        };
+        let (check_after, limit) = (
+            self.inner.config.replicate_timeout,
+            self.inner.config.replicate_stall_limit,
+        );
+        let mut sends = tokio::task::JoinSet::new();
+        for r in part.followers(me) {
+            let client = self.inner.client.clone();
+            let req = req.clone();
+            let data = Payload::with_crc(data.bytes.clone(), data.crc());
+            sends.spawn(async move {
+                replicate_to(&client, &r.addr, &req, data, check_after, limit)
+                    .await
+                    .map_err(|e| format!("{}: {e}", r.addr))
+            });
+        }
+        let local = async {
+            if sync {
+                Self::sync_store(&part.store, epoch).await
+            } else {
+                Ok(())
+            }
+        };
+        let (local, remote) = tokio::join!(local, sends.join_all());
+        let mut failed: Vec<String> = remote.into_iter().filter_map(Result::err).collect();
+        if let Err(e) = local {
+            failed.push(format!("local disk: {e}"));
+        }
+        if failed.is_empty() {
+            return Ok(());
+        }
+        let why = format!("replication failed: {}", failed.join("; "));
+        part.degrade(why.clone());
+        Err(DataError::ReadOnly(why))
+    }
+
+    /// A follower stores a packet its leader forwarded.
+    pub(super) async fn take_replica(
+        &self,
+        part: &Part,
+        req: ReplicateRequest,
+        data: Payload,
+    ) -> Result<(), DataError> {
+        if data.bytes.is_empty() || data.bytes.len() > MAX_BATCH {
+            return Err(DataError::Invalid(format!(
+                "a replicated batch of {} bytes; 1 to {MAX_BATCH}",
+                data.bytes.len()
+            )));
+        }
+        let epoch = part.store.epoch();
+        let tiny = ExtentStore::is_tiny(req.extent);
+        let track = match part.track_with(req.extent, false) {
+            Ok(t) => t,
+            // Created through Raft but not applied here yet (or a tiny extent's first write).
+            Err(DataError::NotFound(_)) => {
+                if !tiny {
+                    part.store.create(req.extent).map_err(store_error)?;
+                }
+                let t = Track::new(0, 0);
+                match part.tracks.lock() {
+                    Ok(mut tracks) => tracks.entry(req.extent).or_insert(t).clone(),
+                    Err(_) => t,
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        track.commit(req.committed);
+        let _appending = (!tiny).then(|| self.inner.streams.enter(track.clone()));
+        let uncached = self.uncached();
+        let len = data.bytes.len() as u64;
+        if !tiny {
+            let mut next = track.next.subscribe();
+            let _ = tokio::time::timeout(
+                self.inner.config.replicate_timeout / 2,
+                next.wait_for(|n| *n >= req.offset),
+            )
+            .await;
+        }
+        let (store, bytes) = (part.store.clone(), data.bytes.clone());
+        off_worker(move || {
+            let _w = track.lock_write()?;
+            let have = *track.next.borrow();
+            if req.offset < have {
+                // A longer, unacknowledged tail from an earlier leader: drop it, never below what
+                // is committed.
+                if req.offset < track.committed() {
+                    return Err(DataError::OutOfRange {
+                        extent: req.extent,
+                        offset: req.offset,
+                        len,
+                        committed: track.committed(),
+                    });
+                }
+                store
+                    .truncate(req.extent, req.offset)
+                    .map_err(store_error)?;
+            } else if req.offset > have && !tiny {
+                return Err(DataError::OutOfRange {
+                    extent: req.extent,
+                    offset: req.offset,
+                    len,
+                    committed: have,
+                });
+            }
+            if uncached {
+                store.write_uncached(req.extent, req.offset, &bytes)
+            } else {
+                store.write(req.extent, req.offset, &bytes)
+            }
+            .map_err(store_error)?;
+            track.next.send_replace(req.offset + len);
+            Ok(())
+        })
+        .await?;
+        if req.sync {
+            Self::sync_store(&part.store, epoch).await
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Sends one packet to a follower. Past `check_after` without an answer, and every `check_after`
+/// after that, the follower is pinged: a live one is waited for (up to `limit`), a silent one fails
+/// the packet. A saturated disk makes fsyncs take seconds; that is no reason to drop a replica.
+pub(super) async fn replicate_to(
+    client: &Client,
+    addr: &str,
+    req: &ReplicateRequest,
+    data: Payload,
+    check_after: Duration,
+    limit: Duration,
+) -> Result<(), String> {
+    let opts = CallOptions {
+        timeout: Some(limit),
+        ..CallOptions::default()
+    };
+    let call = client.call_with::<Replicate>(addr, req, data, opts);
+    tokio::pin!(call);
+    let done = |out: Result<(Result<(), DataError>, Payload), MsgrError>| match out {
+        Ok((Ok(()), _)) => Ok(()),
+        Ok((Err(e), _)) => Err(e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    loop {
+        tokio::select! {
+            out = &mut call => return done(out),
+            () = tokio::time::sleep(check_after) => {}
+        }
+        tokio::select! {
+            out = &mut call => return done(out),
+            alive = alive(client, addr, check_after) => if !alive {
+                return Err(format!("no answer within {check_after:?}, and none to a ping"));
+            }
+        }
+    }
+}
+
+/// Whether `addr` answers at all: any answer, even an error, means its process and link are up.
+pub(super) async fn alive(client: &Client, addr: &str, within: Duration) -> bool {
+    let opts = CallOptions {
+        timeout: Some(within),
+        ..CallOptions::default()
+    };
+    match client
+        .call_with::<Ping>(addr, &PingRequest {}, Payload::none(), opts)
+        .await
+    {
+        Ok(_) | Err(MsgrError::Remote { .. }) => true,
+        Err(_) => false,
+    }
+}

@@ -1,0 +1,64 @@
+//! A data node's own gauges and counters ([`DataMetrics`]).
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// A data node's own gauges, refreshed every duty round (`DataNodeConfig::metrics`).
+#[derive(Clone, Debug, Default)]
+pub struct DataMetrics {
+    pub(super) spare_bytes: Gauge,
+    pub(super) spare_files: Gauge,
+    pub(super) recycled: Gauge,
+    pub(super) append_batches: Counter,
+    pub(super) append_batched: Counter,
+}
+
+impl DataMetrics {
+    /// Registers the gauges (`nacre_data_*`).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "nacre_data_spare_bytes",
+            "Bytes of deleted extents' data files kept for new extents to take (at most \
+             spare_bytes per node, a quarter of the free space, each for spare_keep)",
+            self.spare_bytes.clone(),
+        );
+        registry.register(
+            "nacre_data_spare_files",
+            "Deleted extents' data files kept for new extents to take",
+            self.spare_files.clone(),
+        );
+        registry.register(
+            "nacre_data_recycled_extents",
+            "New extents that took a deleted extent's data file, since the hosted partitions' \
+             stores opened",
+            self.recycled.clone(),
+        );
+        registry.register(
+            "nacre_data_append_batches",
+            "Batches of append packets this node wrote and forwarded as leader (consecutive \
+             packets of an extent that waited while the batch before them was written)",
+            self.append_batches.clone(),
+        );
+        registry.register(
+            "nacre_data_append_batched_packets",
+            "Append packets in those batches",
+            self.append_batched.clone(),
+        );
+    }
+
+    /// `nacre_data_spare_bytes` as of the last duty round.
+    pub fn spare_bytes(&self) -> i64 {
+        self.spare_bytes.get()
+    }
+
+    /// `nacre_data_spare_files` as of the last duty round.
+    pub fn spare_files(&self) -> i64 {
+        self.spare_files.get()
+    }
+
+    /// `nacre_data_recycled_extents` as of the last duty round.
+    pub fn recycled(&self) -> i64 {
+        self.recycled.get()
+    }
+}
