@@ -3,6 +3,7 @@
 //! overwrites) and the data node service.
 
 pub mod io;
+pub mod repl;
 pub mod rpc;
 pub mod service;
 pub mod sm;
