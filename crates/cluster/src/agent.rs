@@ -22,6 +22,8 @@ use nacre_msgr::{Payload, Router};
 use nacre_types::{NodeId, PartitionId};
 use tokio::sync::watch;
 
+use crate::host::HostError;
+
 /// What a node hosts, as seen by the master protocol.
 pub trait PartitionHost: Send + Sync + 'static {
     /// Specs of the partitions hosted now.
@@ -31,9 +33,9 @@ pub trait PartitionHost: Send + Sync + 'static {
     /// Bytes used of the node's capacity (memory on meta nodes, disk on data nodes).
     fn used(&self) -> u64;
     /// Hosts `spec`, or updates the hosted partition of that id to it. Idempotent.
-    fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), String>>;
+    fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), HostError>>;
     /// Stops hosting a partition and deletes its data.
-    fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), String>>;
+    fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), HostError>>;
 }
 
 /// How a node presents itself to the master.
@@ -49,7 +51,8 @@ pub fn node_router(host: Arc<dyn PartitionHost>) -> Router {
         let host = host.clone();
         async move {
             let id = spec.id;
-            let r = host.ensure(spec).await;
+            // The reply carries the reason as text (the master shows it in its status).
+            let r = host.ensure(spec).await.map_err(|e| e.to_string());
             if let Err(e) = &r {
                 tracing::warn!(partition = %id, error = %e, "cannot create partition");
             }

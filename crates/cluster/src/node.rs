@@ -10,6 +10,7 @@ use nacre_msgr::BoxFuture;
 use nacre_types::NodeId;
 use tokio::sync::watch;
 
+use crate::host::HostError;
 use crate::registry::{read_node_id, write_node_id};
 
 /// The raft store of a node whose identity comes from the master (meta and data nodes). Its raft id
@@ -80,10 +81,8 @@ impl<S: nacre_raft::StateMachine> NodeRaft<S> {
     }
 
     /// The running store, or why there is none.
-    pub fn handle(&self) -> Result<&nacre_raft::RaftHandle<S>, String> {
-        self.raft
-            .get()
-            .ok_or_else(|| format!("this {} node is not registered yet", self.role))
+    pub fn handle(&self) -> Result<&nacre_raft::RaftHandle<S>, HostError> {
+        self.raft.get().ok_or(HostError::NotRegistered(self.role))
     }
 
     /// The id this node runs under, once known.
@@ -92,17 +91,18 @@ impl<S: nacre_raft::StateMachine> NodeRaft<S> {
     }
 
     /// Runs under `id` from now on (persisting it), or checks that the running store has that id.
-    pub fn adopt(&self, id: NodeId) -> Result<(), String> {
+    pub fn adopt(&self, id: NodeId) -> Result<(), HostError> {
         match self.raft.get() {
-            Some(r) if r.id() != id.0 => Err(format!(
-                "the master now calls this node {id}, but its data belongs to node-{}; refusing \
-                 to serve (was the node's address changed?)",
-                r.id()
-            )),
+            Some(r) if r.id() != id.0 => Err(HostError::IdMismatch {
+                assigned: id,
+                own: r.id(),
+            }),
             Some(_) => Ok(()),
             None => {
-                write_node_id(&self.dir, id).map_err(|e| e.to_string())?;
-                self.start(id).map_err(|e| e.to_string())
+                write_node_id(&self.dir, id)
+                    .map_err(|e| HostError::io(self.dir.join("node-id").display(), e))?;
+                self.start(id)
+                    .map_err(|e| HostError::io(self.dir.join("raft").display(), e))
             }
         }
     }
@@ -115,7 +115,7 @@ pub trait NodeDuties: Send + Sync {
     /// The id the node runs under, once known.
     fn id(&self) -> Option<NodeId>;
     /// Starts serving under `id` (persisting it) and opens the partitions registered on disk.
-    fn adopt(&self, id: NodeId) -> BoxFuture<'_, Result<(), String>>;
+    fn adopt(&self, id: NodeId) -> BoxFuture<'_, Result<(), HostError>>;
     /// Periodic work: reports, sweeps, repairs.
     fn tick(&self) -> BoxFuture<'_, ()>;
     /// Stops the node's raft store.

@@ -8,7 +8,10 @@ use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Role};
 use nacre_msgr::BoxFuture;
 use nacre_types::{NodeId, PartitionId};
 
+use nacre_types::sync::lock;
+
 use crate::agent::PartitionHost;
+use crate::host::{HostError, role_name};
 
 /// A durable record of the partitions a node was asked to host: one file, replaced atomically
 /// (write, fsync, rename, fsync the directory). The meta and data roles keep their partitions'
@@ -51,18 +54,38 @@ impl SpecRegistry {
         }
     }
 
+    /// Every recorded spec, in id order.
     pub fn specs(&self) -> Vec<PartitionSpec> {
-        self.specs.lock().map(|s| s.clone()).unwrap_or_default()
+        lock(&self.specs).clone()
     }
 
-    fn persist(&self, specs: &[PartitionSpec]) -> Result<(), String> {
+    /// The recorded spec of partition `id`.
+    pub fn get(&self, id: PartitionId) -> Option<PartitionSpec> {
+        lock(&self.specs).iter().find(|s| s.id == id).cloned()
+    }
+
+    /// Records `spec`, replacing the record of the same partition. Durable when this returns.
+    pub fn record(&self, spec: PartitionSpec) -> Result<(), HostError> {
+        self.change(|specs| {
+            specs.retain(|s| s.id != spec.id);
+            specs.push(spec);
+            specs.sort_by_key(|s| s.id);
+        })
+    }
+
+    /// Drops the record of partition `id`. Durable when this returns.
+    pub fn forget(&self, id: PartitionId) -> Result<(), HostError> {
+        self.change(|specs| specs.retain(|s| s.id != id))
+    }
+
+    fn persist(&self, specs: &[PartitionSpec]) -> Result<(), HostError> {
         let Some(path) = &self.path else {
             return Ok(());
         };
-        let bytes = postcard::to_allocvec(specs).map_err(|e| e.to_string())?;
         let tmp = path.with_extension("tmp");
         let write = || -> std::io::Result<()> {
             use std::io::Write as _;
+            let bytes = postcard::to_allocvec(specs).map_err(std::io::Error::other)?;
             let mut f = std::fs::File::create(&tmp)?;
             f.write_all(&bytes)?;
             f.sync_all()?;
@@ -72,14 +95,12 @@ impl SpecRegistry {
             }
             Ok(())
         };
-        write().map_err(|e| format!("{}: {e}", path.display()))
+        write().map_err(|e| HostError::io(path.display(), e))
     }
 
-    fn change(&self, f: impl FnOnce(&mut Vec<PartitionSpec>)) -> Result<(), String> {
-        let mut specs = self
-            .specs
-            .lock()
-            .map_err(|_| "partition registry poisoned".to_string())?;
+    /// Applies `f` to a copy of the records and makes the result durable before it is seen.
+    fn change(&self, f: impl FnOnce(&mut Vec<PartitionSpec>)) -> Result<(), HostError> {
+        let mut specs = lock(&self.specs);
         let mut next = specs.clone();
         f(&mut next);
         if next != *specs {
@@ -90,6 +111,7 @@ impl SpecRegistry {
     }
 }
 
+/// A registry alone is a host that keeps records only (tests of the agent protocol).
 impl PartitionHost for SpecRegistry {
     fn hosted(&self) -> Vec<PartitionSpec> {
         self.specs()
@@ -109,24 +131,28 @@ impl PartitionHost for SpecRegistry {
         0
     }
 
-    fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), String>> {
+    fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), HostError>> {
         let r = match (&spec.kind, self.role) {
-            (PartitionKind::Meta { .. }, Role::Meta) | (PartitionKind::Data, Role::Data) => self
-                .change(|specs| {
-                    specs.retain(|s| s.id != spec.id);
-                    specs.push(spec);
-                    specs.sort_by_key(|s| s.id);
-                }),
-            _ => Err(format!(
-                "a {:?} node cannot host partition {} of kind {:?}",
-                self.role, spec.id, spec.kind
-            )),
+            (PartitionKind::Meta { .. }, Role::Meta) | (PartitionKind::Data, Role::Data) => {
+                self.record(spec)
+            }
+            (PartitionKind::Meta { .. }, role) | (PartitionKind::Data, role) => {
+                Err(HostError::WrongKind {
+                    role: role_name(role),
+                    kind: if matches!(spec.kind, PartitionKind::Data) {
+                        "data"
+                    } else {
+                        "meta"
+                    },
+                    id: spec.id,
+                })
+            }
         };
         Box::pin(async move { r })
     }
 
-    fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), String>> {
-        let r = self.change(|specs| specs.retain(|s| s.id != id));
+    fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), HostError>> {
+        let r = self.forget(id);
         Box::pin(async move { r })
     }
 }

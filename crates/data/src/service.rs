@@ -20,6 +20,10 @@
 //! handing leadership over, and the replica then compares every extent with the leader's copy
 //! (`DataNode::revive_store`, docs/data-store.md "Reopening a failed store").
 //!
+//! The replication decisions (alignment, degrade, re-check, hand-offs, the per-packet rules) are a
+//! pure state machine, [`crate::repl`]; this service is the IO shell around it: it feeds it events
+//! (answers of followers, failures, duty rounds) and performs the actions it decides.
+//!
 //! Where each concern lives:
 //! - this file: the node ([`DataNode`]), its hosted partitions (`Part`) and leadership checks;
 //! - `config`, `metrics`: [`DataNodeConfig`] (and [`WrapDisk`]), [`DataMetrics`];
@@ -69,6 +73,8 @@ pub use append::MAX_BATCH;
 pub use config::{DataNodeConfig, WrapDisk, WrapDiskFn};
 pub use metrics::DataMetrics;
 
+use crate::repl::extent::track_from_disk;
+use crate::repl::{Action, Event, Replication};
 use append::{Streams, Track};
 
 /// Tiny writes start on this boundary so a release can punch whole pages.
@@ -88,18 +94,15 @@ struct Part {
     store: Arc<ExtentStore>,
     shared: Arc<SmShared>,
     tracks: Mutex<HashMap<ExtentId, Arc<Track>>>,
-    /// The term under which this replica, as leader, aligned the committed lengths.
-    aligned_term: Mutex<Option<u64>>,
+    /// The partition's replication decisions: alignment, degrade, re-check, hand-offs
+    /// ([`crate::repl`]). Locked only to step it, never across an `.await`.
+    repl: Mutex<Replication>,
     align: tokio::sync::Mutex<()>,
-    /// Why the partition takes no appends, if it does not.
-    degraded: Mutex<Option<String>>,
     tiny_pool: Mutex<Vec<ExtentId>>,
     tiny_free: tokio::sync::Semaphore,
     ops: AtomicU64,
     bytes: AtomicU64,
     repairing: tokio::sync::Mutex<()>,
-    /// Leadership hand-offs asked because the store failed (to pick the follower).
-    handoffs: AtomicU64,
     /// The group's published leader and term (read by `lead`).
     gate: Option<Arc<nacre_raft::ReadGate>>,
     /// The store's disk use and when it was measured ([`Part::used`]).
@@ -139,22 +142,63 @@ impl Part {
             return Ok(t.clone());
         }
         let len = self.store.len(extent).map_err(store_error)?;
-        let t = Track::new(len, if len_committed { len } else { 0 });
+        let (next, committed) = track_from_disk(len, len_committed);
+        let t = Track::new(next, committed);
         tracks.insert(extent, t.clone());
         Ok(t)
     }
 
-    fn degrade(&self, why: String) {
-        if let Ok(mut d) = self.degraded.lock() {
-            if d.is_none() {
-                tracing::warn!(partition = %self.id, reason = %why, "data partition is read-only");
+    /// Steps the partition's replication core with `event` and drains what it decided.
+    fn step(&self, event: Event) -> Vec<Action> {
+        match self.repl.lock() {
+            Ok(mut r) => {
+                r.step(event);
+                r.ready()
             }
-            d.get_or_insert(why);
+            Err(_) => Vec::new(),
         }
     }
 
+    /// Tells the core that a write failed on some replica (`event` is
+    /// [`Event::ReplicationFailed`] or [`Event::LocalWriteRefused`]): the partition degrades.
+    fn fail(&self, event: Event) {
+        for action in self.step(event) {
+            self.note(&action);
+        }
+    }
+
+    /// Performs an action of the core that takes no IO: they are all logs of a state change.
+    fn note(&self, action: &Action) {
+        match action {
+            Action::Degrade { reason } => {
+                tracing::warn!(partition = %self.id, reason = %reason, "data partition is read-only")
+            }
+            Action::Writable { was } => {
+                tracing::info!(partition = %self.id, was = %was, "data partition is read-write again")
+            }
+            Action::StillReadOnly { why } => {
+                tracing::debug!(partition = %self.id, why = %why, "re-check: the partition stays read-only")
+            }
+            Action::Aligned { term } => {
+                tracing::info!(partition = %self.id, term, "data partition aligned")
+            }
+            other => {
+                tracing::debug!(partition = %self.id, action = ?other, "replication action not taken here")
+            }
+        }
+    }
+
+    /// Whether this replica, as leader, aligned the committed lengths under `term`.
+    fn aligned(&self, term: u64) -> bool {
+        self.repl.lock().is_ok_and(|r| r.aligned(term))
+    }
+
+    /// Why the partition takes no appends, if it does not.
     fn degraded(&self) -> Option<String> {
-        self.degraded.lock().ok().and_then(|d| d.clone())
+        self.repl
+            .lock()
+            .ok()
+            .and_then(|r| r.degraded().map(str::to_owned))
     }
 
     fn followers(&self, me: u64) -> Vec<Replica> {
@@ -254,17 +298,7 @@ impl DataNode {
     }
 
     fn raft(&self) -> Result<&RaftHandle<DataSm>, String> {
-        self.inner.raft.handle()
-    }
-
-    async fn adopt(&self, id: NodeId) -> Result<(), String> {
-        self.inner.raft.adopt(id)?;
-        for spec in self.inner.registry.specs() {
-            if let Err(e) = self.open_partition(&spec).await {
-                tracing::error!(partition = %spec.id, error = %e, "cannot open data partition");
-            }
-        }
-        Ok(())
+        self.inner.raft.handle().map_err(|e| e.to_string())
     }
 
     fn part_dir(&self, id: PartitionId) -> PathBuf {
@@ -329,15 +363,13 @@ impl DataNode {
             store,
             shared,
             tracks: Mutex::default(),
-            aligned_term: Mutex::new(None),
+            repl: Mutex::new(Replication::new()),
             align: tokio::sync::Mutex::new(()),
-            degraded: Mutex::new(None),
             tiny_pool: Mutex::new((1..=TINY_EXTENTS).rev().map(ExtentId).collect()),
             tiny_free: tokio::sync::Semaphore::new(TINY_EXTENTS as usize),
             ops: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
             repairing: tokio::sync::Mutex::new(()),
-            handoffs: AtomicU64::new(0),
             gate,
             used: Mutex::new(None),
         });

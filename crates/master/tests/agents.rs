@@ -14,7 +14,9 @@ use std::time::Duration;
 use common::*;
 use nacre_api::master::RegisterRequest;
 use nacre_client::MasterClient;
-use nacre_cluster::{AgentConfig, BoxFuture, PartitionHost, SpecRegistry, node_router, run_agent};
+use nacre_cluster::{
+    AgentConfig, BoxFuture, HostError, PartitionHost, SpecRegistry, node_router, run_agent,
+};
 use nacre_master::MasterConfig;
 use nacre_master::map::{
     ClusterMap, Command, OPEN_END, PartitionReport, PartitionSpec, PartitionStatus, Role,
@@ -59,14 +61,15 @@ impl PartitionHost for TestHost {
     fn used(&self) -> u64 {
         0
     }
-    fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), String>> {
+    fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), HostError>> {
         if self.fail.load(Ordering::Relaxed) {
             self.refused.send_modify(|n| *n += 1);
-            return Box::pin(async { Err("disk on fire".to_string()) });
+            let id = spec.id;
+            return Box::pin(async move { Err(HostError::partition(id, "disk on fire")) });
         }
         self.inner.ensure(spec)
     }
-    fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), String>> {
+    fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), HostError>> {
         Box::pin(async move {
             let r = self.inner.remove(id).await;
             self.removed.send_modify(|n| *n += 1);

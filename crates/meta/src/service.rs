@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Role};
 use nacre_client::{MasterClient, NetVolume};
-use nacre_cluster::{BoxFuture, NodeDuties, NodeRaft, PartitionHost, SpecRegistry, run_node};
+use nacre_cluster::{
+    BoxFuture, HostError, NodeRaft, PartitionRole, SpecRegistry, Updated, run_node,
+};
 use nacre_msgr::{Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
@@ -188,18 +190,7 @@ impl MetaNode {
     }
 
     fn raft(&self) -> Result<&RaftHandle<MetaSm>, String> {
-        self.inner.raft.handle()
-    }
-
-    /// Starts the raft store under `id` (persisting it) and opens the registered partitions.
-    async fn adopt(&self, id: NodeId) -> Result<(), String> {
-        self.inner.raft.adopt(id)?;
-        for spec in self.inner.registry.specs() {
-            if let Err(e) = self.open_partition(&spec).await {
-                tracing::error!(partition = %spec.id, error = %e, "cannot open meta partition");
-            }
-        }
-        Ok(())
+        self.inner.raft.handle().map_err(|e| e.to_string())
     }
 
     /// Hosts `spec`'s group (idempotent: an already hosted group is left alone).
@@ -534,17 +525,80 @@ impl MetaNode {
     }
 }
 
-impl NodeDuties for MetaNode {
-    fn role(&self) -> &'static str {
-        "meta"
+impl PartitionRole for MetaNode {
+    type Sm = MetaSm;
+    const ROLE: Role = Role::Meta;
+
+    fn node_raft(&self) -> &NodeRaft<MetaSm> {
+        &self.inner.raft
     }
 
-    fn id(&self) -> Option<NodeId> {
-        MetaNode::id(self)
+    fn registry(&self) -> &SpecRegistry {
+        &self.inner.registry
     }
 
-    fn adopt(&self, id: NodeId) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(MetaNode::adopt(self, id))
+    fn open(&self, spec: &PartitionSpec) -> BoxFuture<'_, Result<(), HostError>> {
+        let spec = spec.clone();
+        Box::pin(async move {
+            self.open_partition(&spec)
+                .await
+                .map_err(|e| HostError::partition(spec.id, e))
+        })
+    }
+
+    fn update(&self, spec: &PartitionSpec) -> BoxFuture<'_, Result<Updated, HostError>> {
+        let spec = spec.clone();
+        Box::pin(async move {
+            let PartitionKind::Meta { end, .. } = spec.kind else {
+                return Err(HostError::partition(spec.id, "not a meta partition"));
+            };
+            // Hosted: the master may have closed the range (a split). The leader applies it; every
+            // replica records the new spec once its state machine has it.
+            let id = spec.id;
+            let raft = self.inner.raft.handle()?;
+            let (cur_end, leader) = raft
+                .local_read(id.0, |sm: &MetaSm, leader| {
+                    (sm.partition().stats().end, leader)
+                })
+                .await?;
+            if cur_end != end && leader {
+                let bytes = postcard::to_allocvec(&(now_ns(), Command::SetEnd { end }))
+                    .map_err(|e| HostError::partition(id, e))?;
+                let out = raft.propose(id.0, bytes).await?;
+                postcard::from_bytes::<Result<Reply, MetaError>>(&out)
+                    .map_err(|e| HostError::partition(id, e))?
+                    .map_err(|e| {
+                        HostError::partition(id, format!("cannot close it at {end}: {e}"))
+                    })?;
+            } else if cur_end != end {
+                // A follower waits for the leader's SetEnd to reach it; the next heartbeat retries.
+                return Ok(Updated::Later);
+            }
+            lock(&self.inner.replicas).insert(
+                id,
+                spec.replicas
+                    .iter()
+                    .map(|r| (r.node.0, r.addr.clone()))
+                    .collect(),
+            );
+            Ok(Updated::Now)
+        })
+    }
+
+    fn close(&self, id: PartitionId) -> BoxFuture<'_, Result<(), HostError>> {
+        Box::pin(async move {
+            lock(&self.inner.direct).remove(&id);
+            lock(&self.inner.replicas).remove(&id);
+            Ok(())
+        })
+    }
+
+    fn reports(&self) -> Vec<PartitionReport> {
+        lock(&self.inner.reports).clone()
+    }
+
+    fn used(&self) -> u64 {
+        PartitionRole::reports(self).iter().map(|r| r.used).sum()
     }
 
     fn tick(&self) -> BoxFuture<'_, ()> {
@@ -552,100 +606,6 @@ impl NodeDuties for MetaNode {
             self.refresh_reports().await;
             self.sweep_orphans().await;
             self.release_freed().await;
-        })
-    }
-
-    fn stop(&self) -> BoxFuture<'_, ()> {
-        Box::pin(async move {
-            if let Some(r) = self.inner.raft.get() {
-                let _ = r.stop().await;
-            }
-        })
-    }
-}
-
-impl PartitionHost for MetaNode {
-    fn hosted(&self) -> Vec<PartitionSpec> {
-        self.inner.registry.specs()
-    }
-
-    fn reports(&self) -> Vec<PartitionReport> {
-        self.inner
-            .reports
-            .lock()
-            .map(|r| r.clone())
-            .unwrap_or_default()
-    }
-
-    fn used(&self) -> u64 {
-        self.reports().iter().map(|r| r.used).sum()
-    }
-
-    fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async move {
-            let PartitionKind::Meta { end, .. } = spec.kind else {
-                return Err(format!(
-                    "a meta node cannot host data partition {}",
-                    spec.id
-                ));
-            };
-            let known = self
-                .inner
-                .registry
-                .specs()
-                .into_iter()
-                .find(|s| s.id == spec.id);
-            if known.is_none() {
-                self.open_partition(&spec).await?;
-                return self.inner.registry.ensure(spec).await;
-            }
-            // Hosted: the master may have closed the range (a split). The leader applies it; every
-            // replica records the new spec once its state machine has it.
-            let raft = self.raft()?;
-            let id = spec.id;
-            let (cur_end, leader) = raft
-                .local_read(id.0, |sm: &MetaSm, leader| {
-                    (sm.partition().stats().end, leader)
-                })
-                .await
-                .map_err(|e| e.to_string())?;
-            if cur_end != end && leader {
-                let bytes = postcard::to_allocvec(&(now_ns(), Command::SetEnd { end }))
-                    .map_err(|e| e.to_string())?;
-                let out = raft.propose(id.0, bytes).await.map_err(|e| e.to_string())?;
-                postcard::from_bytes::<Result<Reply, MetaError>>(&out)
-                    .map_err(|e| e.to_string())?
-                    .map_err(|e| format!("cannot close partition {id} at {end}: {e}"))?;
-            } else if cur_end != end {
-                // A follower waits for the leader's SetEnd to reach it; the next heartbeat retries.
-                return Ok(());
-            }
-            if let Ok(mut r) = self.inner.replicas.lock() {
-                r.insert(
-                    id,
-                    spec.replicas
-                        .iter()
-                        .map(|r| (r.node.0, r.addr.clone()))
-                        .collect(),
-                );
-            }
-            self.inner.registry.ensure(spec).await
-        })
-    }
-
-    fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async move {
-            if let Ok(raft) = self.raft() {
-                match raft.remove_group(id.0).await {
-                    Ok(()) | Err(RaftError::UnknownGroup(_)) => {}
-                    Err(e) => return Err(e.to_string()),
-                }
-            }
-            lock(&self.inner.direct).remove(&id);
-            if let Ok(mut r) = self.inner.replicas.lock() {
-                r.remove(&id);
-            }
-            self.inner.registry.remove(id).await
         })
     }
 }

@@ -1,19 +1,20 @@
-//! The node's duties for the master's agent ([`NodeDuties`], [`PartitionHost`]): the duty round
-//! (alignment, re-checks, repairs, spares, reports) and hosting partitions.
+//! The node's duties: the duty round (alignment, re-checks, repairs, spares, reports), and how a
+//! data partition is opened, updated and closed ([`PartitionRole`]; the rest of the node lifecycle
+//! is `nacre-cluster`'s).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec};
-use nacre_cluster::{BoxFuture, NodeDuties, PartitionHost};
-use nacre_raft::RaftError;
-use nacre_types::{NodeId, PartitionId};
+use nacre_api::master::{PartitionReport, PartitionSpec, Role};
+use nacre_cluster::{BoxFuture, HostError, NodeRaft, PartitionRole, SpecRegistry, Updated};
+use nacre_types::PartitionId;
+use nacre_types::sync::lock;
 
 use super::Counters;
-use super::{DataNode, Part, err_str, off_worker};
-use crate::sm::store_error;
+use super::{DataNode, Part, off_worker};
+use crate::sm::{DataSm, store_error};
 
 impl DataNode {
     /// Bounds what the node's spares keep (`spare_bytes`, a quarter of the free space,
@@ -190,86 +191,64 @@ impl DataNode {
     }
 }
 
-impl NodeDuties for DataNode {
-    fn role(&self) -> &'static str {
-        "data"
+impl PartitionRole for DataNode {
+    type Sm = DataSm;
+    const ROLE: Role = Role::Data;
+
+    fn node_raft(&self) -> &NodeRaft<DataSm> {
+        &self.inner.raft
     }
 
-    fn id(&self) -> Option<NodeId> {
-        DataNode::id(self)
+    fn registry(&self) -> &SpecRegistry {
+        &self.inner.registry
     }
 
-    fn adopt(&self, id: NodeId) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(DataNode::adopt(self, id))
+    fn open(&self, spec: &PartitionSpec) -> BoxFuture<'_, Result<(), HostError>> {
+        let spec = spec.clone();
+        Box::pin(async move {
+            self.open_partition(&spec)
+                .await
+                .map_err(|e| HostError::partition(spec.id, e))
+        })
+    }
+
+    fn update(&self, spec: &PartitionSpec) -> BoxFuture<'_, Result<Updated, HostError>> {
+        // Opening an open partition updates its replica list (and opens one that failed to open
+        // at start).
+        let spec = spec.clone();
+        Box::pin(async move {
+            self.open_partition(&spec)
+                .await
+                .map_err(|e| HostError::partition(spec.id, e))?;
+            Ok(Updated::Now)
+        })
+    }
+
+    fn close(&self, id: PartitionId) -> BoxFuture<'_, Result<(), HostError>> {
+        Box::pin(async move {
+            lock(&self.inner.parts).remove(&id);
+            let dir = self.part_dir(id);
+            let context = dir.display().to_string();
+            tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(e),
+            })
+            .await
+            .map_err(|e| HostError::partition(id, e))?
+            .map_err(|e| HostError::Io { context, source: e })
+        })
+    }
+
+    fn reports(&self) -> Vec<PartitionReport> {
+        lock(&self.inner.reports).clone()
+    }
+
+    fn used(&self) -> u64 {
+        lock(&self.inner.parts).values().map(|p| p.used()).sum()
     }
 
     fn tick(&self) -> BoxFuture<'_, ()> {
         Box::pin(self.maintain())
-    }
-
-    fn stop(&self) -> BoxFuture<'_, ()> {
-        Box::pin(async move {
-            if let Some(r) = self.inner.raft.get() {
-                let _ = r.stop().await;
-            }
-        })
-    }
-}
-
-impl PartitionHost for DataNode {
-    fn hosted(&self) -> Vec<PartitionSpec> {
-        self.inner.registry.specs()
-    }
-
-    fn reports(&self) -> Vec<PartitionReport> {
-        self.inner
-            .reports
-            .lock()
-            .map(|r| r.clone())
-            .unwrap_or_default()
-    }
-
-    fn used(&self) -> u64 {
-        self.inner
-            .parts
-            .lock()
-            .map(|p| p.values().map(|p| p.used()).sum())
-            .unwrap_or(0)
-    }
-
-    fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async move {
-            if spec.kind != PartitionKind::Data {
-                return Err(format!(
-                    "a data node cannot host meta partition {}",
-                    spec.id
-                ));
-            }
-            self.open_partition(&spec).await?;
-            self.inner.registry.ensure(spec).await
-        })
-    }
-
-    fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async move {
-            if let Ok(raft) = self.raft() {
-                match raft.remove_group(id.0).await {
-                    Ok(()) | Err(RaftError::UnknownGroup(_)) => {}
-                    Err(e) => return Err(e.to_string()),
-                }
-            }
-            if let Ok(mut p) = self.inner.parts.lock() {
-                p.remove(&id);
-            }
-            self.inner.registry.remove(id).await?;
-            let dir = self.part_dir(id);
-            tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
-                Ok(()) => Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(e.to_string()),
-            })
-            .await
-            .map_err(err_str)?
-        })
     }
 }

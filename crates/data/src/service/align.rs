@@ -4,14 +4,15 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use nacre_api::master::Replica;
 use nacre_msgr::{CallOptions, Payload};
 use nacre_proto::msg::RemoteError;
 use nacre_types::{ExtentId, PartitionId};
 
 use super::append::Track;
 use super::{DataNode, Part, err_str, unavailable};
+use crate::repl::{Action, Event, Round};
 use crate::rpc::*;
-use crate::store::ExtentStore;
 
 impl DataNode {
     /// Checks that this node leads the partition and has aligned it under the current term.
@@ -37,77 +38,127 @@ impl DataNode {
         self.ensure_aligned(part, term).await.map_err(unavailable)
     }
 
-    /// Aligns the committed lengths under `term` (once per term).
+    /// Aligns the committed lengths under `term` (once per term): feeds the replication core
+    /// ([`crate::repl`]) this replica's lengths and each follower's list, and installs the tracks
+    /// it decides, cutting the unacknowledged tails it names.
     pub(super) async fn ensure_aligned(&self, part: &Part, term: u64) -> Result<(), String> {
-        let aligned = |p: &Part| p.aligned_term.lock().ok().and_then(|t| *t) == Some(term);
-        if aligned(part) {
+        if part.aligned(term) {
             return Ok(());
         }
         let _guard = part.align.lock().await;
-        if aligned(part) {
+        if part.aligned(term) {
             return Ok(());
         }
         let me = self.raft()?.id();
-        let local = part.store.extents();
-        let known: HashMap<ExtentId, u64> = part
+        let followers = part.followers(me);
+        let known: Vec<(ExtentId, u64)> = part
             .tracks
             .lock()
             .map(|t| t.iter().map(|(e, t)| (*e, t.committed())).collect())
             .unwrap_or_default();
-        let mut lists = Vec::new();
-        let mut unreachable = Vec::new();
-        for r in part.followers(me) {
-            match self.list_extents(&r.addr, part.id).await {
-                Ok(list) => lists.push(list.extents),
-                Err(e) => unreachable.push(format!("{}: {e}", r.addr)),
+        let mut ready = part.step(Event::Elected {
+            term,
+            followers: followers.iter().map(|r| r.node.0).collect(),
+            local: part.store.extents(),
+            known,
+        });
+        while !ready.is_empty() {
+            let mut next = Vec::new();
+            for action in ready {
+                match action {
+                    Action::ListExtents { round, follower } => {
+                        let ev = self.list_follower(part, &followers, round, follower).await;
+                        next.extend(part.step(ev));
+                    }
+                    Action::Settle { term, extents } => {
+                        next.extend(self.settle(part, term, &extents));
+                    }
+                    other => part.note(&other),
+                }
             }
+            ready = next;
         }
-        let lens = merge_lengths(&local, &known, &lists, |e| part.shared.released(e));
-        let mut tracks = HashMap::new();
-        let mut short = Vec::new();
-        // Held until the new tracks are in place: no write can take an extent's track meanwhile.
+        Ok(())
+    }
+
+    /// Asks a follower for its extents, as the answer the core takes.
+    async fn list_follower(
+        &self,
+        part: &Part,
+        followers: &[Replica],
+        round: Round,
+        follower: u64,
+    ) -> Event {
+        let Some(addr) = followers
+            .iter()
+            .find(|r| r.node.0 == follower)
+            .map(|r| r.addr.clone())
+        else {
+            return Event::Unreachable {
+                round,
+                from: follower,
+                why: format!("node-{follower}: not a replica"),
+            };
+        };
+        match self.list_extents(&addr, part.id).await {
+            Ok(list) => Event::Listed {
+                round,
+                from: follower,
+                extents: list.extents,
+            },
+            Err(e) => Event::Unreachable {
+                round,
+                from: follower,
+                why: format!("{addr}: {e}"),
+            },
+        }
+    }
+
+    /// Ends an alignment: with the track table held (no write can take an extent's track
+    /// meanwhile), tells the core which extents the applied log released and which have a write
+    /// in flight here (their track is held), cuts the tails it names and installs its tracks in
+    /// place of the table. Returns the core's other actions.
+    fn settle(&self, part: &Part, term: u64, extents: &[ExtentId]) -> Vec<Action> {
+        let released = extents
+            .iter()
+            .copied()
+            .filter(|e| part.shared.released(*e))
+            .collect();
         let held = part.tracks.lock().ok();
-        for (e, (min, max_c)) in lens {
-            let committed = max_c.max(min);
-            let mut have = local.iter().find(|(id, _)| *id == e).map_or(0, |(_, l)| *l);
-            if have < committed {
-                short.push(e);
+        let busy = held.as_ref().map(|t| {
+            extents
+                .iter()
+                .copied()
+                .filter(|e| t.get(e).is_some_and(|t| Arc::strong_count(t) > 1))
+                .collect()
+        });
+        let mut tracks = HashMap::new();
+        let mut rest = Vec::new();
+        for action in part.step(Event::Settle {
+            term,
+            released,
+            busy,
+        }) {
+            match action {
+                Action::Track {
+                    extent,
+                    committed,
+                    len,
+                    cut,
+                } => {
+                    let mut have = len;
+                    if cut && part.store.truncate(extent, committed).is_ok() {
+                        have = committed;
+                    }
+                    tracks.insert(extent, Track::new(have.max(committed), committed));
+                }
+                other => rest.push(other),
             }
-            // Bytes past the committed length here are an unacknowledged tail (an earlier leader's
-            // packets that did not reach every replica): drop them, so that appends continue at the
-            // committed offset — unless a write to the extent is still in flight here (its track is
-            // held), which may yet be acknowledged.
-            let busy = held
-                .as_ref()
-                .is_none_or(|t| t.get(&e).is_some_and(|t| Arc::strong_count(t) > 1));
-            if have > committed
-                && !busy
-                && !ExtentStore::is_tiny(e)
-                && part.store.truncate(e, committed).is_ok()
-            {
-                have = committed;
-            }
-            tracks.insert(e, Track::new(have.max(committed), committed));
         }
         if let Some(mut t) = held {
             *t = tracks;
         }
-        if !unreachable.is_empty() {
-            part.degrade(format!(
-                "replicas unreachable at leader change: {}",
-                unreachable.join(", ")
-            ));
-        }
-        if !short.is_empty() {
-            part.degrade(format!(
-                "the leader lacks committed bytes of extents {short:?}"
-            ));
-        }
-        if let Ok(mut t) = part.aligned_term.lock() {
-            *t = Some(term);
-        }
-        tracing::info!(partition = %part.id, term, "data partition aligned");
-        Ok(())
+        rest
     }
 
     pub(super) async fn list_extents(
@@ -136,7 +187,8 @@ impl DataNode {
     /// A read-only partition returns to read-write once every follower answers and holds every
     /// committed byte. A leader that lacks committed bytes itself (a replica that lost its tail and
     /// was elected before it repaired it) never gets them, since leaders do not repair: it hands
-    /// the partition to a follower that holds them all, and repairs as a follower.
+    /// the partition to a follower that holds them all, and repairs as a follower. The core
+    /// ([`crate::repl`]) decides; this asks the followers and hands leadership over.
     pub(super) async fn recheck(&self, part: &Part) {
         let Ok(raft) = self.raft() else {
             return;
@@ -151,100 +203,32 @@ impl DataNode {
             }
             Err(_) => return,
         };
-        let short: Vec<ExtentId> = committed
+        let local = committed
             .iter()
-            .filter(|(e, c)| part.store.len(*e).unwrap_or(0) < *c)
-            .map(|(e, _)| *e)
+            .map(|(e, _)| (*e, part.store.len(*e).unwrap_or(0)))
             .collect();
-        let lacking = !short.is_empty();
-        if lacking {
-            tracing::debug!(partition = %part.id, extents = ?short, "re-check: this leader lacks committed bytes");
-        }
-        let mut lists = Vec::new();
-        for r in part.followers(raft.id()) {
-            match self.list_extents(&r.addr, part.id).await {
-                Ok(list) => lists.push((
-                    r.node.0,
-                    list.extents.iter().map(|(e, l, _)| (*e, *l)).collect(),
-                )),
-                // Every follower must answer before the partition is writable again.
-                Err(e) if !lacking => {
-                    tracing::debug!(partition = %part.id, follower = %r.addr, error = %e, "re-check: a follower does not answer");
-                    return;
-                }
-                Err(_) => {}
-            }
-        }
-        if lacking {
-            match holding_all(&committed, &lists) {
-                Some(to) => {
-                    let r = raft.transfer_leader(part.id.0, to).await;
-                    tracing::warn!(partition = %part.id, to, result = ?r, "this leader lacks committed bytes; handing leadership to a replica that holds them");
-                }
-                None => {
-                    tracing::debug!(partition = %part.id, "re-check: no replica holds every committed byte")
+        let followers = part.followers(raft.id());
+        let mut ready = part.step(Event::Recheck {
+            followers: followers.iter().map(|r| r.node.0).collect(),
+            committed,
+            local,
+        });
+        while !ready.is_empty() {
+            let mut next = Vec::new();
+            for action in ready {
+                match action {
+                    Action::ListExtents { round, follower } => {
+                        let ev = self.list_follower(part, &followers, round, follower).await;
+                        next.extend(part.step(ev));
+                    }
+                    Action::TransferLeader { to, .. } => {
+                        let r = raft.transfer_leader(part.id.0, to).await;
+                        tracing::warn!(partition = %part.id, to, result = ?r, "this leader lacks committed bytes; handing leadership to a replica that holds them");
+                    }
+                    other => part.note(&other),
                 }
             }
-            return;
-        }
-        if let Some((node, _)) = lists.iter().find(|(_, theirs)| !holds(theirs, &committed)) {
-            tracing::debug!(partition = %part.id, follower = node, "re-check: a follower lacks committed bytes (repair pending)");
-            return;
-        }
-        if let Ok(mut d) = part.degraded.lock()
-            && let Some(why) = d.take()
-        {
-            tracing::info!(partition = %part.id, was = %why, "data partition is read-write again");
+            ready = next;
         }
     }
-}
-
-/// Whether a replica whose extent lengths are `theirs` holds every committed byte.
-pub(super) fn holds(theirs: &HashMap<ExtentId, u64>, committed: &[(ExtentId, u64)]) -> bool {
-    committed
-        .iter()
-        .all(|(e, c)| *c == 0 || theirs.get(e).copied().unwrap_or(0) >= *c)
-}
-
-/// What a new leader aligns to, per extent: (the shortest copy, the longest committed length any
-/// replica knows). `local` and `known` are the leader's lengths and committed lengths, `lists` the
-/// followers' (extent, length, committed). An extent only followers list was created through Raft
-/// and not applied here yet (its committed bytes, if any, show up in theirs), unless the entries
-/// applied here released it: a follower that has not applied the release yet still lists it, and
-/// a track for it would ask for bytes nobody keeps, so it gets none.
-pub(super) fn merge_lengths(
-    local: &[(ExtentId, u64)],
-    known: &HashMap<ExtentId, u64>,
-    lists: &[Vec<(ExtentId, u64, u64)>],
-    released: impl Fn(ExtentId) -> bool,
-) -> HashMap<ExtentId, (u64, u64)> {
-    let mut lens: HashMap<ExtentId, (u64, u64)> = local
-        .iter()
-        .map(|(e, len)| (*e, (*len, known.get(e).copied().unwrap_or(0))))
-        .collect();
-    for list in lists {
-        let theirs: HashMap<ExtentId, (u64, u64)> =
-            list.iter().map(|(e, l, c)| (*e, (*l, *c))).collect();
-        for (e, (min, max_c)) in lens.iter_mut() {
-            let (l, c) = theirs.get(e).copied().unwrap_or((0, 0));
-            *min = (*min).min(l);
-            *max_c = (*max_c).max(c);
-        }
-        for (e, (_, c)) in theirs {
-            lens.entry(e).or_insert((0, c));
-        }
-    }
-    lens.retain(|e, _| !released(*e));
-    lens
-}
-
-/// The first replica (node id, extent lengths) that holds every committed byte.
-pub(super) fn holding_all(
-    committed: &[(ExtentId, u64)],
-    lists: &[(u64, HashMap<ExtentId, u64>)],
-) -> Option<u64> {
-    lists
-        .iter()
-        .find(|(_, theirs)| holds(theirs, committed))
-        .map(|(node, _)| *node)
 }

@@ -11,6 +11,8 @@ use tokio::sync::watch;
 
 use super::TINY_ALIGN;
 use super::{DataNode, Part, off_worker};
+use crate::repl::Event;
+use crate::repl::extent::plan_batch;
 use crate::rpc::*;
 use crate::sm::store_error;
 use crate::store::{ExtentStore, StoreError};
@@ -437,7 +439,7 @@ pub(super) fn write_error(e: StoreError) -> DataError {
 /// A leader whose own disk is full takes no appends: read-only until a re-check finds room.
 pub(super) fn degrade_if_full(part: &Part, e: &DataError) {
     if let DataError::ReadOnly(why) = e {
-        part.degrade(why.clone());
+        part.fail(Event::LocalWriteRefused { why: why.clone() });
     }
 }
 
@@ -447,28 +449,29 @@ pub(super) fn degrade_if_full(part: &Part, e: &DataError) {
 pub(super) fn take_batch(track: &Track, extent: ExtentId) -> Option<(u64, Vec<Arrived>)> {
     let mut inbox = track.inbox.lock().ok()?;
     let start = *track.next.borrow();
-    let mut batch: Vec<Arrived> = Vec::new();
-    let (mut at, mut bytes) = (start, 0);
-    while let Some(first) = inbox.waiting.first_entry() {
-        let offset = *first.key();
-        let len = first.get().data.bytes.len();
-        if offset < start {
-            let a = first.remove();
+    let plan = plan_batch(
+        start,
+        inbox
+            .waiting
+            .iter()
+            .map(|(offset, a)| (*offset, a.data.bytes.len())),
+        MAX_BATCH,
+    );
+    for offset in plan.stale {
+        if let Some(a) = inbox.waiting.remove(&offset) {
             let _ = a.done.send(Err(DataError::OutOfRange {
                 extent,
                 offset,
-                len: len as u64,
+                len: a.data.bytes.len() as u64,
                 committed: track.committed(),
             }));
-            continue;
         }
-        if offset != at || (bytes > 0 && bytes + len > MAX_BATCH) {
-            break;
-        }
-        batch.push(first.remove());
-        at += len as u64;
-        bytes += len;
     }
+    let batch: Vec<Arrived> = plan
+        .take
+        .iter()
+        .filter_map(|offset| inbox.waiting.remove(offset))
+        .collect();
     if batch.is_empty() {
         inbox.writing = false;
         return None;

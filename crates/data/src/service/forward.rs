@@ -9,6 +9,8 @@ use nacre_types::ExtentId;
 
 use super::append::{MAX_BATCH, Track};
 use super::{DataNode, Part, off_worker};
+use crate::repl::Event;
+use crate::repl::extent::{Refused, Take, follower_take};
 use crate::rpc::*;
 use crate::sm::store_error;
 use crate::store::ExtentStore;
@@ -66,7 +68,7 @@ impl DataNode {
             return Ok(());
         }
         let why = format!("replication failed: {}", failed.join("; "));
-        part.degrade(why.clone());
+        part.fail(Event::ReplicationFailed { why: why.clone() });
         Err(DataError::ReadOnly(why))
     }
 
@@ -116,27 +118,22 @@ impl DataNode {
         off_worker(move || {
             let _w = track.lock_write()?;
             let have = *track.next.borrow();
-            if req.offset < have {
-                // A longer, unacknowledged tail from an earlier leader: drop it, never below what
-                // is committed.
-                if req.offset < track.committed() {
-                    return Err(DataError::OutOfRange {
-                        extent: req.extent,
-                        offset: req.offset,
-                        len,
-                        committed: track.committed(),
-                    });
-                }
-                store
+            let out_of_range = |committed| DataError::OutOfRange {
+                extent: req.extent,
+                offset: req.offset,
+                len,
+                committed,
+            };
+            match follower_take(have, track.committed(), req.offset, tiny) {
+                // A longer, unacknowledged tail from an earlier leader: drop it.
+                Ok(Take::CutThenWrite) => store
                     .truncate(req.extent, req.offset)
-                    .map_err(store_error)?;
-            } else if req.offset > have && !tiny {
-                return Err(DataError::OutOfRange {
-                    extent: req.extent,
-                    offset: req.offset,
-                    len,
-                    committed: have,
-                });
+                    .map_err(store_error)?,
+                Ok(Take::Write) => {}
+                Err(Refused::BelowCommitted { committed, .. }) => {
+                    return Err(out_of_range(committed));
+                }
+                Err(Refused::PastEnd { have, .. }) => return Err(out_of_range(have)),
             }
             if uncached {
                 store.write_uncached(req.extent, req.offset, &bytes)

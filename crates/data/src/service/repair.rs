@@ -10,6 +10,7 @@ use nacre_raft::RaftError;
 use nacre_types::{ExtentId, PartitionId};
 
 use super::{DataNode, Part, err_str};
+use crate::repl::{Action, Event, RepairStep, repair_steps};
 use crate::rpc::*;
 use crate::sm::{DataSm, store_error};
 use crate::store::StoreError;
@@ -32,13 +33,21 @@ impl DataNode {
             return false;
         };
         let followers = part.followers(raft.id());
-        if leading && !followers.is_empty() {
-            // The same follower for a few rounds (asking another aborts a hand-off in progress),
-            // then the next one, in case that one is down.
-            let n = part.handoffs.fetch_add(1, Ordering::Relaxed) as usize;
-            let to = followers[n / 4 % followers.len()].node.0;
-            let r = raft.transfer_leader(part.id.0, to).await;
-            tracing::warn!(partition = %part.id, to, result = ?r, "extent store failed; handing leadership over before reopening it");
+        let mut reopen = false;
+        for action in part.step(Event::StoreFailed {
+            leading,
+            followers: followers.iter().map(|r| r.node.0).collect(),
+        }) {
+            match action {
+                Action::TransferLeader { to, .. } => {
+                    let r = raft.transfer_leader(part.id.0, to).await;
+                    tracing::warn!(partition = %part.id, to, result = ?r, "extent store failed; handing leadership over before reopening it");
+                }
+                Action::Reopen => reopen = true,
+                other => part.note(&other),
+            }
+        }
+        if !reopen {
             return false;
         }
         // A repair in flight would mix what it read before the reopen with what it writes after.
@@ -58,8 +67,8 @@ impl DataNode {
         match tokio::task::spawn_blocking(move || store.reopen()).await {
             Ok(Ok(())) => {
                 part.shared.suspect_all.store(true, Ordering::Release);
-                if let Ok(mut t) = part.aligned_term.lock() {
-                    *t = None;
+                for action in part.step(Event::StoreReopened) {
+                    part.note(&action);
                 }
                 tracing::info!(
                     partition = %part.id,
@@ -130,22 +139,21 @@ impl DataNode {
                 Err(StoreError::NotFound(_)) => 0,
                 Err(e) => return Err(e.to_string()),
             };
-            if all || suspects.contains(&extent) {
-                self.compare_blocks(part, &addr, extent, have.min(committed))
-                    .await?;
-                if let Ok(mut s) = part.shared.suspect.lock() {
-                    s.remove(&extent);
+            let suspect = all || suspects.contains(&extent);
+            for step in repair_steps(have, committed, suspect, bs) {
+                match step {
+                    RepairStep::Compare { upto } => {
+                        self.compare_blocks(part, &addr, extent, upto).await?;
+                        if let Ok(mut s) = part.shared.suspect.lock() {
+                            s.remove(&extent);
+                        }
+                    }
+                    RepairStep::Copy { first, count } => {
+                        self.copy_blocks(part, &addr, extent, first, count).await?;
+                    }
                 }
             }
             if have < committed {
-                let first = have / bs;
-                let last = committed.div_ceil(bs);
-                let mut b = first;
-                while b < last {
-                    let count = (last - b).min(8) as u32;
-                    self.copy_blocks(part, &addr, extent, b, count).await?;
-                    b += u64::from(count);
-                }
                 // A packet may be waiting for these bytes (`take_replica`): its track must see them.
                 let track = part
                     .tracks

@@ -4,8 +4,8 @@ use bytes::Bytes;
 use nacre_msgr::Payload;
 use nacre_types::ExtentId;
 
-use super::align::{holding_all, holds, merge_lengths};
 use super::append::{Arrived, MAX_BATCH, Track, join_packets, take_batch};
+use crate::repl::{holding_all, holds, merge_lengths};
 use crate::rpc::{DataError, MAX_PACKET};
 
 fn lens(v: &[(u64, u64)]) -> HashMap<ExtentId, u64> {
