@@ -1,4 +1,4 @@
-//! The `FileSystem` trait (DESIGN.md §8): what every front end (FUSE, the `nacre fs` commands,
+//! The `FileSystem` trait (docs/design.md §8): what every front end (FUSE, the `nacre fs` commands,
 //! later the preload library and the S3 gateway) talks to, and what every layer wraps.
 //!
 //! A layer is a `FileSystem` holding another one (tower-style): it may answer a call itself (a

@@ -1,4 +1,4 @@
-//! The nacre client SDK (DESIGN.md §8): the volume view and partition routing, the CFS metadata
+//! The nacre client SDK (docs/design.md §8): the volume view and partition routing, the CFS metadata
 //! workflows over meta partitions, the data path, and the [`FileSystem`] trait with the network
 //! file system ([`NetFs`]) at the bottom of every stack of layers.
 

@@ -1,4 +1,4 @@
-//! File system metadata over meta partitions: the CFS workflows (DESIGN.md §6).
+//! File system metadata over meta partitions: the CFS workflows (docs/design.md §6).
 //!
 //! An inode lives in the partition whose range holds its number; a dentry lives in the partition
 //! that owns its parent. Operations touching two partitions are not atomic; they are ordered so that

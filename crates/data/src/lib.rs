@@ -1,4 +1,4 @@
-//! nacre data partitions (DESIGN.md §7): the extent store ([`store::ExtentStore`], synchronous IO
+//! nacre data partitions (docs/design.md §7): the extent store ([`store::ExtentStore`], synchronous IO
 //! behind the [`io::Disk`] trait), scenario-aware replication (primary-backup appends, whose
 //! decisions are the pure state machine [`repl::Replication`]; Raft overwrites) and the data node
 //! service.

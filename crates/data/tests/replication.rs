@@ -1,4 +1,4 @@
-//! Scenario tests of the data node's replication (DESIGN.md §7, `nacre_data::service`): three
+//! Scenario tests of the data node's replication (docs/design.md §7, `nacre_data::service`): three
 //! `DataNode`s in one process over the in-memory network host one data partition (no master: ids
 //! and the spec come from the test, see `common`); the test talks to them with plain messenger
 //! calls, following `NotLeader` hints, and stops, restarts, cuts off and damages replicas.

@@ -1,4 +1,4 @@
-//! The one place where typed file system errors become POSIX errno values (DESIGN.md §2).
+//! The one place where typed file system errors become POSIX errno values (docs/design.md §2).
 
 use nacre_api::meta::MetaError;
 use nacre_client::{DataCallError, FsError};

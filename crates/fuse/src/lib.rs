@@ -1,4 +1,4 @@
-//! The FUSE front end (DESIGN.md §8): [`FuseFs`] adapts any [`FileSystem`] (the network client, or
+//! The FUSE front end (docs/design.md §8): [`FuseFs`] adapts any [`FileSystem`] (the network client, or
 //! a stack of layers over it) to the kernel through `fuser`, and [`mount`] mounts it.
 //!
 //! **Threads.** `fuser` reads requests on its own threads ([`MountOptions::threads`]); each

@@ -1,4 +1,4 @@
-//! nacre meta partitions (DESIGN.md §6): the inode and dentry trees of one inode range as a pure
+//! nacre meta partitions (docs/design.md §6): the inode and dentry trees of one inode range as a pure
 //! state machine ([`partition::MetaPartition`]), replicated by one Raft group per partition on the
 //! meta nodes.
 

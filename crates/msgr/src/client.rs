@@ -303,7 +303,7 @@ impl Client {
 
     /// Runs `fut` on one of the messenger's workers (the next by its assignment policy): for a loop
     /// whose work arrives from, and goes back to, tasks on the workers, so that handing it over
-    /// wakes no other thread (DESIGN.md §3: keep work on the worker that read it).
+    /// wakes no other thread (docs/design.md §3: keep work on the worker that read it).
     pub fn spawn<F>(&self, fut: F) -> tokio::task::JoinHandle<F::Output>
     where
         F: std::future::Future + Send + 'static,

@@ -1,6 +1,6 @@
 //! [`MetaCache`]: attributes by inode and dentries by (parent, name), each kept for a short TTL in
-//! a bounded table with CLOCK eviction (DESIGN.md §8: "inodes and dentries, short TTL, refreshed
-//! on open").
+//! a bounded table with CLOCK eviction (docs/design.md §8: the client caches inodes and dentries
+//! for a short TTL and refreshes them on open).
 //!
 //! **Served from the cache:** `getattr` (a fresh attribute), `lookup` (a fresh dentry *and* a fresh
 //! attribute of its inode). `lookup`, `getattr`, `readdir` and the creating calls fill it. `open`

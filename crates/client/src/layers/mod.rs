@@ -1,4 +1,4 @@
-//! Layers over a [`FileSystem`](crate::FileSystem) (DESIGN.md §8): each wraps another file system
+//! Layers over a [`FileSystem`](crate::FileSystem) (docs/design.md §8): each wraps another file system
 //! and is one itself, so a client is a stack such as `Metrics<MetaCache<NetFs>>`.
 //!
 //! - [`Metrics`] counts calls, errors, latency and bytes per operation (Prometheus).

@@ -1,4 +1,4 @@
-//! The extent store of one data partition (DESIGN.md §7): extents in files behind a [`Disk`], a
+//! The extent store of one data partition (docs/design.md §7): extents in files behind a [`Disk`], a
 //! CRC-32C per block checked on every read, group-committed `fdatasync`, and recovery that trims torn
 //! tails. The byte formats, the commit protocol and the invariants are in `docs/data-store.md`.
 //!

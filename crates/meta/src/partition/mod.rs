@@ -1,4 +1,4 @@
-//! The meta partition state machine (DESIGN.md §6): inodes, dentries, xattrs, the orphan list and
+//! The meta partition state machine (docs/design.md §6): inodes, dentries, xattrs, the orphan list and
 //! the to-free list of one inode range, changed only by [`Command`]s applied in log order.
 //!
 //! Pure: no IO, no clock, no randomness, no hash-map iteration. A command carries the leader's
