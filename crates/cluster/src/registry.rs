@@ -6,6 +6,7 @@ use std::sync::Mutex;
 
 use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Role};
 use nacre_msgr::BoxFuture;
+use nacre_types::sync::lock;
 use nacre_types::{NodeId, PartitionId};
 
 use crate::agent::PartitionHost;
@@ -52,7 +53,7 @@ impl SpecRegistry {
     }
 
     pub fn specs(&self) -> Vec<PartitionSpec> {
-        self.specs.lock().map(|s| s.clone()).unwrap_or_default()
+        lock(&self.specs).clone()
     }
 
     fn persist(&self, specs: &[PartitionSpec]) -> Result<(), String> {
@@ -76,10 +77,7 @@ impl SpecRegistry {
     }
 
     fn change(&self, f: impl FnOnce(&mut Vec<PartitionSpec>)) -> Result<(), String> {
-        let mut specs = self
-            .specs
-            .lock()
-            .map_err(|_| "partition registry poisoned".to_string())?;
+        let mut specs = lock(&self.specs);
         let mut next = specs.clone();
         f(&mut next);
         if next != *specs {

@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Role};
@@ -19,6 +19,7 @@ use nacre_msgr::{Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
 use nacre_raft::{RaftError, RaftHandle, ReadGate, StateMachine, StoreConfig};
+use nacre_types::sync::{self, lock};
 use nacre_types::{ErrorCode, NodeId, PartitionId};
 use tokio::sync::watch;
 
@@ -50,15 +51,11 @@ impl MetaSm {
 
     /// The partition, for reading.
     pub fn partition(&self) -> RwLockReadGuard<'_, MetaPartition> {
-        self.partition
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
+        sync::read(&self.partition)
     }
 
     fn partition_mut(&self) -> RwLockWriteGuard<'_, MetaPartition> {
-        self.partition
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
+        sync::write(&self.partition)
     }
 }
 
@@ -138,10 +135,6 @@ impl std::fmt::Debug for MetaNode {
             .field("dir", &self.inner.dir)
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn unavailable(m: impl Into<String>) -> RemoteError {
@@ -227,9 +220,7 @@ impl MetaNode {
             Err(RaftError::GroupExists(_)) => {}
             Err(e) => return Err(e.to_string()),
         }
-        if let Ok(mut r) = self.inner.replicas.lock() {
-            r.insert(spec.id, peers);
-        }
+        lock(&self.inner.replicas).insert(spec.id, peers);
         Ok(())
     }
 
@@ -286,10 +277,9 @@ impl MetaNode {
                 .unwrap_or_default();
             for ino in orphans {
                 live.insert((id, ino.0));
-                let first = match self.inner.orphans_seen.lock() {
-                    Ok(mut seen) => *seen.entry((id, ino.0)).or_insert(now),
-                    Err(_) => continue,
-                };
+                let first = *lock(&self.inner.orphans_seen)
+                    .entry((id, ino.0))
+                    .or_insert(now);
                 if now.duration_since(first) < self.inner.orphan_grace {
                     continue;
                 }
@@ -305,9 +295,7 @@ impl MetaNode {
                 }
             }
         }
-        if let Ok(mut seen) = self.inner.orphans_seen.lock() {
-            seen.retain(|k, _| live.contains(k));
-        }
+        lock(&self.inner.orphans_seen).retain(|k, _| live.contains(k));
     }
 
     /// On the partitions this node leads, releases the extents of evicted inodes on the data nodes
@@ -392,28 +380,22 @@ impl MetaNode {
                 vol
             }
         };
-        vol.release(partition, ranges).await.map_err(|e| e.to_string())
+        vol.release(partition, ranges)
+            .await
+            .map_err(|e| e.to_string())
     }
 
     fn count_op(&self, p: PartitionId) {
-        if let Ok(mut ops) = self.inner.ops.lock() {
-            ops.entry(p).or_default().0 += 1;
-        }
+        lock(&self.inner.ops).entry(p).or_default().0 += 1;
     }
 
     /// Operations per second per partition since the last call.
     fn op_rates(&self) -> BTreeMap<PartitionId, u64> {
         let now = std::time::Instant::now();
-        let secs = self
-            .inner
-            .last_report
-            .lock()
-            .ok()
-            .and_then(|mut l| l.replace(now))
+        let secs = lock(&self.inner.last_report)
+            .replace(now)
             .map_or(0.0, |t| now.duration_since(t).as_secs_f64());
-        let Ok(mut ops) = self.inner.ops.lock() else {
-            return BTreeMap::new();
-        };
+        let mut ops = lock(&self.inner.ops);
         ops.iter_mut()
             .map(|(p, (total, last))| {
                 let delta = total.saturating_sub(std::mem::replace(last, *total));
@@ -451,16 +433,11 @@ impl MetaNode {
                 reports.push(r);
             }
         }
-        if let Ok(mut c) = self.inner.reports.lock() {
-            *c = reports;
-        }
+        *lock(&self.inner.reports) = reports;
     }
 
     fn leader_hint(&self, partition: PartitionId, leader: u64) -> Option<String> {
-        self.inner
-            .replicas
-            .lock()
-            .ok()?
+        lock(&self.inner.replicas)
             .get(&partition)?
             .get(&leader)
             .cloned()
@@ -519,7 +496,7 @@ impl MetaNode {
                     if let Some(d) = direct
                         && d.gate.open_at(std::time::Instant::now())
                     {
-                        let part = d.partition.read().unwrap_or_else(PoisonError::into_inner);
+                        let part = sync::read(&d.partition);
                         return Ok((part.query(&q), Payload::none()));
                     }
                     let result = raft
@@ -568,11 +545,7 @@ impl PartitionHost for MetaNode {
     }
 
     fn reports(&self) -> Vec<PartitionReport> {
-        self.inner
-            .reports
-            .lock()
-            .map(|r| r.clone())
-            .unwrap_or_default()
+        lock(&self.inner.reports).clone()
     }
 
     fn used(&self) -> u64 {
@@ -618,15 +591,13 @@ impl PartitionHost for MetaNode {
                 // A follower waits for the leader's SetEnd to reach it; the next heartbeat retries.
                 return Ok(());
             }
-            if let Ok(mut r) = self.inner.replicas.lock() {
-                r.insert(
-                    id,
-                    spec.replicas
-                        .iter()
-                        .map(|r| (r.node.0, r.addr.clone()))
-                        .collect(),
-                );
-            }
+            lock(&self.inner.replicas).insert(
+                id,
+                spec.replicas
+                    .iter()
+                    .map(|r| (r.node.0, r.addr.clone()))
+                    .collect(),
+            );
             self.inner.registry.ensure(spec).await
         })
     }
@@ -640,9 +611,7 @@ impl PartitionHost for MetaNode {
                 }
             }
             lock(&self.inner.direct).remove(&id);
-            if let Ok(mut r) = self.inner.replicas.lock() {
-                r.remove(&id);
-            }
+            lock(&self.inner.replicas).remove(&id);
             self.inner.registry.remove(id).await
         })
     }

@@ -40,11 +40,12 @@ use std::future::Future;
 use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
+use nacre_types::sync::lock;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
@@ -67,10 +68,6 @@ pub const MAX_DELAY: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
 const LISTEN_PORTS: (u16, u16) = (10_000, 32_767);
 /// Ports given to the connecting end of a connection (only used in addresses; never bound).
 const EPHEMERAL_PORTS: (u16, u16) = (32_768, 60_999);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 fn reset_error() -> io::Error {
     io::Error::new(io::ErrorKind::ConnectionReset, "memory connection reset")
