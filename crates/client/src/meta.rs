@@ -31,6 +31,7 @@ use nacre_api::meta::{
     Attr, Command, Dentry, DirEntry, FileType, MetaError, Query, Reply, SetAttr,
 };
 use nacre_api::meta::{ExtentKey, XattrMode};
+use nacre_types::sync::lock;
 use nacre_types::{Ino, PartitionId};
 use thiserror::Error;
 
@@ -427,24 +428,18 @@ impl<T: MetaTransport> MetaFs<T> {
             Ok(_) | Err(FsError::Meta(MetaError::NotFound)) => {}
             Err(e) => {
                 tracing::debug!(%ino, error = %e, "eviction deferred");
-                if let Ok(mut o) = self.orphans.lock() {
-                    o.push(ino);
-                }
+                lock(&self.orphans).push(ino);
             }
         }
     }
 
     /// Retries deferred evictions; returns how many are still pending.
     pub async fn evict_orphans(&self) -> usize {
-        let pending: Vec<Ino> = self
-            .orphans
-            .lock()
-            .map(|mut o| std::mem::take(&mut *o))
-            .unwrap_or_default();
+        let pending: Vec<Ino> = std::mem::take(&mut *lock(&self.orphans));
         for ino in pending {
             self.evict(ino).await;
         }
-        self.orphans.lock().map(|o| o.len()).unwrap_or(0)
+        lock(&self.orphans).len()
     }
 
     /// Whether `name` under `parent` points to `ino` (to settle an unknown outcome).
@@ -543,9 +538,7 @@ impl<T: MetaTransport> MetaFs<T> {
             Err(e) => {
                 // Left with a link and no dentry: unreachable, never dangling. Keep it for later.
                 tracing::debug!(%ino, error = %e, "orphan inode left behind");
-                if let Ok(mut o) = self.orphans.lock() {
-                    o.push(ino);
-                }
+                lock(&self.orphans).push(ino);
             }
         }
     }

@@ -17,6 +17,7 @@ use nacre_api::meta::rpc::{MetaRead, MetaWrite, ReadRequest, WriteRequest};
 use nacre_api::meta::{Command, MetaError, Query, Reply};
 use nacre_msgr::{CallOptions, Client, MsgrError, Payload};
 use nacre_proto::msg::Rpc;
+use nacre_types::sync::{self, lock};
 use nacre_types::{ErrorCode, PartitionId};
 
 use crate::meta::{CallError, MetaRange, MetaTransport};
@@ -126,46 +127,39 @@ impl NetVolume {
         }
         view.ranges = ranges.into();
         view.data = data.into();
-        if let Ok(mut w) = self.view.write() {
-            *w = view;
+        *sync::write(&self.view) = view;
+        let mut l = lock(&self.leaders);
+        for (p, a) in leaders {
+            l.entry(p).or_insert(a);
         }
-        if let Ok(mut l) = self.leaders.lock() {
-            for (p, a) in leaders {
-                l.entry(p).or_insert(a);
-            }
-        }
+        drop(l);
         Ok(())
     }
 
     /// The epoch of the cached view.
     pub fn epoch(&self) -> u64 {
-        self.view.read().map(|v| v.epoch).unwrap_or(0)
+        sync::read(&self.view).epoch
     }
 
     fn replicas(&self, p: PartitionId) -> Vec<String> {
-        self.view
-            .read()
-            .ok()
-            .and_then(|v| v.replicas.get(&p).cloned())
+        sync::read(&self.view)
+            .replicas
+            .get(&p)
+            .cloned()
             .unwrap_or_default()
     }
 
     fn cached_leader(&self, p: PartitionId) -> Option<String> {
-        self.leaders.lock().ok()?.get(&p).cloned()
+        lock(&self.leaders).get(&p).cloned()
     }
 
     fn set_leader(&self, p: PartitionId, addr: &str) {
-        if let Ok(mut l) = self.leaders.lock() {
-            l.insert(p, addr.to_string());
-        }
+        lock(&self.leaders).insert(p, addr.to_string());
     }
 
     /// The volume's data partitions (shared: asked on every new extent).
     pub fn data_partitions(&self) -> Arc<[DataPartitionInfo]> {
-        self.view
-            .read()
-            .map(|v| v.data.clone())
-            .unwrap_or_else(|_| Arc::new([]))
+        sync::read(&self.view).data.clone()
     }
 
     /// The messenger client calls go through.
@@ -238,9 +232,7 @@ impl NetVolume {
             }
             if !hinted {
                 tried += 1;
-                if let Ok(mut l) = self.leaders.lock() {
-                    l.remove(&p);
-                }
+                lock(&self.leaders).remove(&p);
                 if tried.is_multiple_of(replicas.len().max(1)) {
                     // Every replica refused: an election is running, or the view is stale.
                     if !refreshed {
@@ -271,10 +263,7 @@ impl NetVolume {
 
 impl MetaTransport for NetVolume {
     fn partitions(&self) -> Arc<[MetaRange]> {
-        self.view
-            .read()
-            .map(|v| v.ranges.clone())
-            .unwrap_or_else(|_| Arc::new([]))
+        sync::read(&self.view).ranges.clone()
     }
 
     async fn write(

@@ -36,6 +36,7 @@ use std::sync::{Arc, Mutex};
 use bytes::{Bytes, BytesMut};
 use nacre_api::data::MAX_PACKET;
 use nacre_api::meta::{Attr, ExtentKey, FileType, MetaError, SetAttr, XattrMode, without_suidgid};
+use nacre_types::sync::lock;
 use nacre_types::{Ino, PartitionId};
 use tokio::task::JoinSet;
 
@@ -259,9 +260,7 @@ impl NetFs {
     /// file, for tests that make a release land there.
     #[doc(hidden)]
     pub fn set_hide_hook(&self, hook: Option<HideHook>) {
-        if let Ok(mut h) = self.inner.hide_hook.0.lock() {
-            *h = hook;
-        }
+        *lock(&self.inner.hide_hook.0) = hook;
     }
 
     /// Runs `op` to its end whatever happens to the caller and waits for it: on the caller's
@@ -308,22 +307,20 @@ impl NetFs {
 
 impl Inner {
     fn handle(&self, fh: Fh) -> FsResult<Handle> {
-        self.handles
-            .lock()
-            .map_err(|_| FsError::BadHandle(fh.0))?
+        lock(&self.handles)
             .get(&fh)
             .cloned()
             .ok_or(FsError::BadHandle(fh.0))
     }
 
     fn open_file(&self, ino: Ino) -> Option<Arc<OpenFile>> {
-        self.files.lock().ok()?.get(&ino).cloned()
+        lock(&self.files).get(&ino).cloned()
     }
 
     /// Opens a handle on `attr`'s inode.
     async fn open_attr(&self, attr: &Attr, flags: OpenFlags) -> FsResult<Fh> {
         let file = {
-            let mut files = self.files.lock().map_err(|_| FsError::BadHandle(0))?;
+            let mut files = lock(&self.files);
             let f = files.entry(attr.ino).or_insert_with(|| {
                 Arc::new(OpenFile {
                     ino: attr.ino,
@@ -355,9 +352,7 @@ impl Inner {
             }
         }
         let fh = Fh(self.next_fh.fetch_add(1, Ordering::Relaxed));
-        if let Ok(mut h) = self.handles.lock() {
-            h.insert(fh, Handle { file, flags });
-        }
+        lock(&self.handles).insert(fh, Handle { file, flags });
         Ok(fh)
     }
 
@@ -601,7 +596,7 @@ impl Inner {
         if let Some(f) = self.open_file(attr.ino) {
             let st = f.state.lock().await;
             attr.size = attr.size.max(st.size);
-            if f.hidden.lock().is_ok_and(|h| h.is_some()) {
+            if lock(&f.hidden).is_some() {
                 attr.nlink = attr.nlink.saturating_sub(1);
             }
         }
@@ -617,7 +612,7 @@ impl Inner {
         name: &[u8],
         keep: Option<Ino>,
     ) -> FsResult<Option<Vec<Attr>>> {
-        if self.files.lock().is_ok_and(|f| f.is_empty()) {
+        if lock(&self.files).is_empty() {
             return Ok(None);
         }
         let d = match self.meta.lookup_dentry(parent, name).await {
@@ -636,18 +631,15 @@ impl Inner {
         hidden.extend_from_slice(d.ino.0.to_string().as_bytes());
         let dirs = self.meta.rename(parent, name, parent, &hidden).await?;
         self.hide_step(HideStep::Renamed).await;
-        if let Ok(mut h) = f.hidden.lock() {
-            *h = Some((parent, hidden));
-        }
+        *lock(&f.hidden) = Some((parent, hidden));
         // The last handle may have been released since the check above, and its release found
         // no hidden name to remove. `release` leaves `files` before it takes `hidden`, and this
         // sets `hidden` before it looks at `files`, so exactly one of the two removes the name.
-        let still_open = self
-            .files
-            .lock()
-            .is_ok_and(|files| files.get(&d.ino).is_some_and(|g| Arc::ptr_eq(g, &f)));
+        let still_open = lock(&self.files)
+            .get(&d.ino)
+            .is_some_and(|g| Arc::ptr_eq(g, &f));
         if !still_open {
-            let left = f.hidden.lock().ok().and_then(|mut h| h.take());
+            let left = lock(&f.hidden).take();
             if let Some((parent, name)) = left {
                 return Ok(Some(self.meta.unlink(parent, &name).await?));
             }
@@ -656,7 +648,7 @@ impl Inner {
     }
 
     async fn hide_step(&self, step: HideStep) {
-        let hook = self.hide_hook.0.lock().ok().and_then(|h| h.clone());
+        let hook = lock(&self.hide_hook.0).clone();
         if let Some(hook) = hook {
             hook(step).await;
         }
@@ -750,9 +742,7 @@ impl Inner {
     ) -> FsResult<Vec<Attr>> {
         // A replaced file this client has open stays usable (hidden, not unlinked). The two steps
         // are not atomic: another client may briefly find neither name.
-        if (parent, name) != (new_parent, new_name)
-            && !self.files.lock().is_ok_and(|f| f.is_empty())
-        {
+        if (parent, name) != (new_parent, new_name) && !lock(&self.files).is_empty() {
             // Not when both names are links of one file (then rename changes nothing).
             let src = self.meta.lookup_dentry(parent, name).await?;
             self.hide_if_open(new_parent, new_name, Some(src.ino))
@@ -934,21 +924,19 @@ impl Inner {
             }
             r
         };
-        if let Ok(mut handles) = self.handles.lock() {
-            handles.remove(&fh);
-        }
-        let last = h.file.opens.fetch_sub(1, Ordering::Relaxed) == 1
-            && self.files.lock().is_ok_and(|mut files| {
-                let idle = files
-                    .get(&h.file.ino)
-                    .is_some_and(|f| f.opens.load(Ordering::Relaxed) == 0);
-                if idle {
-                    files.remove(&h.file.ino);
-                }
-                idle
-            });
+        lock(&self.handles).remove(&fh);
+        let last = h.file.opens.fetch_sub(1, Ordering::Relaxed) == 1 && {
+            let mut files = lock(&self.files);
+            let idle = files
+                .get(&h.file.ino)
+                .is_some_and(|f| f.opens.load(Ordering::Relaxed) == 0);
+            if idle {
+                files.remove(&h.file.ino);
+            }
+            idle
+        };
         if last {
-            let hidden = h.file.hidden.lock().ok().and_then(|mut x| x.take());
+            let hidden = lock(&h.file.hidden).take();
             if let Some((parent, name)) = hidden {
                 self.meta.unlink(parent, &name).await?;
             }

@@ -68,7 +68,7 @@ struct Lazy {
 
 impl Lazy {
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        nacre_types::sync::lock(&self.state)
     }
 }
 

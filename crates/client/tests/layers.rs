@@ -1078,22 +1078,6 @@ async fn a_fill_racing_with_a_mutation_does_not_bring_back_stale_attributes() {
     assert_eq!(c.getattr(f.ino).await.unwrap().mode, 0o600);
 }
 
-/// xorshift64*: deterministic, no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
 /// Random operations, all through the cache (no time passes, so nothing expires): after each
 /// one, every name and inode read through the cache must read as the toy says.
 #[tokio::test(start_paused = true)]
@@ -1101,16 +1085,17 @@ async fn random_operations_through_the_cache_always_read_the_truth() {
     const NAMES: [&[u8]; 4] = [b"a", b"b", b"c", b"d"];
     for seed in 1..=20u64 {
         let c = cache();
-        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        // Deterministic per seed.
+        let mut rng = fastrand::Rng::with_seed(seed);
         let mut dirs = vec![ROOT_INO];
         let mut inos = vec![ROOT_INO];
         let mut open: Vec<Fh> = Vec::new();
         for step in 0..300 {
-            let p = dirs[rng.below(dirs.len())];
-            let q = dirs[rng.below(dirs.len())];
-            let n = NAMES[rng.below(NAMES.len())];
-            let m = NAMES[rng.below(NAMES.len())];
-            let what = rng.below(14);
+            let p = dirs[rng.usize(..dirs.len())];
+            let q = dirs[rng.usize(..dirs.len())];
+            let n = NAMES[rng.usize(..NAMES.len())];
+            let m = NAMES[rng.usize(..NAMES.len())];
+            let what = rng.usize(..14);
             match what {
                 0 => {
                     if let Ok(a) = c.mkdir(p, n, 0o755, ME).await {
@@ -1134,37 +1119,37 @@ async fn random_operations_through_the_cache_always_read_the_truth() {
                     let _ = c.rename(p, n, q, m).await;
                 }
                 6 => {
-                    let ino = inos[rng.below(inos.len())];
+                    let ino = inos[rng.usize(..inos.len())];
                     let _ = c.link(ino, q, m).await;
                 }
                 7 => {
-                    let ino = inos[rng.below(inos.len())];
+                    let ino = inos[rng.usize(..inos.len())];
                     let set = SetAttr {
-                        mode: Some(rng.below(0o777) as u32),
-                        size: (rng.below(2) == 0).then(|| rng.below(100) as u64),
+                        mode: Some(rng.usize(..0o777) as u32),
+                        size: (rng.usize(..2) == 0).then(|| rng.usize(..100) as u64),
                         ..SetAttr::default()
                     };
                     let _ = c.setattr(ino, set).await;
                 }
                 8 if !open.is_empty() => {
-                    let fh = open[rng.below(open.len())];
-                    let data = Bytes::from(vec![7u8; rng.below(50) + 1]);
-                    let _ = c.write(fh, rng.below(100) as u64, data).await;
+                    let fh = open[rng.usize(..open.len())];
+                    let data = Bytes::from(vec![7u8; rng.usize(..50) + 1]);
+                    let _ = c.write(fh, rng.usize(..100) as u64, data).await;
                 }
                 9 if !open.is_empty() => {
-                    let fh = open.swap_remove(rng.below(open.len()));
+                    let fh = open.swap_remove(rng.usize(..open.len()));
                     let _ = c.release(fh).await;
                 }
                 10 => {
-                    let ino = inos[rng.below(inos.len())];
+                    let ino = inos[rng.usize(..inos.len())];
                     if let Ok(fh) = c.open(ino, OpenFlags::READ).await {
                         open.push(fh);
                     }
                 }
                 11 => {
-                    let ino = inos[rng.below(inos.len())];
+                    let ino = inos[rng.usize(..inos.len())];
                     let _ = c
-                        .setxattr(ino, b"user.x", &[rng.below(255) as u8], XattrMode::Upsert)
+                        .setxattr(ino, b"user.x", &[rng.usize(..255) as u8], XattrMode::Upsert)
                         .await;
                 }
                 12 => {

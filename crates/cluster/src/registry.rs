@@ -6,9 +6,8 @@ use std::sync::Mutex;
 
 use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Role};
 use nacre_msgr::BoxFuture;
-use nacre_types::{NodeId, PartitionId};
-
 use nacre_types::sync::lock;
+use nacre_types::{NodeId, PartitionId};
 
 use crate::agent::PartitionHost;
 use crate::host::{HostError, role_name};

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use nacre_raft::StateMachine;
 use nacre_types::ExtentId;
+use nacre_types::sync::lock;
 use serde::{Deserialize, Serialize};
 
 use crate::rpc::DataError;
@@ -97,13 +98,11 @@ impl SmShared {
 
     /// Whether the entries applied here released `extent` whole (see [`Logical::released`]).
     pub fn released(&self, extent: ExtentId) -> bool {
-        self.logical.lock().is_ok_and(|l| l.released(extent))
+        lock(&self.logical).released(extent)
     }
 
     fn suspect(&self, extent: ExtentId) {
-        if let Ok(mut s) = self.suspect.lock() {
-            s.insert(extent);
-        }
+        lock(&self.suspect).insert(extent);
     }
 
     /// Deletes the normal extents `store` holds that the log released: entries this replica
@@ -112,16 +111,12 @@ impl SmShared {
     /// an extent, so an extent being created is never taken for a released one. Returns how many
     /// were deleted.
     pub fn drop_released(&self, store: &ExtentStore) -> Result<usize, StoreError> {
-        let Ok(logical) = self.logical.lock() else {
-            return Ok(0);
-        };
+        let logical = lock(&self.logical);
         let mut dropped = 0;
         for (extent, _) in store.extents() {
             if logical.released(extent) {
                 store.delete(extent)?;
-                if let Ok(mut s) = self.suspect.lock() {
-                    s.remove(&extent);
-                }
+                lock(&self.suspect).remove(&extent);
                 dropped += 1;
             }
         }
@@ -157,20 +152,15 @@ impl DataSm {
     /// store holds instead would hand out new ids to replayed creations (and create extents nobody
     /// uses).
     pub fn new(store: Arc<ExtentStore>, shared: Arc<SmShared>) -> Self {
-        if let Ok(mut l) = shared.logical.lock() {
-            *l = Logical {
-                next_extent: FIRST_NORMAL_EXTENT,
-                live: BTreeSet::new(),
-            };
-        }
+        *lock(&shared.logical) = Logical {
+            next_extent: FIRST_NORMAL_EXTENT,
+            live: BTreeSet::new(),
+        };
         Self { store, shared }
     }
 
     fn logical(&self) -> std::sync::MutexGuard<'_, Logical> {
-        self.shared
-            .logical
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.shared.logical)
     }
 
     fn execute(&mut self, cmd: DataCommand) -> Result<Option<ExtentId>, DataError> {

@@ -1559,26 +1559,11 @@ fn a_full_disk_fails_the_write_not_the_store() {
 // -------------------------------------------------------------------------------------------------
 // Bounded open files (docs/data-store.md, "Open files")
 
-/// splitmix64, for fixed-seed workloads.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// In `0..n` (`n > 0`).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
+/// `n` bytes from a fixed-seed generator (the workloads below replay from their seeds).
+fn random_bytes(rng: &mut fastrand::Rng, n: usize) -> Vec<u8> {
+    let mut v = vec![0; n];
+    rng.fill(&mut v);
+    v
 }
 
 /// Every extent of the model reads back whole, with the model's lengths and nothing else.
@@ -1605,19 +1590,19 @@ fn open_files_stay_bounded_across_many_extents() {
     for seed in 0..3u64 {
         let disk = MemDisk::new();
         let store = open_capped(&disk, CAP);
-        let mut rng = Rng(seed);
+        let mut rng = fastrand::Rng::with_seed(seed);
         let mut model: BTreeMap<ExtentId, Vec<u8>> = BTreeMap::new();
         let normal = |i: u64| ExtentId(1024 + i);
         let mut most = 0;
         for step in 0..4000 {
-            let id = if rng.below(10) == 0 {
-                ExtentId(1 + rng.below(4))
+            let id = if rng.u64(..10) == 0 {
+                ExtentId(1 + rng.u64(..4))
             } else {
-                normal(rng.below(200))
+                normal(rng.u64(..200))
             };
             let exists = model.contains_key(&id);
             let len = model.get(&id).map_or(0, |v| v.len() as u64);
-            match rng.below(16) {
+            match rng.u64(..16) {
                 // Creating is the most common at first, so the extents pile up.
                 0..=2 if !id.is_tiny() => {
                     store.create(id).unwrap();
@@ -1625,13 +1610,13 @@ fn open_files_stay_bounded_across_many_extents() {
                 }
                 3..=6 if exists || id.is_tiny() => {
                     // Append (a tiny extent after a gap), or overwrite in place.
-                    let off = match rng.below(3) {
-                        0 => rng.below(len + 1),
-                        _ if id.is_tiny() => len + rng.below(100),
+                    let off = match rng.u64(..3) {
+                        0 => rng.u64(..len + 1),
+                        _ if id.is_tiny() => len + rng.u64(..100),
                         _ => len,
                     };
-                    let n = 1 + rng.below(200) as usize;
-                    let d = rng.bytes(n);
+                    let n = 1 + rng.u64(..200) as usize;
+                    let d = random_bytes(&mut rng, n);
                     store.write(id, off, &d).unwrap();
                     let v = model.entry(id).or_default();
                     let end = off as usize + d.len();
@@ -1641,19 +1626,19 @@ fn open_files_stay_bounded_across_many_extents() {
                     v[off as usize..end].copy_from_slice(&d);
                 }
                 7..=9 if exists => {
-                    let off = rng.below(len + 1);
-                    let n = rng.below(len - off + 1);
+                    let off = rng.u64(..len + 1);
+                    let n = rng.u64(..len - off + 1);
                     let got = store.read(id, off, n as u32).unwrap();
                     assert_eq!(got[..], model[&id][off as usize..(off + n) as usize]);
                 }
                 10 if exists => {
-                    let to = rng.below(len + 1);
+                    let to = rng.u64(..len + 1);
                     store.truncate(id, to).unwrap();
                     model.get_mut(&id).unwrap().truncate(to as usize);
                 }
                 11 if exists => {
-                    let off = rng.below(len + 1);
-                    let n = rng.below(len - off + 1);
+                    let off = rng.u64(..len + 1);
+                    let n = rng.u64(..len - off + 1);
                     store.punch(id, off, n).unwrap();
                     model.get_mut(&id).unwrap()[off as usize..(off + n) as usize].fill(0);
                 }
@@ -2522,7 +2507,7 @@ fn calls_on_other_threads_while_the_store_fails_and_is_reopened() {
         .map(|(t, &id)| {
             let (s, progress, stop) = (store.clone(), progress.clone(), stop.clone());
             spawn(move || {
-                let mut rng = Rng(t as u64);
+                let mut rng = fastrand::Rng::with_seed(t as u64);
                 let mut model: Vec<u8> = Vec::new();
                 let mut synced = 0u64;
                 let mut epoch = s.epoch();
@@ -2555,8 +2540,8 @@ fn calls_on_other_threads_while_the_store_fails_and_is_reopened() {
                 while !stop.load(Ordering::SeqCst) || i < 20 {
                     i += 1;
                     assert!(Instant::now() < deadline, "{id}: still running");
-                    let n = 1 + rng.below(90) as usize;
-                    let d = rng.bytes(n);
+                    let n = 1 + rng.u64(..90) as usize;
+                    let d = random_bytes(&mut rng, n);
                     let at = model.len() as u64;
                     match s.write(id, at, &d) {
                         Ok(()) => model.extend_from_slice(&d),
@@ -2574,7 +2559,7 @@ fn calls_on_other_threads_while_the_store_fails_and_is_reopened() {
                         }
                         Err(e) => panic!("{id}: {e}"),
                     }
-                    let off = rng.below(model.len() as u64);
+                    let off = rng.u64(..model.len() as u64);
                     match s.read(id, off, (model.len() as u64 - off) as u32) {
                         Ok(b) => assert_eq!(b[..], model[off as usize..], "{id}"),
                         Err(StoreError::Failed | StoreError::Io(_)) => {

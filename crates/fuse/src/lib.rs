@@ -35,6 +35,7 @@ use fuser::{
 use nacre_api::meta::{Attr, FileType, MetaError, SetAttr, XattrMode, without_suidgid};
 use nacre_client::{Caller, DirEntryPlus, Fh, FileSystem, FsError, OpenFlags};
 use nacre_types::Ino;
+use nacre_types::sync::lock;
 use tokio::runtime::Handle;
 
 pub use crate::errno::errno;
@@ -188,23 +189,20 @@ const NO_CAPS_MAX: usize = 100_000;
 
 impl<F> Inner<F> {
     fn caps_known_absent(&self, ino: u64) -> bool {
-        self.no_caps
-            .lock()
-            .ok()
-            .and_then(|m| m.get(&ino).copied())
+        lock(&self.no_caps)
+            .get(&ino)
             .is_some_and(|t| t.elapsed() < self.cfg.attr_ttl)
     }
 
     fn set_caps_absent(&self, ino: u64, absent: bool) {
-        if let Ok(mut m) = self.no_caps.lock() {
-            if absent {
-                if m.len() >= NO_CAPS_MAX {
-                    m.clear();
-                }
-                m.insert(ino, std::time::Instant::now());
-            } else {
-                m.remove(&ino);
+        let mut m = lock(&self.no_caps);
+        if absent {
+            if m.len() >= NO_CAPS_MAX {
+                m.clear();
             }
+            m.insert(ino, std::time::Instant::now());
+        } else {
+            m.remove(&ino);
         }
     }
 }
@@ -218,17 +216,16 @@ impl<F> Inner<F> {
 
     fn note_mode(&self, a: &Attr) {
         let privileged = a.kind != FileType::Dir && without_suidgid(a.mode) != a.mode;
-        if let Ok(mut p) = self.privileged.lock() {
-            if privileged {
-                p.insert(a.ino.0);
-            } else if !p.is_empty() {
-                p.remove(&a.ino.0);
-            }
+        let mut p = lock(&self.privileged);
+        if privileged {
+            p.insert(a.ino.0);
+        } else if !p.is_empty() {
+            p.remove(&a.ino.0);
         }
     }
 
     fn is_privileged(&self, ino: u64) -> bool {
-        self.privileged.lock().is_ok_and(|p| p.contains(&ino))
+        lock(&self.privileged).contains(&ino)
     }
 }
 
@@ -248,23 +245,17 @@ impl<F: FileSystem> Inner<F> {
 
 impl<F> Inner<F> {
     fn learn_parent(&self, attr: &Attr, parent: Ino) {
-        if attr.kind == FileType::Dir
-            && let Ok(mut p) = self.parents.lock()
-        {
-            p.insert(attr.ino.0, parent.0);
+        if attr.kind == FileType::Dir {
+            lock(&self.parents).insert(attr.ino.0, parent.0);
         }
     }
 
     fn parent_of(&self, dir: Ino) -> Ino {
-        self.parents
-            .lock()
-            .ok()
-            .and_then(|p| p.get(&dir.0).copied())
-            .map_or(dir, Ino)
+        lock(&self.parents).get(&dir.0).copied().map_or(dir, Ino)
     }
 
     fn listing(&self, fh: FileHandle) -> Option<Arc<tokio::sync::Mutex<Listing>>> {
-        self.dirs.lock().ok()?.get(&fh.0).cloned()
+        lock(&self.dirs).get(&fh.0).cloned()
     }
 
     /// How the file system should open a file the application opened with `flags`.
@@ -417,9 +408,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
 
     /// The kernel dropped the inode: what it learns of it next comes through a new reply.
     fn forget(&self, _req: &Request, ino: INodeNo, _nlookup: u64) {
-        if let Ok(mut p) = self.inner.privileged.lock() {
-            p.remove(&ino.0);
-        }
+        lock(&self.inner.privileged).remove(&ino.0);
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
@@ -759,13 +748,8 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
             complete: false,
         };
         let id = i.next_dir.fetch_add(1, Ordering::Relaxed);
-        match i.dirs.lock() {
-            Ok(mut d) => {
-                d.insert(id, Arc::new(tokio::sync::Mutex::new(listing)));
-                reply.opened(FileHandle(id), FopenFlags::empty());
-            }
-            Err(_) => reply.error(Errno::EIO),
-        }
+        lock(&i.dirs).insert(id, Arc::new(tokio::sync::Mutex::new(listing)));
+        reply.opened(FileHandle(id), FopenFlags::empty());
     }
 
     fn readdir(
@@ -888,9 +872,7 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         _flags: fuser::OpenFlags,
         reply: ReplyEmpty,
     ) {
-        if let Ok(mut d) = self.inner.dirs.lock() {
-            d.remove(&fh.0);
-        }
+        lock(&self.inner.dirs).remove(&fh.0);
         reply.ok();
     }
 

@@ -18,6 +18,7 @@ use std::time::Duration;
 use nacre_msgr::{CallOptions, Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_raft::{GroupId, RaftError, RaftHandle, StateMachine};
+use nacre_types::sync::lock;
 use nacre_types::{ErrorCode, NodeId, PartitionId};
 use tokio::sync::{Notify, watch};
 
@@ -239,7 +240,7 @@ impl Master {
             return Err(self.not_leader(leader));
         }
         let pending = self.read(pending_with_addrs).await?;
-        let duties = self.duties.lock().map_err(|_| poisoned())?;
+        let duties = lock(&self.duties);
         Ok(MasterStatus {
             leader,
             masters: self.masters.clone(),
@@ -280,9 +281,7 @@ impl Master {
                 continue;
             }
             let errors = self.duty_round().await;
-            if let Ok(mut d) = self.duties.lock() {
-                d.errors = errors;
-            }
+            lock(&self.duties).errors = errors;
         }
     }
 
@@ -385,9 +384,7 @@ impl Master {
             return;
         };
         let now = Self::now_ms();
-        let Ok(mut d) = self.duties.lock() else {
-            return;
-        };
+        let mut d = lock(&self.duties);
         let live: std::collections::BTreeSet<(PartitionId, NodeId)> =
             work.iter().map(|(p, n, _, _)| (*p, *n)).collect();
         d.attempts.retain(|k, _| live.contains(k));
@@ -421,9 +418,7 @@ impl Master {
                 if let Err(e) = &result {
                     tracing::warn!(partition = %p, node = %n, %addr, error = %e, "partition not created");
                 }
-                if let Ok(mut d) = duties.lock()
-                    && let Some(a) = d.attempts.get_mut(&(p, n))
-                {
+                if let Some(a) = lock(&duties).attempts.get_mut(&(p, n)) {
                     a.in_flight = false;
                     // After a success, wait for the node's heartbeat to confirm before asking again.
                     a.next_ms = Self::now_ms() + backoff;
@@ -520,10 +515,6 @@ impl Master {
                 }
             })
     }
-}
-
-fn poisoned() -> MasterError {
-    MasterError::Unavailable("master duty state poisoned".into())
 }
 
 fn unexpected(o: &Outcome) -> MasterError {

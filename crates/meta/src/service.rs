@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Role};
@@ -21,6 +21,7 @@ use nacre_msgr::{Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
 use nacre_raft::{RaftError, RaftHandle, ReadGate, StateMachine, StoreConfig};
+use nacre_types::sync::{self, lock};
 use nacre_types::{ErrorCode, NodeId, PartitionId};
 use tokio::sync::watch;
 
@@ -52,15 +53,11 @@ impl MetaSm {
 
     /// The partition, for reading.
     pub fn partition(&self) -> RwLockReadGuard<'_, MetaPartition> {
-        self.partition
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
+        sync::read(&self.partition)
     }
 
     fn partition_mut(&self) -> RwLockWriteGuard<'_, MetaPartition> {
-        self.partition
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
+        sync::write(&self.partition)
     }
 }
 
@@ -142,10 +139,6 @@ impl std::fmt::Debug for MetaNode {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 fn unavailable(m: impl Into<String>) -> RemoteError {
     RemoteError::new(ErrorCode::Unavailable, m)
 }
@@ -218,9 +211,7 @@ impl MetaNode {
             Err(RaftError::GroupExists(_)) => {}
             Err(e) => return Err(e.to_string()),
         }
-        if let Ok(mut r) = self.inner.replicas.lock() {
-            r.insert(spec.id, peers);
-        }
+        lock(&self.inner.replicas).insert(spec.id, peers);
         Ok(())
     }
 
@@ -277,10 +268,9 @@ impl MetaNode {
                 .unwrap_or_default();
             for ino in orphans {
                 live.insert((id, ino.0));
-                let first = match self.inner.orphans_seen.lock() {
-                    Ok(mut seen) => *seen.entry((id, ino.0)).or_insert(now),
-                    Err(_) => continue,
-                };
+                let first = *lock(&self.inner.orphans_seen)
+                    .entry((id, ino.0))
+                    .or_insert(now);
                 if now.duration_since(first) < self.inner.orphan_grace {
                     continue;
                 }
@@ -296,9 +286,7 @@ impl MetaNode {
                 }
             }
         }
-        if let Ok(mut seen) = self.inner.orphans_seen.lock() {
-            seen.retain(|k, _| live.contains(k));
-        }
+        lock(&self.inner.orphans_seen).retain(|k, _| live.contains(k));
     }
 
     /// On the partitions this node leads, releases the extents of evicted inodes on the data nodes
@@ -389,24 +377,16 @@ impl MetaNode {
     }
 
     fn count_op(&self, p: PartitionId) {
-        if let Ok(mut ops) = self.inner.ops.lock() {
-            ops.entry(p).or_default().0 += 1;
-        }
+        lock(&self.inner.ops).entry(p).or_default().0 += 1;
     }
 
     /// Operations per second per partition since the last call.
     fn op_rates(&self) -> BTreeMap<PartitionId, u64> {
         let now = std::time::Instant::now();
-        let secs = self
-            .inner
-            .last_report
-            .lock()
-            .ok()
-            .and_then(|mut l| l.replace(now))
+        let secs = lock(&self.inner.last_report)
+            .replace(now)
             .map_or(0.0, |t| now.duration_since(t).as_secs_f64());
-        let Ok(mut ops) = self.inner.ops.lock() else {
-            return BTreeMap::new();
-        };
+        let mut ops = lock(&self.inner.ops);
         ops.iter_mut()
             .map(|(p, (total, last))| {
                 let delta = total.saturating_sub(std::mem::replace(last, *total));
@@ -444,16 +424,11 @@ impl MetaNode {
                 reports.push(r);
             }
         }
-        if let Ok(mut c) = self.inner.reports.lock() {
-            *c = reports;
-        }
+        *lock(&self.inner.reports) = reports;
     }
 
     fn leader_hint(&self, partition: PartitionId, leader: u64) -> Option<String> {
-        self.inner
-            .replicas
-            .lock()
-            .ok()?
+        lock(&self.inner.replicas)
             .get(&partition)?
             .get(&leader)
             .cloned()
@@ -512,7 +487,7 @@ impl MetaNode {
                     if let Some(d) = direct
                         && d.gate.open_at(std::time::Instant::now())
                     {
-                        let part = d.partition.read().unwrap_or_else(PoisonError::into_inner);
+                        let part = sync::read(&d.partition);
                         return Ok((part.query(&q), Payload::none()));
                     }
                     let result = raft

@@ -8,6 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use nacre_proto::msg::{RemoteError, Rpc, decode_body, encode_body};
 use nacre_proto::{Flags, Frame, Kind, Op};
+use nacre_types::sync::lock;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
@@ -16,7 +17,6 @@ use crate::Shared;
 use crate::conn::{Conn, Direct, Lane, Outgoing, Permits};
 use crate::error::MsgrError;
 use crate::handler::Payload;
-use crate::worker::lock;
 
 /// Per-call options.
 #[derive(Clone, Copy, Debug, Default)]

@@ -255,7 +255,7 @@ impl Lane {
     }
 
     fn lock(&self) -> MutexGuard<'_, LaneState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        nacre_types::sync::lock(&self.state)
     }
 
     /// Books `reply` and writes the request from this thread, or hands both back when the driver

@@ -24,8 +24,8 @@
 //!   since it was written. Order is preserved: a write never overtakes an earlier one, even if the delay
 //!   is lowered meanwhile. Connects, shutdowns behind no data and resets are not delayed.
 //! * [`MemNetwork::set_reset_probability`] (directional): each write resets the connection with the
-//!   given probability, drawn from a per-direction xorshift generator seeded from the network seed and the
-//!   connection's sequence number, so a test that connects in a fixed order sees the same resets on
+//!   given probability, drawn from a per-direction generator (`fastrand`) seeded from the network seed
+//!   and the connection's sequence number, so a test that connects in a fixed order sees the same resets on
 //!   every run.
 //! * [`MemNetwork::heal`], [`MemNetwork::heal_host`] and [`MemNetwork::heal_all`] clear faults. Connections
 //!   reset by a partition stay dead; callers reconnect.
@@ -40,11 +40,12 @@ use std::future::Future;
 use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
+use nacre_types::sync::lock;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
@@ -68,10 +69,6 @@ const LISTEN_PORTS: (u16, u16) = (10_000, 32_767);
 /// Ports given to the connecting end of a connection (only used in addresses; never bound).
 const EPHEMERAL_PORTS: (u16, u16) = (32_768, 60_999);
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 fn reset_error() -> io::Error {
     io::Error::new(io::ErrorKind::ConnectionReset, "memory connection reset")
 }
@@ -91,42 +88,13 @@ fn parse_addr(addr: &str) -> io::Result<(&str, u16)> {
     Ok((host, port))
 }
 
-/// A small deterministic generator (xorshift64*, seeded through splitmix64); no external crate so the
-/// sequence is fixed by this file alone.
-#[derive(Clone, Debug)]
-struct Rng(u64);
-
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-impl Rng {
-    fn new(seed: u64, conn_id: u64, direction: u64) -> Self {
-        let mut s = seed;
-        let a = splitmix64(&mut s);
-        let mut t = a ^ conn_id.wrapping_mul(2).wrapping_add(direction);
-        let v = splitmix64(&mut t);
-        // xorshift's state must never be zero.
-        Self(if v == 0 { 0x2545_F491_4F6C_DD1D } else { v })
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// Uniform in `[0, 1)`.
-    fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
+/// The generator of one direction of connection `conn_id`: a stream of its own for each (network
+/// seed, connection, direction), each value hashed through the generator before the next is mixed
+/// in, so that neighbouring connections do not draw shifted copies of one sequence.
+fn pipe_rng(seed: u64, conn_id: u64, direction: u64) -> fastrand::Rng {
+    let a = fastrand::Rng::with_seed(seed).u64(..);
+    let stream = conn_id.wrapping_mul(2).wrapping_add(direction);
+    fastrand::Rng::with_seed(fastrand::Rng::with_seed(a ^ stream).u64(..))
 }
 
 /// Faults on one direction between two hosts. The all-default value means a healthy link and is never
@@ -169,13 +137,13 @@ struct Pipe {
     reset: bool,
     /// The faults of this pipe's direction, kept in step with the network's link table under its lock.
     faults: LinkFaults,
-    rng: Rng,
+    rng: fastrand::Rng,
     read_waker: Option<Waker>,
     write_waker: Option<Waker>,
 }
 
 impl Pipe {
-    fn new(faults: LinkFaults, rng: Rng) -> Self {
+    fn new(faults: LinkFaults, rng: fastrand::Rng) -> Self {
         Self {
             segments: VecDeque::new(),
             len: 0,
@@ -314,8 +282,8 @@ impl MemStream {
             id: 0,
             net: Weak::new(),
             pipes: [
-                Mutex::new(Pipe::new(LinkFaults::default(), Rng::new(0, 0, 0))),
-                Mutex::new(Pipe::new(LinkFaults::default(), Rng::new(0, 0, 1))),
+                Mutex::new(Pipe::new(LinkFaults::default(), pipe_rng(0, 0, 0))),
+                Mutex::new(Pipe::new(LinkFaults::default(), pipe_rng(0, 0, 1))),
             ],
             delivered: [Arc::default(), Arc::default()],
         });
@@ -384,7 +352,7 @@ impl MemStream {
         // Drawn only for writes that go ahead, so the sequence of outcomes depends on the writes the
         // test makes, not on how often a full pipe was polled.
         let p = pipe.faults.reset_probability;
-        if p > 0.0 && pipe.rng.next_f64() < p {
+        if p > 0.0 && pipe.rng.f64() < p {
             drop(pipe);
             self.reset_connection();
             return Poll::Ready(Err(reset_error()));
@@ -895,8 +863,8 @@ impl MemNetwork {
                 id,
                 net: Arc::downgrade(&self.inner),
                 pipes: [
-                    Mutex::new(Pipe::new(up, Rng::new(seed, id, 0))),
-                    Mutex::new(Pipe::new(down, Rng::new(seed, id, 1))),
+                    Mutex::new(Pipe::new(up, pipe_rng(seed, id, 0))),
+                    Mutex::new(Pipe::new(down, pipe_rng(seed, id, 1))),
                 ],
                 delivered: [st.counter(from, to), st.counter(to, from)],
             });

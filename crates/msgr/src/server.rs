@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use nacre_types::sync::lock;
 use tokio::sync::{Notify, Semaphore, mpsc};
 
 use crate::Shared;
 use crate::conn::{Conn, Outgoing, ServerSide};
 use crate::handler::Handler;
 use crate::transport::Listener;
-use crate::worker::lock;
 
 /// How long a stopping server waits for connections to answer their in-flight requests.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);

@@ -9,6 +9,7 @@ use std::io;
 use std::sync::Mutex;
 use std::thread;
 
+use nacre_types::sync::lock;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -158,9 +159,4 @@ impl Drop for Workers {
         // Not joined here: a drop may happen inside an async context where blocking is not allowed.
         self.signal_stop();
     }
-}
-
-/// Locks a mutex, ignoring poisoning: the data guarded here stays consistent across a panic.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }

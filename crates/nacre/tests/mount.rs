@@ -226,27 +226,17 @@ fn errno_of(r: std::io::Result<impl Sized>) -> i32 {
     }
 }
 
-/// Deterministic pseudo-random bytes (xorshift), so data is not compressible or repetitive.
-fn fill(seed: &mut u64, buf: &mut [u8]) {
-    for chunk in buf.chunks_mut(8) {
-        *seed ^= *seed << 13;
-        *seed ^= *seed >> 7;
-        *seed ^= *seed << 17;
-        let b = seed.to_le_bytes();
-        chunk.copy_from_slice(&b[..chunk.len()]);
-    }
-}
-
 /// Writes `size` bytes of pseudo-random data in 1 MiB writes; returns their CRC-32C.
 fn write_big(path: &Path, size: u64) -> u32 {
     let mut f = fs::File::create(path).unwrap();
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    // Deterministic pseudo-random bytes, so data is not compressible or repetitive.
+    let mut rng = fastrand::Rng::with_seed(0x9e37_79b9_7f4a_7c15);
     let mut buf = vec![0u8; 1 << 20];
     let mut crc = 0u32;
     let mut left = size;
     while left > 0 {
         let n = left.min(buf.len() as u64) as usize;
-        fill(&mut seed, &mut buf[..n]);
+        rng.fill(&mut buf[..n]);
         f.write_all(&buf[..n]).unwrap();
         crc = nacre_types::crc32c_append(crc, &buf[..n]);
         left -= n as u64;
@@ -664,12 +654,12 @@ fn git_on_mount() {
             .current_dir(&repo))
     };
     git(&["init", "-q"]);
-    let mut seed = 7u64;
+    let mut rng = fastrand::Rng::with_seed(7);
     for d in 0..10 {
         fs::create_dir(repo.join(format!("dir{d}"))).unwrap();
         for f in 0..20 {
             let mut buf = vec![0u8; 100 + (d * 20 + f) * 37];
-            fill(&mut seed, &mut buf);
+            rng.fill(&mut buf);
             fs::write(repo.join(format!("dir{d}/f{f}.bin")), &buf).unwrap();
         }
     }
@@ -706,13 +696,13 @@ fn untar_many_small_files() {
     let tmp = tempfile::tempdir().unwrap();
     // The tree: 100 directories of 101 files (0 to 4 KiB), a few symlinks.
     let src = tmp.path().join("src");
-    let mut seed = 11u64;
+    let mut rng = fastrand::Rng::with_seed(11);
     for d in 0..100 {
         let dir = src.join(format!("d{d:03}"));
         fs::create_dir_all(&dir).unwrap();
         for f in 0..101 {
             let mut buf = vec![0u8; (d * 101 + f) * 97 % 4097];
-            fill(&mut seed, &mut buf);
+            rng.fill(&mut buf);
             fs::write(dir.join(format!("f{f:03}")), &buf).unwrap();
         }
         std::os::unix::fs::symlink("f000", dir.join("link")).unwrap();

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use fastrand::Rng;
 use nacre_client::netfs::HIDDEN_PREFIX;
 use nacre_client::{Caller, FileSystem, HideStep, NetFs, OpenFlags};
 use nacre_data::store::ExtentStore;
@@ -19,29 +20,11 @@ use common::cluster::{
     ONE_AT_A_TIME, client_with_volume, open_volume, runtime, shut_down, start_cluster,
 };
 
-/// A small deterministic generator (xorshift64*), so a failure replays exactly.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    fn bytes(&mut self, n: usize) -> Bytes {
-        let seed = self.next();
-        Bytes::from(
-            (0..n)
-                .map(|i| (seed.rotate_left((i % 61) as u32) as u8) ^ (i as u8))
-                .collect::<Vec<u8>>(),
-        )
-    }
+/// `n` bytes from a seeded generator, so a failure replays exactly.
+fn random_bytes(rng: &mut Rng, n: usize) -> Bytes {
+    let mut v = vec![0; n];
+    rng.fill(&mut v);
+    Bytes::from(v)
 }
 
 /// Where two byte strings first differ, for failure messages.
@@ -112,30 +95,30 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
             .and_then(|s| s.parse().ok())
             .unwrap_or(500);
         log.push(format!("seed {seed:#x}"));
-        let mut rng = Rng(seed);
+        let mut rng = Rng::with_seed(seed);
         for step in 0..steps {
             let len = model.len() as u64;
-            match rng.below(12) {
+            match rng.u64(..12) {
                 0..=4 => {
-                    let off = match rng.below(4) {
+                    let off = match rng.u64(..4) {
                         0 | 1 => len,                    // append
-                        2 => rng.below(len + 1),         // inside (overwrite)
-                        _ => len + rng.below(200 << 10), // past the end: a hole
+                        2 => rng.u64(..len + 1),         // inside (overwrite)
+                        _ => len + rng.u64(..200 << 10), // past the end: a hole
                     };
-                    let n = if rng.below(3) == 0 {
-                        1 + rng.below(400 << 10)
+                    let n = if rng.u64(..3) == 0 {
+                        1 + rng.u64(..400 << 10)
                     } else {
-                        1 + rng.below(8 << 10)
+                        1 + rng.u64(..8 << 10)
                     } as usize;
-                    let data = rng.bytes(n);
+                    let data = random_bytes(&mut rng, n);
                     log.push(format!("{step}: write {off}+{n} (size {len})"));
                     let took = fs.write(fh, off, data.clone()).await.unwrap();
                     assert_eq!(took as usize, n, "step {step}");
                     write_model(&mut model, off, &data);
                 }
                 5 | 6 => {
-                    let off = rng.below(len + 10);
-                    let n = 1 + rng.below(300 << 10) as u32;
+                    let off = rng.u64(..len + 10);
+                    let n = 1 + rng.u64(..300 << 10) as u32;
                     let got = fs.read(fh, off, n).await.unwrap();
                     let from = (off as usize).min(model.len());
                     let to = (off as usize + n as usize).min(model.len());
@@ -152,7 +135,7 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
                     fs.flush(fh).await.unwrap();
                 }
                 8 => {
-                    let size = rng.below(len + (100 << 10));
+                    let size = rng.u64(..len + (100 << 10));
                     log.push(format!("{step}: truncate {size} (size {len})"));
                     let a = fs
                         .setattr(
@@ -183,8 +166,8 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
                         )
                         .await
                         .unwrap();
-                    let n = 1 + rng.below(20 << 10) as usize;
-                    let data = rng.bytes(n);
+                    let n = 1 + rng.u64(..20 << 10) as usize;
+                    let data = random_bytes(&mut rng, n);
                     log.push(format!("{step}: O_APPEND write {n} (size {len})"));
                     // The offset named is ignored with O_APPEND.
                     fs.write(ah, 0, data.clone()).await.unwrap();
@@ -224,8 +207,8 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
                 .create(ROOT_INO, name.as_bytes(), 0o644, me, OpenFlags::WRITE)
                 .await
                 .unwrap();
-            let n = 1 + rng.below(16 << 10) as usize;
-            let data = rng.bytes(n);
+            let n = 1 + rng.u64(..16 << 10) as usize;
+            let data = random_bytes(&mut rng, n);
             // Written in pieces, as `cp` of a small file would.
             for (k, piece) in data.chunks(4096).enumerate() {
                 fs.write(h, (k * 4096) as u64, Bytes::copy_from_slice(piece))
@@ -260,7 +243,7 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
             .create(ROOT_INO, b"tmp", 0o600, me, OpenFlags::READ_WRITE)
             .await
             .unwrap();
-        let body = rng.bytes(300 << 10);
+        let body = random_bytes(&mut rng, 300 << 10);
         fs.write(h, 0, body.clone()).await.unwrap();
         fs.flush(h).await.unwrap();
         fs.unlink(ROOT_INO, b"tmp").await.unwrap();
@@ -394,7 +377,7 @@ fn cancelled_writes_and_fsyncs_leave_old_or_new_content() {
         let vol = open_volume(&msgr, &mc).await;
         let fs = NetFs::new(vol.clone());
         let me = Caller { uid: 0, gid: 0 };
-        let mut rng = Rng(0xc0ffee);
+        let mut rng = Rng::with_seed(0xc0ffee);
         // One packet and a part: the packet streams at once, the part stays buffered.
         let len = (128 << 10) + 68_560;
         // Early cuts several times: the release issued next must still run after the write (the
@@ -421,7 +404,7 @@ fn cancelled_writes_and_fsyncs_leave_old_or_new_content() {
                 // Loads the (empty) extent list, so the write's first network call places the
                 // first packet: a cut after one round lands there.
                 assert!(fs.read(fh, 0, 1).await.unwrap().is_empty());
-                let data = rng.bytes(len);
+                let data = random_bytes(&mut rng, len);
                 let finished = if cut_fsync {
                     fs.write(fh, 0, data.clone()).await.unwrap();
                     cut_at(fs.fsync(fh), cut).await

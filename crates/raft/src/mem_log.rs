@@ -97,7 +97,7 @@ impl MemLogStore {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        nacre_types::sync::lock(&self.inner)
     }
 }
 

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use nacre_types::sync::lock;
 use protobuf::Message as _;
 use raft::eraftpb::{ConfChange, ConfChangeV2, Entry, EntryType, Message, MessageType, Snapshot};
 use raft::{Config, RawNode, StateRole};
@@ -230,33 +231,21 @@ pub struct ReadGate {
 impl ReadGate {
     /// Whether a read of the state machine at `now` is linearizable.
     pub fn open_at(&self, now: Instant) -> bool {
-        self.lock().is_some_and(|until| now < until)
+        lock(&self.until).is_some_and(|until| now < until)
     }
 
     /// The group's leader (0 if unknown) and term as this node last saw them. Only a hint for
     /// routing: a proposal made on it still fails if this node has stopped leading.
     pub fn leader_term(&self) -> (u64, u64) {
-        *self
-            .leader_term
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        *lock(&self.leader_term)
     }
 
     fn set_leader_term(&self, leader: u64, term: u64) {
-        *self
-            .leader_term
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = (leader, term);
+        *lock(&self.leader_term) = (leader, term);
     }
 
     fn set(&self, until: Option<Instant>) {
-        *self.lock() = until;
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
-        self.until
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        *lock(&self.until) = until;
     }
 }
 

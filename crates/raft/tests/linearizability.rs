@@ -109,23 +109,6 @@ fn the_checker_rejects_a_stale_read() {
     ]));
 }
 
-/// splitmix64: deterministic per seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// One seeded run. With `read_index == false`, reads are served at once from the state machine of a
 /// random live node (possibly isolated or behind): the unsafe shortcut the checker must catch.
 fn run(seed: u64, read_index: bool, lease: bool) -> Vec<Op> {
@@ -142,7 +125,8 @@ fn run_with(
     read_lease: std::time::Duration,
     direct: bool,
 ) -> Vec<Op> {
-    let mut rng = Rng(seed);
+    // Deterministic per seed.
+    let mut rng = fastrand::Rng::with_seed(seed);
     let config = NodeConfig {
         lease_reads: lease,
         read_lease,
@@ -156,14 +140,14 @@ fn run_with(
     let mut next_value = 1;
     let mut direct_reads = 0;
     for ticks in 0..60u32 {
-        match rng.below(10) {
+        match rng.u64(..10) {
             // Faults: isolate or crash a node, or heal everything and restart the dead.
             0 => {
-                let n = 1 + rng.below(3);
+                let n = 1 + rng.u64(..3);
                 c.isolate(n);
             }
             1 => {
-                let n = 1 + rng.below(3);
+                let n = 1 + rng.u64(..3);
                 if c.live().len() == 3 {
                     c.crash(n);
                     // Its clients never hear back: writes may or may not have taken effect.
@@ -186,7 +170,7 @@ fn run_with(
             }
             k if k >= 7 && !read_index => {
                 let live = c.live();
-                let n = live[rng.below(live.len() as u64) as usize];
+                let n = live[rng.usize(..live.len())];
                 let v = c.map(n, 1).get("x").map_or(0, |s| s.parse().unwrap());
                 history.push(Op {
                     kind: Kind::Read(v),
@@ -194,9 +178,9 @@ fn run_with(
                     returned: Some(c.step),
                 });
             }
-            k if k >= 7 && direct && rng.below(2) == 0 => {
+            k if k >= 7 && direct && rng.u64(..2) == 0 => {
                 let live = c.live();
-                let n = live[rng.below(live.len() as u64) as usize];
+                let n = live[rng.usize(..live.len())];
                 let now = base + std::time::Duration::from_millis(100) * ticks;
                 let open = c.node(n).read_gate(1).is_some_and(|g| g.open_at(now));
                 if open {
@@ -216,7 +200,7 @@ fn run_with(
                     .into_iter()
                     .filter(|&n| c.node(n).is_leader(1))
                     .collect();
-                if let Some(&l) = leaders.get(rng.below(leaders.len().max(1) as u64) as usize) {
+                if let Some(&l) = leaders.get(rng.usize(..leaders.len().max(1))) {
                     let invoked = c.step;
                     if k < 7 {
                         let v = next_value;

@@ -49,7 +49,7 @@ use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -293,7 +293,7 @@ impl<F: FileSystem> MetaCache<F> {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         // The state is consistent between statements: a panic elsewhere cannot leave it torn.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        nacre_types::sync::lock(&self.state)
     }
 
     fn begin(&self) -> (u64, Instant) {

@@ -228,7 +228,7 @@ impl Behind {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock leaves plain data behind; carry on with it.
-        self.st.lock().unwrap_or_else(|p| p.into_inner())
+        nacre_types::sync::lock(&self.st)
     }
 
     /// Waits until `ready` holds (checked under the lock), at most `max`; whether it held.

@@ -74,14 +74,6 @@ fn op_size(workload: &str) -> usize {
     }
 }
 
-/// A fast deterministic generator for offsets (xorshift).
-fn next_rand(s: &mut u64) -> u64 {
-    *s ^= *s << 13;
-    *s ^= *s >> 7;
-    *s ^= *s << 17;
-    *s
-}
-
 /// Runs the workloads; `on_row` sees each row as it is measured.
 pub async fn run(p: &Params, mut on_row: impl FnMut(&DataRow)) -> anyhow::Result<Vec<DataRow>> {
     for w in &p.workloads {
@@ -122,10 +114,9 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&DataRow)) -> anyhow::Result
                 .map_err(|e| anyhow::anyhow!("cannot open the volume: {e}"))?,
         );
         let payload = {
-            let mut s = 0x9e37_79b9_7f4a_7c15u64;
-            let v: Vec<u8> = (0..(1 << 20) + 4096)
-                .map(|_| next_rand(&mut s) as u8)
-                .collect();
+            // Incompressible and the same on every run.
+            let mut v = vec![0u8; (1 << 20) + 4096];
+            fastrand::Rng::with_seed(0x9e37_79b9_7f4a_7c15).fill(&mut v);
             Bytes::from(v)
         };
         let mut files = Vec::new();
@@ -208,7 +199,9 @@ async fn measure(
         let ops = ops.clone();
         tasks.spawn(async move {
             let mut lat = Vec::new();
-            let mut rng = 0x2545_f491_4f6c_dd1du64 ^ ((t as u64 + 1) << 32);
+            // Offsets from a deterministic generator, one stream per task.
+            let mut rng =
+                fastrand::Rng::with_seed(0x2545_f491_4f6c_dd1du64 ^ ((t as u64 + 1) << 32));
             let mut stream: Option<SeqWriter> = None;
             let mut ext: Option<(PartitionId, ExtentId, u64)> = None;
             while Instant::now() < until {
@@ -220,9 +213,9 @@ async fn measure(
                         w.flush().await?;
                     }
                     "overwrite-4k" | "overwrite-64k" | "read-4k" => {
-                        let (p, e, len) = files[(next_rand(&mut rng) as usize) % files.len()];
+                        let (p, e, len) = files[rng.usize(..files.len())];
                         let slots = (len / size as u64).max(1);
-                        let off = (next_rand(&mut rng) % slots) * size as u64;
+                        let off = rng.u64(..slots) * size as u64;
                         if workload.starts_with("read") {
                             vol.read_extent(p, e, off, size as u32).await?;
                         } else {

@@ -11,6 +11,7 @@ use std::fmt;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use fastrand::Rng;
 use nacre_msgr::{CallOptions, Client, Payload};
 use nacre_proto::msg::raft::RaftBatchRpc;
 use nacre_proto::msg::sys::{Echo, Ping, PingRequest};
@@ -88,7 +89,7 @@ pub async fn hammer_msgr_within(
             .map(|_| ())
             .map_err(|e| format!("ping failed: {e}"))
     };
-    let cases = msgr_cases(&mut Rng(seed));
+    let cases = msgr_cases(&mut Rng::with_seed(seed));
     hammer(addr, PortKind::Msgr, cases, deadline, alive).await
 }
 
@@ -105,7 +106,7 @@ pub async fn hammer_http_within(addr: &str, seed: u64, deadline: Duration) -> Ga
         let answer = tokio::time::timeout(deadline, attempt(addr, &probe)).await;
         answer.unwrap_or_else(|_| Err(format!("no answer within {deadline:?}")))
     };
-    let cases = http_cases(&mut Rng(seed));
+    let cases = http_cases(&mut Rng::with_seed(seed));
     hammer(addr, PortKind::Http, cases, deadline, alive).await
 }
 
@@ -290,21 +291,11 @@ async fn http_status(s: &mut TcpStream) -> Result<Option<u16>, String> {
     }
 }
 
-/// splitmix64: deterministic bytes from the seed, so a failing run can be replayed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
+/// `n` bytes from `rng`, seeded from the run's seed so that a failing run can be replayed.
+fn random_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    let mut v = vec![0; n];
+    rng.fill(&mut v);
+    v
 }
 
 fn frame(kind: Kind, op: Op, id: u64, body: Vec<u8>, data: Vec<u8>) -> Vec<u8> {
@@ -339,7 +330,7 @@ fn ping() -> Vec<u8> {
 /// the receiver's own decoder, so a real node never runs the handler (and never writes) on them.
 fn garbage<R: Rpc>(rng: &mut Rng, kind: Kind) -> Vec<u8> {
     let body = (0..64)
-        .map(|_| rng.bytes(24))
+        .map(|_| random_bytes(rng, 24))
         .find(|b| decode_body::<R::Request>(R::NAME, b).is_err())
         // Ten 0xff bytes are an overlong varint, which no message type decodes.
         .unwrap_or_else(|| vec![0xff; 24]);
@@ -352,15 +343,15 @@ fn msgr_cases(rng: &mut Rng) -> Vec<Case> {
     // Less than a header: the server rightly waits for more, so end it by closing our side.
     for len in [0, 1, 47] {
         let name = format!("{len} random bytes, then close");
-        v.push(Case::new(name, rng.bytes(len), Expect::Error).eof());
+        v.push(Case::new(name, random_bytes(rng, len), Expect::Error).eof());
     }
-    let echo = frame(Kind::Request, Echo::OP, 1, rng.bytes(16), rng.bytes(1000));
+    let echo = frame(Kind::Request, Echo::OP, 1, random_bytes(rng, 16), random_bytes(rng, 1000));
     let truncated = echo[..HEADER_LEN + 500].to_vec();
     v.push(Case::new("truncated frame, then close", truncated, Expect::Error).eof());
     let (mut body_crc, mut data_crc) = (echo.clone(), echo);
     body_crc[HEADER_LEN] ^= 1;
     data_crc[HEADER_LEN + 16] ^= 1;
-    let (mut b48, mut b4k) = (rng.bytes(HEADER_LEN), rng.bytes(4096));
+    let (mut b48, mut b4k) = (random_bytes(rng, HEADER_LEN), random_bytes(rng, 4096));
     b48[0] |= 0x80; // never "NACR"
     b4k[0] |= 0x80;
     let curl = b"GET / HTTP/1.1\r\nHost: nacre\r\nUser-Agent: curl/8.5.0\r\nAccept: */*\r\n\r\n";
@@ -419,13 +410,13 @@ fn http_cases(rng: &mut Rng) -> Vec<Case> {
     // Random bytes may be a valid request prefix the server waits to see the rest of.
     for len in [0, 1, 64, 4096] {
         let name = format!("{len} random bytes, then close");
-        v.push(Case::new(name, rng.bytes(len), Expect::Http4xx).eof());
+        v.push(Case::new(name, random_bytes(rng, len), Expect::Http4xx).eof());
     }
     let cut = get("");
     let cut = cut[..cut.len() - 2].to_vec();
     v.push(Case::new("headers cut short, then close", cut, Expect::Http4xx).eof());
     let cl = |len: &dyn fmt::Display| format!("Content-Length: {len}\r\n");
-    let random = rng.bytes(256);
+    let random = random_bytes(rng, 256);
     let errors = [
         ("a messenger frame", ping()),
         ("request line without a version", b"GET /metrics\r\n\r\n".to_vec()),

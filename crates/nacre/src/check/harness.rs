@@ -466,7 +466,7 @@ impl Harness {
 
     /// Flips one byte of a block of some extent file on data node `k`, never a block corrupted
     /// before on any node (so a healthy replica of every block remains). Returns what it hit.
-    pub fn corrupt(&mut self, k: usize, rng: &mut u64) -> anyhow::Result<Option<String>> {
+    pub fn corrupt(&mut self, k: usize, rng: &mut fastrand::Rng) -> anyhow::Result<Option<String>> {
         let root = self.nodes[k].dir.join("extents");
         let mut files = Vec::new();
         for part in std::fs::read_dir(&root).into_iter().flatten().flatten() {
@@ -488,9 +488,9 @@ impl Harness {
             return Ok(None);
         }
         for _ in 0..16 {
-            let (path, len) = &files[(next(rng) % files.len() as u64) as usize];
+            let (path, len) = &files[rng.usize(..files.len())];
             let block_size = block_size(&path.with_extension("crc")).unwrap_or(4096);
-            let offset = next(rng) % len;
+            let offset = rng.u64(..*len);
             let part = path
                 .parent()
                 .and_then(Path::file_name)
@@ -584,16 +584,6 @@ fn block_size(crc: &Path) -> Option<u64> {
     File::open(crc).ok()?.read_exact_at(&mut b, 8).ok()?;
     let bs = u64::from(u32::from_le_bytes(b));
     (bs > 0).then_some(bs)
-}
-
-/// xorshift64*: the fault schedules' randomness, reproducible from a seed.
-pub fn next(state: &mut u64) -> u64 {
-    let mut x = (*state).max(1);
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    *state = x;
-    x.wrapping_mul(0x2545_F491_4F6C_DD1D)
 }
 
 impl Drop for Harness {

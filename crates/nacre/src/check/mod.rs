@@ -27,7 +27,7 @@ use nacre_types::{ExtentId, Ino, PartitionId};
 use serde::Serialize;
 use tokio::sync::watch;
 
-use harness::{Harness, HarnessConfig, Role, next};
+use harness::{Harness, HarnessConfig, Role};
 use workload::{Workload, WorkloadConfig};
 
 const VOLUME: &str = "check";
@@ -673,7 +673,8 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     let mut faults = Vec::new();
     let mut probes = tokio::task::JoinSet::new();
     let mut garbage_problems = Vec::new();
-    let mut rng = seed ^ 0x5EED_F00D;
+    // The fault schedule's randomness, reproducible from the seed.
+    let mut rng = fastrand::Rng::with_seed(seed ^ 0x5EED_F00D);
     let mut turn = 0usize;
     let kinds = [
         Schedule::KillData,
@@ -712,7 +713,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
             faults.push(fault(start, "free-disk", "data-0", String::new()));
         }
         let kind = match a.schedule {
-            Schedule::All => kinds[(next(&mut rng) % kinds.len() as u64) as usize],
+            Schedule::All => kinds[rng.usize(..kinds.len())],
             s => s,
         };
         let half = a.interval / 2;
@@ -788,7 +789,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
                     .collect();
                 let mut skipped = Vec::new();
                 for n in serving.iter().map(|&k| &h.nodes[k]) {
-                    let s = next(&mut rng);
+                    let s = rng.u64(..);
                     let r = garbage::hammer_msgr(&client, &n.addr, s).await;
                     if r.down_before {
                         skipped.push(n.name.clone());
@@ -987,6 +988,6 @@ fn kind_label(s: Schedule) -> &'static str {
     }
 }
 
-fn pick(of: &[usize], rng: &mut u64) -> usize {
-    of[(next(rng) % of.len().max(1) as u64) as usize]
+fn pick(of: &[usize], rng: &mut fastrand::Rng) -> usize {
+    of[rng.usize(..of.len().max(1))]
 }
