@@ -49,6 +49,7 @@ use nacre_cluster::{NodeRaft, SpecRegistry, run_node};
 use nacre_msgr::Client;
 use nacre_proto::msg::RemoteError;
 use nacre_raft::{RaftError, RaftHandle};
+use nacre_types::sync::lock;
 use nacre_types::{ErrorCode, ExtentId, NodeId, PartitionId};
 use tokio::sync::watch;
 
@@ -112,9 +113,7 @@ struct Part {
 impl Part {
     /// Bytes the partition's store takes on disk, measured at most once per [`USED_EVERY`].
     fn used(&self) -> u64 {
-        let Ok(mut used) = self.used.lock() else {
-            return self.store.used();
-        };
+        let mut used = lock(&self.used);
         match *used {
             Some((at, bytes)) if at.elapsed() < USED_EVERY => bytes,
             _ => {
@@ -134,10 +133,7 @@ impl Part {
     /// unacknowledged tail of an earlier leader, which the next packet at the committed offset must
     /// be able to drop; the leader's packets tell it what is committed.
     fn track_with(&self, extent: ExtentId, len_committed: bool) -> Result<Arc<Track>, DataError> {
-        let mut tracks = self
-            .tracks
-            .lock()
-            .map_err(|_| DataError::Io("poisoned".into()))?;
+        let mut tracks = lock(&self.tracks);
         if let Some(t) = tracks.get(&extent) {
             return Ok(t.clone());
         }
@@ -150,13 +146,9 @@ impl Part {
 
     /// Steps the partition's replication core with `event` and drains what it decided.
     fn step(&self, event: Event) -> Vec<Action> {
-        match self.repl.lock() {
-            Ok(mut r) => {
-                r.step(event);
-                r.ready()
-            }
-            Err(_) => Vec::new(),
-        }
+        let mut r = lock(&self.repl);
+        r.step(event);
+        r.ready()
     }
 
     /// Tells the core that a write failed on some replica (`event` is
@@ -190,28 +182,24 @@ impl Part {
 
     /// Whether this replica, as leader, aligned the committed lengths under `term`.
     fn aligned(&self, term: u64) -> bool {
-        self.repl.lock().is_ok_and(|r| r.aligned(term))
+        lock(&self.repl).aligned(term)
     }
 
     /// Why the partition takes no appends, if it does not.
     fn degraded(&self) -> Option<String> {
-        self.repl
-            .lock()
-            .ok()
-            .and_then(|r| r.degraded().map(str::to_owned))
+        lock(&self.repl).degraded().map(str::to_owned)
     }
 
     fn followers(&self, me: u64) -> Vec<Replica> {
-        self.replicas
-            .lock()
-            .map(|r| r.iter().filter(|r| r.node.0 != me).cloned().collect())
-            .unwrap_or_default()
+        lock(&self.replicas)
+            .iter()
+            .filter(|r| r.node.0 != me)
+            .cloned()
+            .collect()
     }
 
     fn addr_of(&self, node: u64) -> Option<String> {
-        self.replicas
-            .lock()
-            .ok()?
+        lock(&self.replicas)
             .iter()
             .find(|r| r.node.0 == node)
             .map(|r| r.addr.clone())
@@ -321,9 +309,7 @@ impl DataNode {
         // per directory, so opening is one at a time.
         let _one = self.inner.opening.lock().await;
         if let Some(p) = self.part(spec.id) {
-            if let Ok(mut r) = p.replicas.lock() {
-                *r = spec.replicas.clone();
-            }
+            *lock(&p.replicas) = spec.replicas.clone();
             return Ok(());
         }
         let dir = self.part_dir(spec.id);
@@ -347,9 +333,7 @@ impl DataNode {
         let shared = Arc::new(SmShared::default());
         // Blocks recovery kept although they fail their CRC: compared with the leader's copy at the
         // next repair (a leader repairs them when a read finds them).
-        if let Ok(mut s) = shared.suspect.lock() {
-            s.extend(store.recovery_bad_blocks().iter().map(|(e, _)| *e));
-        }
+        lock(&shared.suspect).extend(store.recovery_bad_blocks().iter().map(|(e, _)| *e));
         let voters: Vec<u64> = peers.keys().copied().collect();
         let sm = DataSm::new(store.clone(), shared.clone());
         match raft.add_group(spec.id.0, &voters, sm).await {
@@ -373,14 +357,12 @@ impl DataNode {
             gate,
             used: Mutex::new(None),
         });
-        if let Ok(mut parts) = self.inner.parts.lock() {
-            parts.insert(spec.id, part);
-        }
+        lock(&self.inner.parts).insert(spec.id, part);
         Ok(())
     }
 
     fn part(&self, id: PartitionId) -> Option<Arc<Part>> {
-        self.inner.parts.lock().ok()?.get(&id).cloned()
+        lock(&self.inner.parts).get(&id).cloned()
     }
 
     fn hosted_part(&self, id: PartitionId) -> Result<Arc<Part>, RemoteError> {

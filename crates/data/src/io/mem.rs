@@ -7,7 +7,9 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
+
+use nacre_types::sync::{lock, read, write};
 
 use super::{Disk, DiskFile, check_name};
 
@@ -128,11 +130,6 @@ fn write_into(data: &mut Vec<u8>, off: u64, bytes: &[u8]) {
     data[off..end].copy_from_slice(bytes);
 }
 
-/// Locks a mutex, ignoring poisoning: every critical section here leaves its data consistent.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 /// splitmix64: a tiny deterministic generator for crash images.
 #[derive(Debug)]
 struct Rng(u64);
@@ -173,7 +170,7 @@ impl MemDisk {
         let dir = lock(&self.dir);
         let mut files = BTreeMap::new();
         for (name, inode) in &dir.durable {
-            let st = inode.state.read().unwrap_or_else(PoisonError::into_inner);
+            let st = read(&inode.state);
             let data = st.survivor(rng.as_mut());
             let inode = Arc::new(MemInode {
                 state: RwLock::new(InodeState {
@@ -208,7 +205,7 @@ impl MemDisk {
             if !seen.insert(Arc::as_ptr(inode)) {
                 continue;
             }
-            let mut st = inode.state.write().unwrap_or_else(PoisonError::into_inner);
+            let mut st = write(&inode.state);
             let data = st.survivor(Some(&mut rng));
             st.synced = data.clone();
             st.data = data;
@@ -230,7 +227,7 @@ impl MemDisk {
     pub fn read_file(&self, name: &str) -> Option<Vec<u8>> {
         let dir = lock(&self.dir);
         let inode = dir.live.get(name)?;
-        let st = inode.state.read().unwrap_or_else(PoisonError::into_inner);
+        let st = read(&inode.state);
         Some(st.data.clone())
     }
 
@@ -258,7 +255,7 @@ impl MemDisk {
             .live
             .get(name)
             .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, name.to_owned()))?;
-        let mut st = inode.state.write().unwrap_or_else(PoisonError::into_inner);
+        let mut st = write(&inode.state);
         let off = to_usize(offset);
         if off >= st.data.len() {
             return Err(io::Error::new(
@@ -337,7 +334,7 @@ impl Disk for MemDisk {
     fn sync_fs(&self) -> io::Result<bool> {
         let mut dir = lock(&self.dir);
         for inode in dir.live.values() {
-            let mut st = inode.state.write().unwrap_or_else(PoisonError::into_inner);
+            let mut st = write(&inode.state);
             st.synced = st.data.clone();
             st.pending.clear();
         }
@@ -351,13 +348,7 @@ impl Disk for MemDisk {
         Ok(dir
             .live
             .values()
-            .map(|i| {
-                i.state
-                    .read()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .data
-                    .len() as u64
-            })
+            .map(|i| read(&i.state).data.len() as u64)
             .sum())
     }
 }
@@ -376,11 +367,7 @@ impl Drop for MemFile {
 
 impl MemFile {
     fn change(&self, change: Change) {
-        let mut st = self
-            .inode
-            .state
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut st = write(&self.inode.state);
         change.apply(&mut st.data);
         st.pending.push(change);
     }
@@ -388,11 +375,7 @@ impl MemFile {
 
 impl DiskFile for MemFile {
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<usize> {
-        let st = self
-            .inode
-            .state
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
+        let st = read(&self.inode.state);
         let start = to_usize(off).min(st.data.len());
         let n = buf.len().min(st.data.len() - start);
         buf[..n].copy_from_slice(&st.data[start..start + n]);
@@ -410,11 +393,7 @@ impl DiskFile for MemFile {
     }
 
     fn len(&self) -> io::Result<u64> {
-        let st = self
-            .inode
-            .state
-            .read()
-            .unwrap_or_else(PoisonError::into_inner);
+        let st = read(&self.inode.state);
         Ok(st.data.len() as u64)
     }
 
@@ -424,11 +403,7 @@ impl DiskFile for MemFile {
     }
 
     fn sync_data(&self) -> io::Result<()> {
-        let mut st = self
-            .inode
-            .state
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut st = write(&self.inode.state);
         st.synced = st.data.clone();
         st.pending.clear();
         Ok(())

@@ -75,10 +75,7 @@ impl DataNode {
     /// One round of background duties: leaders align and re-check read-only partitions, followers
     /// repair, and reports are refreshed.
     pub async fn maintain(&self) {
-        let parts: Vec<Arc<Part>> = match self.inner.parts.lock() {
-            Ok(p) => p.values().cloned().collect(),
-            Err(_) => return,
-        };
+        let parts: Vec<Arc<Part>> = lock(&self.inner.parts).values().cloned().collect();
         self.retire_spares(&parts).await;
         let idle_since = Instant::now().checked_sub(self.inner.config.spare_keep);
         for part in &parts {
@@ -155,12 +152,9 @@ impl DataNode {
                 (p.id, c)
             })
             .collect();
-        let (secs, before) = match self.inner.last_report.lock() {
-            Ok(mut l) => match l.replace((now, counts.clone())) {
-                Some((t, b)) => (now.duration_since(t).as_secs_f64(), b),
-                None => (0.0, BTreeMap::new()),
-            },
-            Err(_) => return,
+        let (secs, before) = match lock(&self.inner.last_report).replace((now, counts.clone())) {
+            Some((t, b)) => (now.duration_since(t).as_secs_f64(), b),
+            None => (0.0, BTreeMap::new()),
         };
         let mut reports = Vec::new();
         for p in parts {
@@ -185,9 +179,7 @@ impl DataNode {
                 bytes_per_s: rate(bytes, bytes0),
             });
         }
-        if let Ok(mut r) = self.inner.reports.lock() {
-            *r = reports;
-        }
+        *lock(&self.inner.reports) = reports;
     }
 }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use nacre_api::master::Replica;
 use nacre_msgr::{CallOptions, Payload};
 use nacre_proto::msg::RemoteError;
+use nacre_types::sync::lock;
 use nacre_types::{ExtentId, PartitionId};
 
 use super::append::Track;
@@ -51,11 +52,10 @@ impl DataNode {
         }
         let me = self.raft()?.id();
         let followers = part.followers(me);
-        let known: Vec<(ExtentId, u64)> = part
-            .tracks
-            .lock()
-            .map(|t| t.iter().map(|(e, t)| (*e, t.committed())).collect())
-            .unwrap_or_default();
+        let known: Vec<(ExtentId, u64)> = lock(&part.tracks)
+            .iter()
+            .map(|(e, t)| (*e, t.committed()))
+            .collect();
         let mut ready = part.step(Event::Elected {
             term,
             followers: followers.iter().map(|r| r.node.0).collect(),
@@ -124,14 +124,14 @@ impl DataNode {
             .copied()
             .filter(|e| part.shared.released(*e))
             .collect();
-        let held = part.tracks.lock().ok();
-        let busy = held.as_ref().map(|t| {
+        let mut held = lock(&part.tracks);
+        let busy = Some(
             extents
                 .iter()
                 .copied()
-                .filter(|e| t.get(e).is_some_and(|t| Arc::strong_count(t) > 1))
-                .collect()
-        });
+                .filter(|e| held.get(e).is_some_and(|t| Arc::strong_count(t) > 1))
+                .collect(),
+        );
         let mut tracks = HashMap::new();
         let mut rest = Vec::new();
         for action in part.step(Event::Settle {
@@ -155,9 +155,7 @@ impl DataNode {
                 other => rest.push(other),
             }
         }
-        if let Some(mut t) = held {
-            *t = tracks;
-        }
+        *held = tracks;
         rest
     }
 
@@ -196,12 +194,10 @@ impl DataNode {
         // Tracks of extents released since they were made (a release this leader applied but did
         // not propose, or one applied after the alignment) would otherwise ask for bytes nobody
         // keeps, and the partition would stay read-only for good.
-        let committed: Vec<(ExtentId, u64)> = match part.tracks.lock() {
-            Ok(mut t) => {
-                t.retain(|e, _| !part.shared.released(*e));
-                t.iter().map(|(e, t)| (*e, t.committed())).collect()
-            }
-            Err(_) => return,
+        let committed: Vec<(ExtentId, u64)> = {
+            let mut t = lock(&part.tracks);
+            t.retain(|e, _| !part.shared.released(*e));
+            t.iter().map(|(e, t)| (*e, t.committed())).collect()
         };
         let local = committed
             .iter()

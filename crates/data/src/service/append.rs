@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use nacre_msgr::Payload;
 use nacre_types::ExtentId;
+use nacre_types::sync::lock;
 use tokio::sync::watch;
 
 use super::TINY_ALIGN;
@@ -52,10 +53,8 @@ impl Track {
     }
 
     /// Holds the extent's write lock ([`Track::write`]).
-    pub(super) fn lock_write(&self) -> Result<std::sync::MutexGuard<'_, ()>, DataError> {
-        self.write
-            .lock()
-            .map_err(|_| DataError::Io("poisoned".into()))
+    pub(super) fn lock_write(&self) -> std::sync::MutexGuard<'_, ()> {
+        lock(&self.write)
     }
 
     /// Raises the committed length (and so the replicated one) to `upto`.
@@ -204,10 +203,7 @@ impl DataNode {
         // before it are written here, and is written with the packets then waiting after it.
         let (done, mut written) = tokio::sync::oneshot::channel();
         let start = {
-            let mut inbox = track
-                .inbox
-                .lock()
-                .map_err(|_| DataError::Io("poisoned".into()))?;
+            let mut inbox = lock(&track.inbox);
             // A stale retry (its bytes written already, or a copy of it waiting).
             if offset < *track.next.borrow() || inbox.waiting.contains_key(&offset) {
                 return Err(out_of_range(&track));
@@ -232,13 +228,7 @@ impl DataNode {
             Err(_) => {
                 // Still waiting for the bytes before it: give up. Taken into a batch meanwhile:
                 // its result is on the way.
-                let gave_up = track
-                    .inbox
-                    .lock()
-                    .map_err(|_| DataError::Io("poisoned".into()))?
-                    .waiting
-                    .remove(&offset)
-                    .is_some();
+                let gave_up = lock(&track.inbox).waiting.remove(&offset).is_some();
                 if gave_up {
                     return Err(out_of_range(&track));
                 }
@@ -305,7 +295,7 @@ impl DataNode {
             let written = {
                 let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
                 off_worker(move || {
-                    let _w = track.lock_write()?;
+                    let _w = track.lock_write();
                     let committed = track.committed();
                     if *track.next.borrow() != offset {
                         return Err(DataError::OutOfRange {
@@ -340,11 +330,7 @@ impl DataNode {
                     });
                 }
                 Err(e) => {
-                    let left = track
-                        .inbox
-                        .lock()
-                        .map(|mut i| std::mem::take(&mut i.waiting))
-                        .unwrap_or_default();
+                    let left = std::mem::take(&mut lock(&track.inbox).waiting);
                     for a in batch.into_iter().chain(left.into_values()) {
                         let _ = a.done.send(Err(e.clone()));
                     }
@@ -367,16 +353,11 @@ impl DataNode {
             .acquire()
             .await
             .map_err(|_| DataError::Io("partition closing".into()))?;
-        let extent = part
-            .tiny_pool
-            .lock()
-            .ok()
-            .and_then(|mut p| p.pop())
+        let extent = lock(&part.tiny_pool)
+            .pop()
             .ok_or_else(|| DataError::Io("no tiny extent free".into()))?;
         let out = self.write_tiny_into(part, extent, &data).await;
-        if let Ok(mut p) = part.tiny_pool.lock() {
-            p.push(extent);
-        }
+        lock(&part.tiny_pool).push(extent);
         out
     }
 
@@ -388,14 +369,10 @@ impl DataNode {
     ) -> Result<Written, DataError> {
         let track = match part.track(extent) {
             Ok(t) => t,
-            Err(DataError::NotFound(_)) => {
-                let t = Track::new(0, 0);
-                if let Ok(mut tracks) = part.tracks.lock() {
-                    tracks.entry(extent).or_insert(t).clone()
-                } else {
-                    t
-                }
-            }
+            Err(DataError::NotFound(_)) => lock(&part.tracks)
+                .entry(extent)
+                .or_insert_with(|| Track::new(0, 0))
+                .clone(),
             Err(e) => return Err(e),
         };
         let len = data.bytes.len() as u64;
@@ -403,7 +380,7 @@ impl DataNode {
         let (offset, committed_before) = {
             let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
             off_worker(move || {
-                let _w = track.lock_write()?;
+                let _w = track.lock_write();
                 let offset = (*track.next.borrow()).next_multiple_of(TINY_ALIGN);
                 store.write(extent, offset, &bytes).map_err(write_error)?;
                 track.next.send_replace(offset + len);
@@ -447,7 +424,7 @@ pub(super) fn degrade_if_full(part: &Part, e: &DataError) {
 /// one batch of at most [`MAX_BATCH`] bytes, with its offset; refuses the stale ones (below that
 /// point). None, and the writer stops: nothing to write yet.
 pub(super) fn take_batch(track: &Track, extent: ExtentId) -> Option<(u64, Vec<Arrived>)> {
-    let mut inbox = track.inbox.lock().ok()?;
+    let mut inbox = lock(&track.inbox);
     let start = *track.next.borrow();
     let plan = plan_batch(
         start,

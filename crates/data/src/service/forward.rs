@@ -6,6 +6,7 @@ use std::time::Duration;
 use nacre_msgr::{CallOptions, Client, MsgrError, Payload};
 use nacre_proto::msg::sys::{Ping, PingRequest};
 use nacre_types::ExtentId;
+use nacre_types::sync::lock;
 
 use super::append::{MAX_BATCH, Track};
 use super::{DataNode, Part, off_worker};
@@ -95,10 +96,7 @@ impl DataNode {
                     part.store.create(req.extent).map_err(store_error)?;
                 }
                 let t = Track::new(0, 0);
-                match part.tracks.lock() {
-                    Ok(mut tracks) => tracks.entry(req.extent).or_insert(t).clone(),
-                    Err(_) => t,
-                }
+                lock(&part.tracks).entry(req.extent).or_insert(t).clone()
             }
             Err(e) => return Err(e),
         };
@@ -116,7 +114,7 @@ impl DataNode {
         }
         let (store, bytes) = (part.store.clone(), data.bytes.clone());
         off_worker(move || {
-            let _w = track.lock_write()?;
+            let _w = track.lock_write();
             let have = *track.next.borrow();
             let out_of_range = |committed| DataError::OutOfRange {
                 extent: req.extent,

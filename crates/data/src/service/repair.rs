@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use nacre_msgr::{CallOptions, Payload};
 use nacre_raft::RaftError;
+use nacre_types::sync::lock;
 use nacre_types::{ExtentId, PartitionId};
 
 use super::{DataNode, Part, err_str};
@@ -60,9 +61,7 @@ impl DataNode {
         }
         // Forgotten while the store still refuses work, so no track is built from the old lengths;
         // a packet that took one earlier fails its `sync_since`.
-        if let Ok(mut t) = part.tracks.lock() {
-            t.clear();
-        }
+        lock(&part.tracks).clear();
         let store = part.store.clone();
         match tokio::task::spawn_blocking(move || store.reopen()).await {
             Ok(Ok(())) => {
@@ -126,12 +125,7 @@ impl DataNode {
             .ok_or_else(|| format!("leader node-{leader} is not a known replica"))?;
         let list = self.list_extents(&addr, part.id).await?;
         let all = part.shared.suspect_all.load(Ordering::Acquire);
-        let suspects: std::collections::BTreeSet<ExtentId> = part
-            .shared
-            .suspect
-            .lock()
-            .map(|s| s.clone())
-            .unwrap_or_default();
+        let suspects: std::collections::BTreeSet<ExtentId> = lock(&part.shared.suspect).clone();
         let bs = u64::from(part.store.block_size());
         for (extent, _len, committed) in list.extents {
             let have = match part.store.len(extent) {
@@ -144,9 +138,7 @@ impl DataNode {
                 match step {
                     RepairStep::Compare { upto } => {
                         self.compare_blocks(part, &addr, extent, upto).await?;
-                        if let Ok(mut s) = part.shared.suspect.lock() {
-                            s.remove(&extent);
-                        }
+                        lock(&part.shared.suspect).remove(&extent);
                     }
                     RepairStep::Copy { first, count } => {
                         self.copy_blocks(part, &addr, extent, first, count).await?;
@@ -155,11 +147,7 @@ impl DataNode {
             }
             if have < committed {
                 // A packet may be waiting for these bytes (`take_replica`): its track must see them.
-                let track = part
-                    .tracks
-                    .lock()
-                    .ok()
-                    .and_then(|t| t.get(&extent).cloned());
+                let track = lock(&part.tracks).get(&extent).cloned();
                 if let (Some(t), Ok(len)) = (track, part.store.len(extent)) {
                     t.next.send_if_modified(|n| {
                         let grew = len > *n;

@@ -9,6 +9,7 @@ use nacre_msgr::{Incoming, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
 use nacre_types::ExtentId;
+use nacre_types::sync::lock;
 
 use super::DataMetrics;
 use super::append::Track;
@@ -78,10 +79,10 @@ async fn create_extent(
     let out = node.propose(&part, &DataCommand::CreateExtent).await?;
     let out =
         out.and_then(|id| id.ok_or_else(|| DataError::Io("create returned no extent".into())));
-    if let Ok(id) = out
-        && let Ok(mut t) = part.tracks.lock()
-    {
-        t.entry(id).or_insert_with(|| Track::new(0, 0));
+    if let Ok(id) = out {
+        lock(&part.tracks)
+            .entry(id)
+            .or_insert_with(|| Track::new(0, 0));
     }
     Ok((out, Payload::none()))
 }
@@ -171,9 +172,8 @@ async fn release(
             },
         )
         .await?;
-    if out.is_ok()
-        && let Ok(mut t) = part.tracks.lock()
-    {
+    if out.is_ok() {
+        let mut t = lock(&part.tracks);
         for (e, _, _) in &req.ranges {
             if !ExtentStore::is_tiny(*e) {
                 t.remove(e);
@@ -204,11 +204,10 @@ async fn list_extents(
 ) -> Reply<Result<ExtentList, DataError>> {
     let part = node.hosted_part(req.partition)?;
     let applied = part.shared.applied();
-    let known: HashMap<ExtentId, u64> = part
-        .tracks
-        .lock()
-        .map(|t| t.iter().map(|(e, t)| (*e, t.committed())).collect())
-        .unwrap_or_default();
+    let known: HashMap<ExtentId, u64> = lock(&part.tracks)
+        .iter()
+        .map(|(e, t)| (*e, t.committed()))
+        .collect();
     let extents = part
         .store
         .extents()

@@ -43,12 +43,12 @@ mod write;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{
-    Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
-    TryLockError,
-};
+use std::sync::{Arc, Condvar, Mutex, RwLock, RwLockReadGuard, TryLockError};
 use std::time::Instant;
 
+// The workspace's lock policy (nacre_types::sync). Critical sections here update memory only after
+// their IO succeeded, so a panic never leaves a half-updated state behind.
+use nacre_types::sync::{lock, read, write};
 use nacre_types::{ErrorCode, ExtentId, crc32c};
 use serde::{Deserialize, Serialize};
 
@@ -413,20 +413,6 @@ impl std::fmt::Debug for ExtentStore {
             .field("failed", &self.failed.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
-}
-
-// Critical sections update memory only after their IO succeeded, so a panic elsewhere never leaves a
-// half-updated state behind: poisoning is ignored.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    l.read().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    l.write().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn kind(id: ExtentId) -> Result<Kind, StoreError> {

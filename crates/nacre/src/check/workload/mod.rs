@@ -37,8 +37,10 @@ use std::fmt;
 use std::future::Future;
 use std::io::{self, Write as _};
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use nacre_types::sync::lock;
 use std::time::{Duration, Instant};
 
 use nacre_client::{CallError, FileSystem, FsError, FsResult, OpenFlags};
@@ -257,10 +259,6 @@ pub struct Workload {
     run_findings: Mutex<Vec<(Finding, u64)>>,
     log: Option<Mutex<AckLog>>,
     started: Instant,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn unknown(why: &str) -> FsError {
