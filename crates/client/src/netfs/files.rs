@@ -1,0 +1,408 @@
+//! The data path of open files: handles and the per-inode [`OpenFile`], runs of sequential
+//! writes and how they are committed (tiny extent or [`SeqWriter`] stream, then the extent keys),
+//! writes and reads of committed bytes, and hiding open files that are unlinked.
+
+use super::*;
+
+impl Inner {
+    pub(super) fn handle(&self, fh: Fh) -> FsResult<Handle> {
+        lock(&self.handles)
+            .get(&fh)
+            .cloned()
+            .ok_or(FsError::BadHandle(fh.0))
+    }
+
+    pub(super) fn open_file(&self, ino: Ino) -> Option<Arc<OpenFile>> {
+        lock(&self.files).get(&ino).cloned()
+    }
+
+    /// Opens a handle on `attr`'s inode.
+    pub(super) async fn open_attr(&self, attr: &Attr, flags: OpenFlags) -> FsResult<Fh> {
+        let file = {
+            let mut files = lock(&self.files);
+            let f = files.entry(attr.ino).or_insert_with(|| {
+                Arc::new(OpenFile {
+                    ino: attr.ino,
+                    opens: AtomicU64::new(0),
+                    hidden: Mutex::new(None),
+                    next_turn: AtomicU64::new(0),
+                    serving: tokio::sync::watch::Sender::new(0),
+                    state: tokio::sync::Mutex::new(FileState {
+                        size: attr.size,
+                        extents: None,
+                        run: None,
+                        idle_stream: None,
+                        ahead: None,
+                        last_read_end: 0,
+                        error: None,
+                    }),
+                })
+            });
+            f.opens.fetch_add(1, Ordering::Relaxed);
+            f.clone()
+        };
+        {
+            // Refreshed on open: another client may have changed the file.
+            let mut st = file.state.lock().await;
+            if st.run.is_none() {
+                st.size = attr.size;
+                st.extents = None;
+                st.ahead = None;
+            }
+        }
+        let fh = Fh(self.next_fh.fetch_add(1, Ordering::Relaxed));
+        lock(&self.handles).insert(fh, Handle { file, flags });
+        Ok(fh)
+    }
+
+    /// Commits the run of `f` (if any): its keys go to the meta node. On failure the run's bytes
+    /// are lost; the error is returned and kept for the next flush to report.
+    pub(super) async fn flush_file(&self, f: &OpenFile, st: &mut FileState) -> FsResult<()> {
+        let r = self.commit_run(f, st).await;
+        if let Err(e) = &r {
+            st.error = Some(e.to_string());
+        }
+        r
+    }
+
+    /// [`Self::flush_file`] for `flush`, `fsync` and `release`: also reports an earlier failure
+    /// (once).
+    pub(super) async fn flush_reporting(&self, f: &OpenFile, st: &mut FileState) -> FsResult<()> {
+        let r = self.flush_file(f, st).await;
+        match (r, st.error.take()) {
+            (Err(e), _) => Err(e),
+            (Ok(()), Some(earlier)) => Err(FsError::WriteFailed(earlier)),
+            (Ok(()), None) => Ok(()),
+        }
+    }
+
+    pub(super) async fn commit_run(&self, f: &OpenFile, st: &mut FileState) -> FsResult<()> {
+        let Some(mut run) = st.run.take() else {
+            return Ok(());
+        };
+        let len = run.end() - run.start;
+        if len == 0 {
+            st.idle_stream = run.stream.map(|s| (run.start + run.sent, s));
+            return Ok(());
+        }
+        let end = run.end();
+        let (keys, stream) = if run.stream.is_none() && run.buf.len() <= self.cfg.tiny_max {
+            (
+                vec![self.write_tiny(run.start, run.buf.freeze()).await?],
+                None,
+            )
+        } else {
+            let mut s = match run.stream.take() {
+                Some(s) => s,
+                None => SeqWriter::new(self.vol.clone(), run.start, self.cfg.inflight),
+            };
+            s.write(run.buf.split().freeze()).await.map_err(fs_err)?;
+            s.flush().await.map_err(fs_err)?;
+            (s.take_keys(), Some(s))
+        };
+        let attr = self.meta.append_extents(f.ino, keys).await?;
+        st.size = attr.size.max(end);
+        st.extents = None;
+        st.idle_stream = stream.map(|s| (end, s));
+        Ok(())
+    }
+
+    /// One small piece of a file in a tiny extent (moving on from partitions that refuse it).
+    pub(super) async fn write_tiny(&self, file_offset: u64, data: Bytes) -> FsResult<ExtentKey> {
+        let mut failed: Vec<PartitionId> = Vec::new();
+        let mut last = DataCallError::NoWritablePartition;
+        for attempt in 0..8usize {
+            let Some(p) = self
+                .vol
+                .pick_writable(attempt + file_offset as usize, &failed)
+            else {
+                if attempt > 0 {
+                    let _ = self.vol.refresh().await;
+                    failed.clear();
+                    continue;
+                }
+                break;
+            };
+            match self.vol.write_tiny(p, data.clone()).await {
+                Ok(w) => {
+                    return Ok(ExtentKey {
+                        file_offset,
+                        partition: p,
+                        extent: w.extent,
+                        extent_offset: w.offset,
+                        size: data.len() as u32,
+                        crc: nacre_types::crc32c(&data),
+                    });
+                }
+                Err(e) if e.try_elsewhere() => {
+                    failed.push(p);
+                    last = e;
+                }
+                Err(e) => return Err(fs_err(e)),
+            }
+        }
+        Err(fs_err(last))
+    }
+
+    /// The committed extent keys of `f`.
+    pub(super) async fn extents<'a>(
+        &self,
+        f: &OpenFile,
+        st: &'a mut FileState,
+    ) -> FsResult<&'a [ExtentKey]> {
+        if st.extents.is_none() {
+            let (attr, keys) = self.meta.extents(f.ino).await?;
+            let run_end = st.run.as_ref().map_or(0, Run::end);
+            st.size = attr.size.max(run_end);
+            st.extents = Some(keys);
+        }
+        Ok(st.extents.as_deref().unwrap_or(&[]))
+    }
+
+    /// Writes `data` at `off` into the committed part of the file: in place where a normal extent
+    /// holds the bytes, copy-on-write elsewhere (holes, tiny extents).
+    pub(super) async fn write_committed(
+        &self,
+        f: &OpenFile,
+        st: &mut FileState,
+        off: u64,
+        data: Bytes,
+    ) -> FsResult<()> {
+        let end = off + data.len() as u64;
+        let keys: Vec<ExtentKey> = self
+            .extents(f, st)
+            .await?
+            .iter()
+            .filter(|k| k.file_offset < end && k.end() > off)
+            .cloned()
+            .collect();
+        let mut pieces = Vec::new(); // (partition, extent, extent offset, bytes) to write in place
+        let mut cow: Vec<(u64, u64)> = Vec::new(); // file ranges to rewrite
+        let mut pos = off;
+        for k in &keys {
+            let from = k.file_offset.max(off);
+            let to = k.end().min(end);
+            if from > pos {
+                cow.push((pos, from));
+            }
+            if k.extent.is_tiny() {
+                cow.push((from, to));
+            } else {
+                let mut at = from;
+                while at < to {
+                    let n = (to - at).min(MAX_PACKET as u64);
+                    let piece = data.slice((at - off) as usize..(at - off + n) as usize);
+                    let eo = k.extent_offset + (at - k.file_offset);
+                    pieces.push((k.partition, k.extent, eo, piece));
+                    at += n;
+                }
+            }
+            pos = to;
+        }
+        if pos < end {
+            cow.push((pos, end));
+        }
+        if cow.is_empty() && pieces.len() == 1 {
+            // The common small overwrite: one call, without a task of its own.
+            if let Some((p, e, eo, piece)) = pieces.pop() {
+                self.vol.overwrite(p, e, eo, piece).await.map_err(fs_err)?;
+            }
+            return Ok(());
+        }
+        let mut in_place = JoinSet::new();
+        for (p, e, eo, piece) in pieces {
+            let vol = self.vol.clone();
+            in_place.spawn(async move { vol.overwrite(p, e, eo, piece).await });
+        }
+        let mut new_keys = Vec::new();
+        for (from, to) in cow {
+            let piece = data.slice((from - off) as usize..(to - off) as usize);
+            if piece.len() <= self.cfg.tiny_max {
+                new_keys.push(self.write_tiny(from, piece).await?);
+            } else {
+                let mut s = SeqWriter::new(self.vol.clone(), from, self.cfg.inflight);
+                s.write(piece).await.map_err(fs_err)?;
+                new_keys.extend(s.finish().await.map_err(fs_err)?);
+            }
+        }
+        let mut first_err = None;
+        while let Some(r) = in_place.join_next().await {
+            let r = r
+                .map_err(|e| FsError::WriteFailed(e.to_string()))
+                .and_then(|r| r.map_err(fs_err));
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        if !new_keys.is_empty() {
+            let attr = self.meta.append_extents(f.ino, new_keys).await?;
+            st.size = st.size.max(attr.size);
+            st.extents = None;
+        }
+        Ok(())
+    }
+
+    /// Bytes `[off, off + len)` of the committed file (holes as zeros; `len` already clipped).
+    pub(super) async fn read_committed(
+        &self,
+        f: &OpenFile,
+        st: &mut FileState,
+        off: u64,
+        len: u64,
+    ) -> FsResult<Bytes> {
+        let end = off + len;
+        let piece_max = u64::from(self.cfg.read_piece);
+        let mut reads = JoinSet::new();
+        for k in self.extents(f, st).await? {
+            let from = k.file_offset.max(off);
+            let to = k.end().min(end);
+            let mut at = from;
+            while at < to {
+                let n = (to - at).min(piece_max);
+                let vol = self.vol.clone();
+                let (p, e, eo) = (
+                    k.partition,
+                    k.extent,
+                    k.extent_offset + (at - k.file_offset),
+                );
+                let dst = at - off;
+                reads.spawn(async move { (dst, vol.read_extent(p, e, eo, n as u32).await) });
+                at += n;
+            }
+        }
+        let mut out = vec![0u8; len as usize];
+        while let Some(r) = reads.join_next().await {
+            let (dst, bytes) =
+                r.map_err(|e| FsError::Unavailable(CallError::Unknown(e.to_string())))?;
+            let bytes = bytes.map_err(fs_err)?;
+            out[dst as usize..dst as usize + bytes.len()].copy_from_slice(&bytes);
+        }
+        Ok(Bytes::from(out))
+    }
+
+    /// Flushes open state of `ino` (before a truncate or an attribute read that must be exact).
+    pub(super) async fn flush_ino(&self, ino: Ino) -> FsResult<()> {
+        if let Some(f) = self.open_file(ino) {
+            let mut st = f.state.lock().await;
+            self.flush_file(&f, &mut st).await?;
+        }
+        Ok(())
+    }
+
+    /// Attributes as this client sees them: a file it has open is at least as long as its open
+    /// state says (bytes written but not committed yet, or committed after the meta node was
+    /// asked), and a hidden (unlinked while open) file has one link less.
+    pub(super) async fn overlay(&self, mut attr: Attr) -> Attr {
+        if let Some(f) = self.open_file(attr.ino) {
+            let st = f.state.lock().await;
+            attr.size = attr.size.max(st.size);
+            if lock(&f.hidden).is_some() {
+                attr.nlink = attr.nlink.saturating_sub(1);
+            }
+        }
+        attr
+    }
+
+    /// Renames `parent/name`, a file this client has open, to a hidden name (see the module docs);
+    /// not when it is `keep`. Returns the parent's attributes after the rename (when learnt) if
+    /// it hid the file, `None` if there was nothing to hide.
+    pub(super) async fn hide_if_open(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        keep: Option<Ino>,
+    ) -> FsResult<Option<Vec<Attr>>> {
+        if lock(&self.files).is_empty() {
+            return Ok(None);
+        }
+        let d = match self.meta.lookup_dentry(parent, name).await {
+            Ok(d) => d,
+            Err(FsError::Meta(MetaError::NotFound)) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        self.hide_step(HideStep::LookedUp).await;
+        let Some(f) = self.open_file(d.ino) else {
+            return Ok(None);
+        };
+        if d.kind != FileType::File || keep == Some(d.ino) {
+            return Ok(None);
+        }
+        let mut hidden = HIDDEN_PREFIX.to_vec();
+        hidden.extend_from_slice(d.ino.0.to_string().as_bytes());
+        let dirs = self.meta.rename(parent, name, parent, &hidden).await?;
+        self.hide_step(HideStep::Renamed).await;
+        *lock(&f.hidden) = Some((parent, hidden));
+        // The last handle may have been released since the check above, and its release found
+        // no hidden name to remove. `release` leaves `files` before it takes `hidden`, and this
+        // sets `hidden` before it looks at `files`, so exactly one of the two removes the name.
+        let still_open = lock(&self.files)
+            .get(&d.ino)
+            .is_some_and(|g| Arc::ptr_eq(g, &f));
+        if !still_open {
+            let left = lock(&f.hidden).take();
+            if let Some((parent, name)) = left {
+                return Ok(Some(self.meta.unlink(parent, &name).await?));
+            }
+        }
+        Ok(Some(dirs))
+    }
+
+    pub(super) async fn hide_step(&self, step: HideStep) {
+        let hook = lock(&self.hide_hook.0).clone();
+        if let Some(hook) = hook {
+            hook(step).await;
+        }
+    }
+}
+
+impl Inner {
+    /// Appends `data` at `off`, which is the end of the run or (with no run) at or past the end
+    /// of the committed file.
+    pub(super) async fn extend_run(
+        &self,
+        st: &mut FileState,
+        off: u64,
+        data: Bytes,
+    ) -> FsResult<()> {
+        if st.run.is_none() {
+            // Continue the stream of an earlier run when the file goes on where it stopped.
+            let stream = match st.idle_stream.take() {
+                Some((at, s)) if at == off => Some(s),
+                _ => None,
+            };
+            st.run = Some(Run {
+                start: off,
+                sent: 0,
+                buf: BytesMut::new(),
+                stream,
+            });
+        }
+        let Some(run) = st.run.as_mut() else {
+            return Ok(());
+        };
+        run.buf.extend_from_slice(&data);
+        let end = run.end();
+        st.size = st.size.max(end);
+        if run.buf.len() >= MAX_PACKET
+            && (run.stream.is_some() || run.end() - run.start > self.cfg.tiny_max as u64)
+        {
+            let whole = run.buf.len() / MAX_PACKET * MAX_PACKET;
+            let out = run.buf.split_to(whole).freeze();
+            let stream = run.stream.get_or_insert_with(|| {
+                SeqWriter::new(self.vol.clone(), run.start + run.sent, self.cfg.inflight)
+            });
+            run.sent += out.len() as u64;
+            if let Err(e) = stream.write(out).await {
+                // The run's bytes are lost: drop it, report the error now and at the next flush.
+                st.run = None;
+                st.extents = None;
+                st.error = Some(e.to_string());
+                return Err(fs_err(e));
+            }
+        }
+        Ok(())
+    }
+}
