@@ -18,7 +18,7 @@ use nacre_cluster::{BoxFuture, NodeDuties, NodeRaft, PartitionHost, SpecRegistry
 use nacre_msgr::{Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
-use nacre_raft::{RaftError, RaftHandle, ReadGate, StateMachine, StoreConfig};
+use nacre_raft::{RaftError, RaftHandle, ReadGate, RestoreError, StateMachine, StoreConfig};
 use nacre_types::sync::{self, lock};
 use nacre_types::{ErrorCode, NodeId, PartitionId};
 use tokio::sync::watch;
@@ -72,8 +72,9 @@ impl StateMachine for MetaSm {
         self.partition().snapshot()
     }
 
-    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
-        let restored = MetaPartition::restore(snapshot).map_err(|e| e.to_string())?;
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), RestoreError> {
+        let restored =
+            MetaPartition::restore(snapshot).map_err(|e| RestoreError::Invalid(e.to_string()))?;
         *self.partition_mut() = restored;
         Ok(())
     }
