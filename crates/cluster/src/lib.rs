@@ -9,5 +9,5 @@ pub mod registry;
 
 pub use agent::{AgentConfig, PartitionHost, node_router, reconcile, run_agent};
 pub use nacre_msgr::BoxFuture;
-pub use node::{NodeDuties, NodeRaft, run_node};
+pub use node::{NodeDuties, NodeRaft, NodeRaftError, run_node};
 pub use registry::{SpecRegistry, read_node_id, write_node_id};

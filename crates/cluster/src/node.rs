@@ -79,11 +79,12 @@ impl<S: nacre_raft::StateMachine> NodeRaft<S> {
         self.raft.get()
     }
 
-    /// The running store, or why there is none.
+    /// The running store, or why there is none. (A `String` until the data node's service, which
+    /// returns it as is, takes [`NodeRaftError`].)
     pub fn handle(&self) -> Result<&nacre_raft::RaftHandle<S>, String> {
         self.raft
             .get()
-            .ok_or_else(|| format!("this {} node is not registered yet", self.role))
+            .ok_or_else(|| NodeRaftError::NotRegistered { role: self.role }.to_string())
     }
 
     /// The id this node runs under, once known.
@@ -92,19 +93,51 @@ impl<S: nacre_raft::StateMachine> NodeRaft<S> {
     }
 
     /// Runs under `id` from now on (persisting it), or checks that the running store has that id.
-    pub fn adopt(&self, id: NodeId) -> Result<(), String> {
+    pub fn adopt(&self, id: NodeId) -> Result<(), NodeRaftError> {
         match self.raft.get() {
-            Some(r) if r.id() != id.0 => Err(format!(
-                "the master now calls this node {id}, but its data belongs to node-{}; refusing \
-                 to serve (was the node's address changed?)",
-                r.id()
-            )),
+            Some(r) if r.id() != id.0 => Err(NodeRaftError::IdMismatch {
+                given: id,
+                held: NodeId(r.id()),
+            }),
             Some(_) => Ok(()),
             None => {
-                write_node_id(&self.dir, id).map_err(|e| e.to_string())?;
-                self.start(id).map_err(|e| e.to_string())
+                let io = |source| NodeRaftError::Io {
+                    dir: self.dir.clone(),
+                    source,
+                };
+                write_node_id(&self.dir, id).map_err(io)?;
+                self.start(id).map_err(io)
             }
         }
+    }
+}
+
+/// Why a node's raft store does not run, or cannot run under the id the master gave it.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeRaftError {
+    /// The master has not given this node an id yet (and no earlier run persisted one).
+    #[error("this {role} node is not registered yet")]
+    NotRegistered { role: &'static str },
+    /// The node's data belongs to another node id.
+    #[error(
+        "the master now calls this node {given}, but its data belongs to {held}; refusing to \
+         serve (was the node's address changed?)"
+    )]
+    IdMismatch { given: NodeId, held: NodeId },
+    /// The id could not be persisted in the node's directory, or the store not started there.
+    #[error("{}: {source}", dir.display())]
+    Io {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// For the [`NodeDuties`] implementations, whose `adopt` returns a `String` until that trait's
+/// signature changes.
+impl From<NodeRaftError> for String {
+    fn from(e: NodeRaftError) -> Self {
+        e.to_string()
     }
 }
 

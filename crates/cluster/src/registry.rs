@@ -56,11 +56,11 @@ impl SpecRegistry {
         lock(&self.specs).clone()
     }
 
-    fn persist(&self, specs: &[PartitionSpec]) -> Result<(), String> {
+    fn persist(&self, specs: &[PartitionSpec]) -> Result<(), RegistryError> {
         let Some(path) = &self.path else {
             return Ok(());
         };
-        let bytes = postcard::to_allocvec(specs).map_err(|e| e.to_string())?;
+        let bytes = postcard::to_allocvec(specs)?;
         let tmp = path.with_extension("tmp");
         let write = || -> std::io::Result<()> {
             use std::io::Write as _;
@@ -73,10 +73,13 @@ impl SpecRegistry {
             }
             Ok(())
         };
-        write().map_err(|e| format!("{}: {e}", path.display()))
+        write().map_err(|source| RegistryError::Io {
+            path: path.clone(),
+            source,
+        })
     }
 
-    fn change(&self, f: impl FnOnce(&mut Vec<PartitionSpec>)) -> Result<(), String> {
+    fn change(&self, f: impl FnOnce(&mut Vec<PartitionSpec>)) -> Result<(), RegistryError> {
         let mut specs = lock(&self.specs);
         let mut next = specs.clone();
         f(&mut next);
@@ -115,18 +118,41 @@ impl PartitionHost for SpecRegistry {
                     specs.push(spec);
                     specs.sort_by_key(|s| s.id);
                 }),
-            _ => Err(format!(
-                "a {:?} node cannot host partition {} of kind {:?}",
-                self.role, spec.id, spec.kind
-            )),
+            _ => Err(RegistryError::WrongKind {
+                role: self.role,
+                id: spec.id,
+                kind: spec.kind,
+            }),
         };
+        let r = r.map_err(|e| e.to_string());
         Box::pin(async move { r })
     }
 
     fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), String>> {
-        let r = self.change(|specs| specs.retain(|s| s.id != id));
+        let r = self
+            .change(|specs| specs.retain(|s| s.id != id))
+            .map_err(|e| e.to_string());
         Box::pin(async move { r })
     }
+}
+
+/// Why the registry could not record a change.
+#[derive(Debug, thiserror::Error)]
+enum RegistryError {
+    #[error("a {role:?} node cannot host partition {id} of kind {kind:?}")]
+    WrongKind {
+        role: Role,
+        id: PartitionId,
+        kind: PartitionKind,
+    },
+    #[error("cannot encode the partition registry: {0}")]
+    Encode(#[from] postcard::Error),
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// The node id persisted in `DIR/node-id` by an earlier run, if any.
