@@ -12,8 +12,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
-use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Role};
-use nacre_client::{MasterClient, NetVolume};
+use nacre_api::master::{MasterError, PartitionKind, PartitionReport, PartitionSpec, Role};
+use nacre_client::{DataCallError, MasterClient, NetVolume};
 use nacre_cluster::{BoxFuture, NodeDuties, NodeRaft, PartitionHost, SpecRegistry, run_node};
 use nacre_msgr::{Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
@@ -367,12 +367,12 @@ impl MetaNode {
         volume: &str,
         partition: PartitionId,
         ranges: Vec<(nacre_types::ExtentId, u64, u64)>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ReleaseError> {
         let known = lock(&self.inner.volumes).get(volume).cloned();
         let vol = match known {
             Some(v) => v,
             None => {
-                let master = self.inner.master.clone().ok_or("no master configured")?;
+                let master = self.inner.master.clone().ok_or(ReleaseError::NoMaster)?;
                 let mut vol = NetVolume::connect(self.inner.client.clone(), master, volume).await?;
                 // A release is retried on the next report anyway: do not hold up the node's duties.
                 vol.retry_for = RELEASE_RETRY_FOR;
@@ -381,9 +381,7 @@ impl MetaNode {
                 vol
             }
         };
-        vol.release(partition, ranges)
-            .await
-            .map_err(|e| e.to_string())
+        Ok(vol.release(partition, ranges).await?)
     }
 
     fn count_op(&self, p: PartitionId) {
@@ -616,6 +614,18 @@ impl PartitionHost for MetaNode {
             self.inner.registry.remove(id).await
         })
     }
+}
+
+/// Why freed extents could not be released on a data partition (retried on the next report).
+#[derive(Debug, thiserror::Error)]
+enum ReleaseError {
+    #[error("no master configured")]
+    NoMaster,
+    /// The volume's view could not be had from the master.
+    #[error(transparent)]
+    Master(#[from] MasterError),
+    #[error(transparent)]
+    Data(#[from] DataCallError),
 }
 
 fn now_ns() -> u64 {
