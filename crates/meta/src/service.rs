@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use nacre_api::master::{MasterError, PartitionKind, PartitionReport, PartitionSpec, Role};
 use nacre_client::{DataCallError, MasterClient, NetVolume};
-use nacre_cluster::{BoxFuture, NodeDuties, NodeRaft, PartitionHost, SpecRegistry, run_node};
+use nacre_cluster::{
+    BoxFuture, NodeDuties, NodeRaft, NodeRaftError, PartitionHost, SpecRegistry, run_node,
+};
 use nacre_msgr::{Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
@@ -181,12 +183,15 @@ impl MetaNode {
         self.inner.raft.get().map(RaftHandle::applied)
     }
 
-    fn raft(&self) -> Result<&RaftHandle<MetaSm>, String> {
-        self.inner.raft.handle()
+    fn raft(&self) -> Result<&RaftHandle<MetaSm>, NodeRaftError> {
+        self.inner
+            .raft
+            .get()
+            .ok_or(NodeRaftError::NotRegistered { role: "meta" })
     }
 
     /// Starts the raft store under `id` (persisting it) and opens the registered partitions.
-    async fn adopt(&self, id: NodeId) -> Result<(), String> {
+    async fn adopt(&self, id: NodeId) -> Result<(), NodeRaftError> {
         self.inner.raft.adopt(id)?;
         for spec in self.inner.registry.specs() {
             if let Err(e) = self.open_partition(&spec).await {
@@ -197,9 +202,9 @@ impl MetaNode {
     }
 
     /// Hosts `spec`'s group (idempotent: an already hosted group is left alone).
-    async fn open_partition(&self, spec: &PartitionSpec) -> Result<(), String> {
+    async fn open_partition(&self, spec: &PartitionSpec) -> Result<(), OpenError> {
         let PartitionKind::Meta { start, end } = spec.kind else {
-            return Err(format!("partition {} is not a meta partition", spec.id));
+            return Err(OpenError::NotMeta(spec.id));
         };
         let raft = self.raft()?;
         let peers: BTreeMap<u64, String> = spec
@@ -207,19 +212,19 @@ impl MetaNode {
             .iter()
             .map(|r| (r.node.0, r.addr.clone()))
             .collect();
-        raft.add_peers(peers.clone()).map_err(|e| e.to_string())?;
+        raft.add_peers(peers.clone())?;
         let voters: Vec<u64> = peers.keys().copied().collect();
         let sm = MetaSm::new(MetaPartition::new(start, end));
         let partition = Arc::clone(&sm.partition);
         match raft.add_group(spec.id.0, &voters, sm).await {
             Ok(()) => {
-                if let Some(gate) = raft.read_gate(spec.id.0).await.map_err(|e| e.to_string())? {
+                if let Some(gate) = raft.read_gate(spec.id.0).await? {
                     let direct = Arc::new(Direct { partition, gate });
                     lock(&self.inner.direct).insert(spec.id, direct);
                 }
             }
             Err(RaftError::GroupExists(_)) => {}
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(e.into()),
         }
         lock(&self.inner.replicas).insert(spec.id, peers);
         Ok(())
@@ -518,7 +523,7 @@ impl NodeDuties for MetaNode {
     }
 
     fn adopt(&self, id: NodeId) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(MetaNode::adopt(self, id))
+        Box::pin(async move { Ok(MetaNode::adopt(self, id).await?) })
     }
 
     fn tick(&self) -> BoxFuture<'_, ()> {
@@ -566,7 +571,9 @@ impl PartitionHost for MetaNode {
                 .into_iter()
                 .find(|s| s.id == spec.id);
             if known.is_none() {
-                self.open_partition(&spec).await?;
+                self.open_partition(&spec)
+                    .await
+                    .map_err(|e| e.to_string())?;
                 return self.inner.registry.ensure(spec).await;
             }
             // Hosted: the master may have closed the range (a split). The leader applies it; every
@@ -614,6 +621,17 @@ impl PartitionHost for MetaNode {
             self.inner.registry.remove(id).await
         })
     }
+}
+
+/// Why a partition could not be opened on this node.
+#[derive(Debug, thiserror::Error)]
+enum OpenError {
+    #[error("partition {0} is not a meta partition")]
+    NotMeta(PartitionId),
+    #[error(transparent)]
+    Node(#[from] NodeRaftError),
+    #[error(transparent)]
+    Raft(#[from] RaftError),
 }
 
 /// Why freed extents could not be released on a data partition (retried on the next report).
