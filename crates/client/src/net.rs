@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use crate::master::MasterClient;
-use nacre_api::master::{PartitionKind, PartitionStatus, VolumeView};
+use nacre_api::master::{MasterError, PartitionKind, PartitionStatus, VolumeView};
 use nacre_api::meta::rpc::{MetaRead, MetaWrite, ReadRequest, WriteRequest};
 use nacre_api::meta::{Command, MetaError, Query, Reply};
 use nacre_msgr::{CallOptions, Client, MsgrError, Payload};
@@ -65,7 +65,7 @@ impl NetVolume {
         client: Client,
         master: MasterClient,
         volume: &str,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, MasterError> {
         let m = Self {
             client,
             master,
@@ -90,12 +90,8 @@ impl NetVolume {
     }
 
     /// Re-reads the volume view from the master; leader hints it carries seed the leader cache.
-    pub async fn refresh(&self) -> Result<(), String> {
-        let v: VolumeView = self
-            .master
-            .volume(&self.volume)
-            .await
-            .map_err(|e| e.to_string())?;
+    pub async fn refresh(&self) -> Result<(), MasterError> {
+        let v: VolumeView = self.master.volume(&self.volume).await?;
         let mut view = View {
             epoch: v.epoch,
             ..View::default()
@@ -255,8 +251,8 @@ impl NetVolume {
 impl NetVolume {
     /// Capacity and used bytes of the cluster's data nodes, divided by the replica count (3):
     /// what `statfs` reports.
-    pub async fn space(&self) -> Result<(u64, u64), String> {
-        let space = self.master.space().await.map_err(|e| e.to_string())?;
+    pub async fn space(&self) -> Result<(u64, u64), MasterError> {
+        let space = self.master.space().await?;
         Ok((space.capacity / 3, space.used / 3))
     }
 }

@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use nacre_raft::StateMachine;
+use nacre_raft::{RestoreError, StateMachine};
 use nacre_types::ExtentId;
 use nacre_types::sync::lock;
 use serde::{Deserialize, Serialize};
@@ -123,6 +123,11 @@ impl SmShared {
         Ok(dropped)
     }
 }
+
+/// A failed durability barrier: the extent store could not sync what the log's entries applied.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot sync the extent store: {0}")]
+struct SyncFailed(#[source] StoreError);
 
 /// Snapshots before the live set was kept: only the next extent id.
 #[derive(Debug, Serialize, Deserialize)]
@@ -325,18 +330,17 @@ impl StateMachine for DataSm {
     fn durability_barrier(&self) -> Option<nacre_raft::Barrier> {
         let store = self.store.clone();
         Some(Box::new(move || {
-            store
-                .sync()
-                .map_err(|e| format!("cannot sync the extent store: {e}"))
+            store.sync().map_err(|e| SyncFailed(e).into())
         }))
     }
 
-    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), RestoreError> {
         match postcard::from_bytes::<Snapshot>(snapshot) {
             Ok(s) if s.version == SNAPSHOT_VERSION => *self.logical() = s.logical,
             _ => {
                 // An older snapshot: the next id only; what the store holds counts as live.
-                let s: SnapshotV1 = postcard::from_bytes(snapshot).map_err(|e| e.to_string())?;
+                let s: SnapshotV1 = postcard::from_bytes(snapshot)
+                    .map_err(|e| RestoreError::Decode(e.to_string()))?;
                 let live = self
                     .store
                     .extents()

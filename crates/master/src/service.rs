@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use nacre_msgr::{CallOptions, Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
-use nacre_raft::{GroupId, RaftError, RaftHandle, StateMachine};
+use nacre_raft::{GroupId, RaftError, RaftHandle, RestoreError, StateMachine};
 use nacre_types::sync::lock;
 use nacre_types::{ErrorCode, NodeId, PartitionId};
 use tokio::sync::{Notify, watch};
@@ -77,8 +77,9 @@ impl StateMachine for MasterSm {
         self.map.snapshot()
     }
 
-    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
-        self.map = ClusterMap::restore(snapshot).map_err(|e| e.to_string())?;
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), RestoreError> {
+        self.map =
+            ClusterMap::restore(snapshot).map_err(|e| RestoreError::Invalid(e.to_string()))?;
         self.publish();
         Ok(())
     }

@@ -12,15 +12,15 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
-use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Role};
-use nacre_client::{MasterClient, NetVolume};
+use nacre_api::master::{MasterError, PartitionKind, PartitionReport, PartitionSpec, Role};
+use nacre_client::{DataCallError, MasterClient, NetVolume};
 use nacre_cluster::{
     BoxFuture, HostError, NodeRaft, PartitionRole, SpecRegistry, Updated, run_node,
 };
 use nacre_msgr::{Client, Payload, Router};
 use nacre_proto::msg::RemoteError;
 use nacre_proto::msg::raft::RaftBatchRpc;
-use nacre_raft::{RaftError, RaftHandle, ReadGate, StateMachine, StoreConfig};
+use nacre_raft::{RaftError, RaftHandle, ReadGate, RestoreError, StateMachine, StoreConfig};
 use nacre_types::sync::{self, lock};
 use nacre_types::{ErrorCode, NodeId, PartitionId};
 use tokio::sync::watch;
@@ -74,8 +74,9 @@ impl StateMachine for MetaSm {
         self.partition().snapshot()
     }
 
-    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
-        let restored = MetaPartition::restore(snapshot).map_err(|e| e.to_string())?;
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), RestoreError> {
+        let restored =
+            MetaPartition::restore(snapshot).map_err(|e| RestoreError::Invalid(e.to_string()))?;
         *self.partition_mut() = restored;
         Ok(())
     }
@@ -182,14 +183,14 @@ impl MetaNode {
         self.inner.raft.get().map(RaftHandle::applied)
     }
 
-    fn raft(&self) -> Result<&RaftHandle<MetaSm>, String> {
-        self.inner.raft.handle().map_err(|e| e.to_string())
+    fn raft(&self) -> Result<&RaftHandle<MetaSm>, HostError> {
+        self.inner.raft.handle()
     }
 
     /// Hosts `spec`'s group (idempotent: an already hosted group is left alone).
-    async fn open_partition(&self, spec: &PartitionSpec) -> Result<(), String> {
+    async fn open_partition(&self, spec: &PartitionSpec) -> Result<(), OpenError> {
         let PartitionKind::Meta { start, end } = spec.kind else {
-            return Err(format!("partition {} is not a meta partition", spec.id));
+            return Err(OpenError::NotMeta(spec.id));
         };
         let raft = self.raft()?;
         let peers: BTreeMap<u64, String> = spec
@@ -197,19 +198,19 @@ impl MetaNode {
             .iter()
             .map(|r| (r.node.0, r.addr.clone()))
             .collect();
-        raft.add_peers(peers.clone()).map_err(|e| e.to_string())?;
+        raft.add_peers(peers.clone())?;
         let voters: Vec<u64> = peers.keys().copied().collect();
         let sm = MetaSm::new(MetaPartition::new(start, end));
         let partition = Arc::clone(&sm.partition);
         match raft.add_group(spec.id.0, &voters, sm).await {
             Ok(()) => {
-                if let Some(gate) = raft.read_gate(spec.id.0).await.map_err(|e| e.to_string())? {
+                if let Some(gate) = raft.read_gate(spec.id.0).await? {
                     let direct = Arc::new(Direct { partition, gate });
                     lock(&self.inner.direct).insert(spec.id, direct);
                 }
             }
             Err(RaftError::GroupExists(_)) => {}
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(e.into()),
         }
         lock(&self.inner.replicas).insert(spec.id, peers);
         Ok(())
@@ -357,12 +358,12 @@ impl MetaNode {
         volume: &str,
         partition: PartitionId,
         ranges: Vec<(nacre_types::ExtentId, u64, u64)>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ReleaseError> {
         let known = lock(&self.inner.volumes).get(volume).cloned();
         let vol = match known {
             Some(v) => v,
             None => {
-                let master = self.inner.master.clone().ok_or("no master configured")?;
+                let master = self.inner.master.clone().ok_or(ReleaseError::NoMaster)?;
                 let mut vol = NetVolume::connect(self.inner.client.clone(), master, volume).await?;
                 // A release is retried on the next report anyway: do not hold up the node's duties.
                 vol.retry_for = RELEASE_RETRY_FOR;
@@ -371,9 +372,7 @@ impl MetaNode {
                 vol
             }
         };
-        vol.release(partition, ranges)
-            .await
-            .map_err(|e| e.to_string())
+        Ok(vol.release(partition, ranges).await?)
     }
 
     fn count_op(&self, p: PartitionId) {
@@ -464,7 +463,7 @@ impl MetaNode {
             .route::<MetaWrite, _, _>(move |req, _inc| {
                 let node = w.clone();
                 async move {
-                    let raft = node.raft().map_err(unavailable)?;
+                    let raft = node.raft().map_err(|e| unavailable(e.to_string()))?;
                     node.count_op(req.partition);
                     let bytes = postcard::to_allocvec(&(now_ns(), req.cmd))
                         .map_err(|e| RemoteError::new(ErrorCode::BadRequest, e.to_string()))?;
@@ -480,7 +479,7 @@ impl MetaNode {
             .route::<MetaRead, _, _>(move |req, _inc| {
                 let node = r.clone();
                 async move {
-                    let raft = node.raft().map_err(unavailable)?;
+                    let raft = node.raft().map_err(|e| unavailable(e.to_string()))?;
                     node.count_op(req.partition);
                     let q: Query = req.query;
                     let direct = lock(&node.inner.direct).get(&req.partition).cloned();
@@ -583,6 +582,29 @@ impl PartitionRole for MetaNode {
             self.release_freed().await;
         })
     }
+}
+
+/// Why a partition could not be opened on this node.
+#[derive(Debug, thiserror::Error)]
+enum OpenError {
+    #[error("partition {0} is not a meta partition")]
+    NotMeta(PartitionId),
+    #[error(transparent)]
+    Node(#[from] HostError),
+    #[error(transparent)]
+    Raft(#[from] RaftError),
+}
+
+/// Why freed extents could not be released on a data partition (retried on the next report).
+#[derive(Debug, thiserror::Error)]
+enum ReleaseError {
+    #[error("no master configured")]
+    NoMaster,
+    /// The volume's view could not be had from the master.
+    #[error(transparent)]
+    Master(#[from] MasterError),
+    #[error(transparent)]
+    Data(#[from] DataCallError),
 }
 
 fn now_ns() -> u64 {

@@ -56,24 +56,36 @@ impl MsgrConfig {
     }
 
     /// Checks values that would make the messenger unusable.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.workers == 0 {
-            return Err("msgr.workers must be at least 1".into());
+            return Err(ConfigError::NoWorkers);
         }
         if self.conns_per_peer == 0 {
-            return Err("msgr.conns_per_peer must be at least 1".into());
+            return Err(ConfigError::NoConnsPerPeer);
         }
         if self.max_inflight_per_conn == 0 || self.max_inflight_total == 0 {
-            return Err("msgr in-flight request limits must be at least 1".into());
+            return Err(ConfigError::NoInflightRequests);
         }
         if self.max_inflight_bytes_per_conn < self.max_frame
             || self.max_inflight_bytes_total < self.max_frame
         {
-            return Err(format!(
-                "msgr in-flight byte limits must be at least max_frame ({} bytes)",
-                self.max_frame
-            ));
+            return Err(ConfigError::InflightBytesBelowFrame {
+                max_frame: self.max_frame,
+            });
         }
         Ok(())
     }
+}
+
+/// A [`MsgrConfig`] value that would make the messenger unusable ([`MsgrConfig::validate`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("msgr.workers must be at least 1")]
+    NoWorkers,
+    #[error("msgr.conns_per_peer must be at least 1")]
+    NoConnsPerPeer,
+    #[error("msgr in-flight request limits must be at least 1")]
+    NoInflightRequests,
+    #[error("msgr in-flight byte limits must be at least max_frame ({max_frame} bytes)")]
+    InflightBytesBelowFrame { max_frame: u32 },
 }

@@ -47,7 +47,7 @@ use std::sync::Arc;
 use prometheus_client::registry::Registry;
 
 pub use client::{CallOptions, Client};
-pub use config::MsgrConfig;
+pub use config::{ConfigError, MsgrConfig};
 pub use error::MsgrError;
 pub use handler::{Handler, Incoming, Payload, Reply, Request, Router};
 pub use metrics::MsgrMetrics;

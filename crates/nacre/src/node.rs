@@ -241,7 +241,7 @@ impl MsgrSection {
             connect_timeout: Duration::from_millis(self.connect_timeout_ms),
             default_deadline: Duration::from_millis(self.default_deadline_ms),
         };
-        c.validate().map_err(|e| anyhow::anyhow!(e))?;
+        c.validate()?;
         Ok(c)
     }
 }

@@ -26,8 +26,8 @@ pub use engine_log::EngineLogStore;
 pub use log::{GroupId, GroupState, GroupWrite, LogError, LogStore, LogWrite};
 pub use mem_log::MemLogStore;
 pub use node::{
-    Barrier, EarlyOutput, INIT_INDEX, INIT_TERM, LogJob, NodeConfig, PendingBarrier, ProposalId,
-    RaftError, RaftNode, ReadGate, ReadyOutput, StateMachine, Written,
+    Barrier, BarrierError, EarlyOutput, INIT_INDEX, INIT_TERM, LogJob, NodeConfig, PendingBarrier,
+    ProposalId, RaftError, RaftNode, ReadGate, ReadyOutput, RestoreError, StateMachine, Written,
 };
 pub use storage::GroupStorage;
 pub use store::{RaftHandle, StoreConfig, StoreStatus};

@@ -27,7 +27,7 @@ pub trait StateMachine: Send + 'static {
     /// The whole state, to send to a replica that is too far behind for the log.
     fn snapshot(&self) -> Vec<u8>;
     /// Replaces the state with a snapshot's.
-    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String>;
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), RestoreError>;
     /// What must run before a snapshot taken now may let the log drop the entries applied so far:
     /// work that makes their effects durable (a state machine that keeps data in files syncs
     /// them). It runs off the Raft thread, after [`StateMachine::snapshot`] was taken; the snapshot
@@ -46,8 +46,23 @@ pub trait StateMachine: Send + 'static {
     }
 }
 
+/// Why a state machine could not take a snapshot's state ([`StateMachine::restore`]). Its text is
+/// the state machine's own.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum RestoreError {
+    /// The bytes do not decode as a snapshot of this state machine.
+    #[error("{0}")]
+    Decode(String),
+    /// The snapshot decodes, but to a state the state machine refuses (a broken invariant).
+    #[error("{0}")]
+    Invalid(String),
+}
+
 /// Work that makes a state machine's applied effects durable ([`StateMachine::durability_barrier`]).
-pub type Barrier = Box<dyn FnOnce() -> Result<(), String> + Send>;
+pub type Barrier = Box<dyn FnOnce() -> Result<(), BarrierError> + Send>;
+
+/// Why a [`Barrier`] failed: the state machine's own error (the node logs it and keeps the log).
+pub type BarrierError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A barrier handed out by a Ready round, to run off the Raft thread and report with
 /// [`RaftNode::barrier_done`].
@@ -96,7 +111,10 @@ pub enum RaftError {
     #[error("no outcome in time (the command may still be applied)")]
     Timeout,
     #[error("state machine of group {group} rejected a snapshot: {reason}")]
-    Restore { group: GroupId, reason: String },
+    Restore {
+        group: GroupId,
+        reason: RestoreError,
+    },
 }
 
 impl From<raft::Error> for RaftError {
@@ -765,7 +783,7 @@ impl<S: StateMachine> RaftNode<S> {
     /// guarded is saved, and the log compacted behind it, in the next Ready round; on failure the
     /// snapshot is dropped and a later round takes another. Unknown tokens (a group removed, or a
     /// newer snapshot installed meanwhile) are ignored.
-    pub fn barrier_done(&mut self, group: GroupId, token: u64, result: Result<(), String>) {
+    pub fn barrier_done(&mut self, group: GroupId, token: u64, result: Result<(), BarrierError>) {
         let Some(g) = self.groups.get_mut(&group) else {
             return;
         };

@@ -177,7 +177,7 @@ enum Cmd<S> {
     BarrierDone {
         group: GroupId,
         token: u64,
-        result: Result<(), String>,
+        result: Result<(), crate::BarrierError>,
     },
 }
 

@@ -5,7 +5,8 @@
 use std::sync::{Arc, Mutex};
 
 use nacre_raft::{
-    Barrier, LogStore, MemLogStore, NodeConfig, PendingBarrier, RaftNode, StateMachine,
+    Barrier, LogStore, MemLogStore, NodeConfig, PendingBarrier, RaftNode, RestoreError,
+    StateMachine,
 };
 
 /// Counts applied commands; its barrier records how many were applied when it ran ("durable").
@@ -23,10 +24,10 @@ impl StateMachine for Counter {
     fn snapshot(&self) -> Vec<u8> {
         self.applied.lock().unwrap().to_le_bytes().to_vec()
     }
-    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), RestoreError> {
         let raw: [u8; 8] = snapshot
             .try_into()
-            .map_err(|_| "bad snapshot".to_string())?;
+            .map_err(|_| RestoreError::Decode("bad snapshot".into()))?;
         *self.applied.lock().unwrap() = u64::from_le_bytes(raw);
         Ok(())
     }

@@ -748,7 +748,7 @@ async fn pump<T: MetaTransport>(t: Arc<T>, b: Arc<Behind>, p: PartitionId) {
             }
             Err(e) => {
                 tracing::warn!(partition = %p, commands = batch.len(), error = %e, "metadata changes written behind were given up");
-                st.failed.get_or_insert(e);
+                st.failed.get_or_insert_with(|| e.to_string());
                 st.metrics.failed.inc_by(batch.len() as u64);
                 for q in &batch {
                     Behind::disown(&mut st, q.dir);
@@ -769,23 +769,36 @@ async fn pump<T: MetaTransport>(t: Arc<T>, b: Arc<Behind>, p: PartitionId) {
     }
 }
 
+/// Why a batch was given up (every command in it counts as failed).
+#[derive(Debug, thiserror::Error)]
+enum BatchError {
+    #[error("unexpected reply {0:?}")]
+    UnexpectedReply(Reply),
+    /// The partition refused the batch as a whole.
+    #[error(transparent)]
+    Meta(MetaError),
+    /// No outcome before the retries ran out.
+    #[error(transparent)]
+    Call(CallError),
+}
+
 /// One batch, retried with the same number (the partition applies it once) while the partition
 /// is unavailable or the outcome unknown, for at most `RETRY_FOR`.
 async fn send<T: MetaTransport>(
     t: &T,
     p: PartitionId,
     cmd: Command,
-) -> Result<(Vec<Result<Reply, MetaError>>, Vec<Ino>), String> {
+) -> Result<(Vec<Result<Reply, MetaError>>, Vec<Ino>), BatchError> {
     let deadline = Instant::now() + RETRY_FOR;
     let mut pause = Duration::from_millis(5);
     loop {
         match t.write(p, cmd.clone()).await {
             Ok(Ok(Reply::Batch { results, recalled })) => return Ok((results, recalled)),
-            Ok(Ok(other)) => return Err(format!("unexpected reply {other:?}")),
-            Ok(Err(e)) => return Err(e.to_string()),
+            Ok(Ok(other)) => return Err(BatchError::UnexpectedReply(other)),
+            Ok(Err(e)) => return Err(BatchError::Meta(e)),
             Err(e) => {
                 if Instant::now() + pause >= deadline {
-                    return Err(e.to_string());
+                    return Err(BatchError::Call(e));
                 }
                 tracing::debug!(partition = %p, error = %e, "batch retried");
             }

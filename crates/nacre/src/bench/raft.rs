@@ -13,7 +13,8 @@ use anyhow::Context as _;
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use nacre_raft::store::start;
 use nacre_raft::{
-    EngineLogStore, GroupId, LogStore, RaftError, RaftHandle, StateMachine, StoreConfig,
+    EngineLogStore, GroupId, LogStore, RaftError, RaftHandle, RestoreError, StateMachine,
+    StoreConfig,
 };
 use serde::Serialize;
 
@@ -35,10 +36,10 @@ impl StateMachine for Null {
         self.applied.to_le_bytes().to_vec()
     }
 
-    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), RestoreError> {
         let raw: [u8; 8] = snapshot
             .try_into()
-            .map_err(|_| "bad snapshot".to_string())?;
+            .map_err(|_| RestoreError::Decode("bad snapshot".into()))?;
         self.applied = u64::from_le_bytes(raw);
         Ok(())
     }

@@ -83,22 +83,33 @@ pub fn human_size(n: usize) -> String {
 }
 
 /// Parses `4k`, `64KiB`, `1m`, `1048576`.
-pub fn parse_size(s: &str) -> Result<usize, String> {
+pub fn parse_size(s: &str) -> Result<usize, SizeError> {
     let t = s.trim().to_ascii_lowercase();
     let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(digits_end);
     let n: usize = num
         .parse()
-        .map_err(|_| format!("invalid size {s:?}: expected a number with an optional unit"))?;
+        .map_err(|_| SizeError::NotANumber(s.to_string()))?;
     let mult = match unit {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
-        _ => return Err(format!("invalid size unit in {s:?} (use k, m or g)")),
+        _ => return Err(SizeError::UnknownUnit(s.to_string())),
     };
     n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} is too large"))
+        .ok_or_else(|| SizeError::TooLarge(s.to_string()))
+}
+
+/// Why [`parse_size`] refused its input (shown by clap as the argument's error).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    #[error("invalid size {0:?}: expected a number with an optional unit")]
+    NotANumber(String),
+    #[error("invalid size unit in {0:?} (use k, m or g)")]
+    UnknownUnit(String),
+    #[error("size {0:?} is too large")]
+    TooLarge(String),
 }
 
 #[cfg(test)]

@@ -85,9 +85,7 @@ pub async fn hammer_msgr_within(
     // The call's timeout covers connecting too.
     let alive = async || {
         let ping = client.call_with::<Ping>(addr, &PingRequest {}, Payload::none(), opts);
-        ping.await
-            .map(|_| ())
-            .map_err(|e| format!("ping failed: {e}"))
+        ping.await.map(|_| ()).map_err(Problem::Ping)
     };
     let cases = msgr_cases(&mut Rng::with_seed(seed));
     hammer(addr, PortKind::Msgr, cases, deadline, alive).await
@@ -104,7 +102,7 @@ pub async fn hammer_http_within(addr: &str, seed: u64, deadline: Duration) -> Ga
     let probe = Case::new("GET /metrics", get(""), Expect::Http200);
     let alive = async || {
         let answer = tokio::time::timeout(deadline, attempt(addr, &probe)).await;
-        answer.unwrap_or_else(|_| Err(format!("no answer within {deadline:?}")))
+        answer.unwrap_or(Err(Problem::NoAnswerWithin(deadline)))
     };
     let cases = http_cases(&mut Rng::with_seed(seed));
     hammer(addr, PortKind::Http, cases, deadline, alive).await
@@ -116,7 +114,7 @@ async fn hammer(
     kind: PortKind,
     cases: Vec<Case>,
     deadline: Duration,
-    alive: impl AsyncFn() -> Result<(), String>,
+    alive: impl AsyncFn() -> Result<(), Problem>,
 ) -> GarbageReport {
     let (port, count) = (addr.to_string(), cases.len());
     let mut problems = Vec::new();
@@ -197,8 +195,47 @@ impl Case {
     }
 }
 
+/// What was wrong with a port's answer to a bad input, or to its liveness probe.
+#[derive(Debug, thiserror::Error)]
+enum Problem {
+    #[error("ping failed: {0}")]
+    Ping(#[source] nacre_msgr::MsgrError),
+    #[error("no answer within {0:?}")]
+    NoAnswerWithin(Duration),
+    #[error("task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+    /// Some of a case's connections (`failed` of `conns`) had a problem; `first` is the first.
+    #[error("{failed} of {conns} connections: {first}")]
+    Connections {
+        failed: usize,
+        conns: usize,
+        first: Box<Problem>,
+    },
+    #[error("cannot connect: {0}")]
+    Connect(#[source] std::io::Error),
+    #[error("closed without an answer")]
+    NoAnswer,
+    #[error("server error {0}")]
+    ServerError(u16),
+    #[error("answered {0}")]
+    Answered(u16),
+    #[error("answer is not a valid frame: {0}")]
+    BadFrame(#[source] nacre_proto::FrameError),
+    #[error("closed after {0} bytes of a frame")]
+    ClosedMidFrame(usize),
+    #[error("internal error: {0}")]
+    Internal(RemoteError),
+    /// An error frame whose body is not an error.
+    #[error("error frame: {0}")]
+    BadErrorFrame(#[source] nacre_proto::msg::DecodeError),
+    #[error("answered with a {kind:?} frame ({op}, id {id})")]
+    Unexpected { kind: Kind, op: Op, id: u64 },
+    #[error("not an HTTP status line: {0:?}")]
+    NotHttp(String),
+}
+
 /// Runs a case on one connection, or on `conns` at once.
-async fn run_case(addr: &str, c: &Case) -> Result<(), String> {
+async fn run_case(addr: &str, c: &Case) -> Result<(), Problem> {
     if c.conns == 1 {
         return attempt(addr, c).await;
     }
@@ -209,20 +246,24 @@ async fn run_case(addr: &str, c: &Case) -> Result<(), String> {
     }
     let (mut failed, mut first) = (0, None);
     while let Some(joined) = set.join_next().await {
-        if let Err(e) = joined.unwrap_or_else(|e| Err(format!("task failed: {e}"))) {
+        if let Err(e) = joined.unwrap_or_else(|e| Err(e.into())) {
             failed += 1;
             first.get_or_insert(e);
         }
     }
     match first {
         None => Ok(()),
-        Some(e) => Err(format!("{failed} of {} connections: {e}", c.conns)),
+        Some(e) => Err(Problem::Connections {
+            failed,
+            conns: c.conns,
+            first: Box::new(e),
+        }),
     }
 }
 
-async fn attempt(addr: &str, c: &Case) -> Result<(), String> {
+async fn attempt(addr: &str, c: &Case) -> Result<(), Problem> {
     let connect = TcpStream::connect(addr).await;
-    let mut s = connect.map_err(|e| format!("cannot connect: {e}"))?;
+    let mut s = connect.map_err(Problem::Connect)?;
     // A failed write means the server already hung up, which the read below sees as a close.
     let _ = s.write_all(&c.bytes).await;
     if c.eof {
@@ -236,42 +277,42 @@ async fn attempt(addr: &str, c: &Case) -> Result<(), String> {
     match (status, c.expect) {
         (None, Expect::Http4xx) | (Some(400..500), Expect::Http4xx) => Ok(()),
         (Some(200), Expect::Http200) => Ok(()),
-        (None, _) => Err("closed without an answer".into()),
-        (Some(status @ 500..), _) => Err(format!("server error {status}")),
-        (Some(status), _) => Err(format!("answered {status}")),
+        (None, _) => Err(Problem::NoAnswer),
+        (Some(status @ 500..), _) => Err(Problem::ServerError(status)),
+        (Some(status), _) => Err(Problem::Answered(status)),
     }
 }
 
 /// Reads the server's first frame and judges it; a close (or reset) before any byte is clean.
-async fn frame_answer(s: &mut TcpStream, expect: Expect) -> Result<(), String> {
+async fn frame_answer(s: &mut TcpStream, expect: Expect) -> Result<(), Problem> {
     let (mut buf, mut decoder) = (BytesMut::new(), Decoder::new(FrameLimits::default()));
     let f = loop {
         match decoder.decode(&mut buf) {
             Ok(Some(f)) => break f,
             Ok(None) => {}
-            Err(e) => return Err(format!("answer is not a valid frame: {e}")),
+            Err(e) => return Err(Problem::BadFrame(e)),
         }
         match s.read_buf(&mut buf).await {
             // A reset is a close too: the server may hang up with our bytes still unread.
             Ok(0) | Err(_) if buf.is_empty() => return Ok(()),
-            Ok(0) | Err(_) => return Err(format!("closed after {} bytes of a frame", buf.len())),
+            Ok(0) | Err(_) => return Err(Problem::ClosedMidFrame(buf.len())),
             Ok(_) => {}
         }
     };
     let (kind, op, id) = (f.header.kind, f.header.op, f.header.request_id);
     match kind {
         Kind::Error => match decode_body::<RemoteError>("error", &f.body) {
-            Ok(e) if e.code() == ErrorCode::Internal => Err(format!("internal error: {e}")),
+            Ok(e) if e.code() == ErrorCode::Internal => Err(Problem::Internal(e)),
             Ok(_) => Ok(()),
-            Err(e) => Err(format!("error frame: {e}")),
+            Err(e) => Err(Problem::BadErrorFrame(e)),
         },
         Kind::Response if expect == Expect::Ping && id == PING_ID => Ok(()),
-        _ => Err(format!("answered with a {kind:?} frame ({op}, id {id})")),
+        _ => Err(Problem::Unexpected { kind, op, id }),
     }
 }
 
 /// The status code of an HTTP answer, or `None` if the server closes (or resets) without one.
-async fn http_status(s: &mut TcpStream) -> Result<Option<u16>, String> {
+async fn http_status(s: &mut TcpStream) -> Result<Option<u16>, Problem> {
     let mut buf = Vec::new();
     // The status line is all we need; stop at its end, a close or an absurd length.
     while !buf.contains(&b'\n') && buf.len() < 4096 {
@@ -287,7 +328,7 @@ async fn http_status(s: &mut TcpStream) -> Result<Option<u16>, String> {
     // "HTTP/1.1 404 Not Found"
     match line.get(9..12).map(str::parse) {
         Some(Ok(status)) if line.starts_with("HTTP/1.") => Ok(Some(status)),
-        _ => Err(format!("not an HTTP status line: {line:?}")),
+        _ => Err(Problem::NotHttp(line.into_owned())),
     }
 }
 

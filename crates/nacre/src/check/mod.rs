@@ -120,21 +120,35 @@ struct GarbageArgs {
 }
 
 /// Parses `90`, `90s`, `500ms`, `5m` or `1h`.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     let n: u64 = num
         .parse()
-        .map_err(|_| format!("{s:?} is not a duration (like 90s, 5m, 1h)"))?;
+        .map_err(|_| DurationError::NotANumber(s.to_string()))?;
     let ms = match unit {
         "ms" => n,
         "" | "s" => n.saturating_mul(1000),
         "m" => n.saturating_mul(60_000),
         "h" => n.saturating_mul(3_600_000),
-        _ => return Err(format!("unknown unit {unit:?} in {s:?} (ms, s, m or h)")),
+        _ => {
+            return Err(DurationError::UnknownUnit {
+                unit: unit.to_string(),
+                input: s.to_string(),
+            });
+        }
     };
     Ok(Duration::from_millis(ms))
+}
+
+/// Why [`parse_duration`] refused its input (shown by clap as the argument's error).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    #[error("{0:?} is not a duration (like 90s, 5m, 1h)")]
+    NotANumber(String),
+    #[error("unknown unit {unit:?} in {input:?} (ms, s, m or h)")]
+    UnknownUnit { unit: String, input: String },
 }
 
 pub fn run(a: CheckArgs) -> anyhow::Result<()> {

@@ -6,7 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use nacre_raft::{
-    GroupId, LogStore, MemLogStore, NodeConfig, ProposalId, RaftError, RaftNode, StateMachine,
+    GroupId, LogStore, MemLogStore, NodeConfig, ProposalId, RaftError, RaftNode, RestoreError,
+    StateMachine,
 };
 
 /// A key-value map; a command is `key=value`, the response the previous value.
@@ -53,8 +54,9 @@ impl StateMachine for Kv {
             .into_bytes()
     }
 
-    fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
-        let text = std::str::from_utf8(snapshot).map_err(|e| e.to_string())?;
+    fn restore(&mut self, snapshot: &[u8]) -> Result<(), RestoreError> {
+        let text =
+            std::str::from_utf8(snapshot).map_err(|e| RestoreError::Decode(e.to_string()))?;
         self.map = text
             .lines()
             .filter_map(|l| l.split_once('='))
