@@ -9,11 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nacre_api::master::{RegisterRequest, Role};
+use nacre_api::meta::ROOT_INO;
 use nacre_client::MasterClient;
 use nacre_client::{FsError, MetaFs, NetVolume, NewInode};
 use nacre_cluster::{AgentConfig, node_router, run_agent};
 use nacre_master::{ClusterMap, Command, MASTER_GROUP, Master, MasterConfig, MasterSm};
-use nacre_meta::{MetaNode, MetaNodeConfig, ROOT_INO};
+use nacre_meta::{MetaNode, MetaNodeConfig};
 use nacre_msgr::mem::MemNetwork;
 use nacre_msgr::{Messenger, MsgrConfig};
 use nacre_raft::{LogStore, MemLogStore, StoreConfig};
@@ -395,8 +396,8 @@ fn victim_index(host: &str) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partition_leaders_evict_orphans_that_clients_left_behind() {
+    use nacre_api::meta::{Command as MetaCommand, Query, Reply};
     use nacre_client::MetaTransport as _;
-    use nacre_meta::{Command as MetaCommand, Query, Reply};
     let dir = tempfile::tempdir().unwrap();
     let net = MemNetwork::new(32);
     let TestCluster {
@@ -594,7 +595,7 @@ async fn a_delegated_directory_is_given_back_to_another_client_that_changes_it()
     a.create(sub, b"f", &file).await.unwrap();
     assert_eq!(
         a.rmdir(e, b"sub").await,
-        Err(FsError::Meta(nacre_meta::MetaError::NotEmpty)),
+        Err(FsError::Meta(nacre_api::meta::MetaError::NotEmpty)),
         "known not empty without asking"
     );
     a.unlink(sub, b"f").await.unwrap();
@@ -605,11 +606,11 @@ async fn a_delegated_directory_is_given_back_to_another_client_that_changes_it()
     net.heal_host("cli");
     assert_eq!(
         a.create(e, b"x", &file).await.map(|_| ()),
-        Err(FsError::Meta(nacre_meta::MetaError::Exists))
+        Err(FsError::Meta(nacre_api::meta::MetaError::Exists))
     );
     assert_eq!(
         a.lookup_dentry(e, b"nothing").await,
-        Err(FsError::Meta(nacre_meta::MetaError::NotFound))
+        Err(FsError::Meta(nacre_api::meta::MetaError::NotFound))
     );
 
     // The other client's change waits for the delegation to be given back (asked for through the
@@ -617,7 +618,7 @@ async fn a_delegated_directory_is_given_back_to_another_client_that_changes_it()
     let started = std::time::Instant::now();
     assert_eq!(
         b.create(e, b"x", &file).await.map(|_| ()),
-        Err(FsError::Meta(nacre_meta::MetaError::Exists)),
+        Err(FsError::Meta(nacre_api::meta::MetaError::Exists)),
         "a's name, applied before the directory was given back"
     );
     b.create(e, b"y", &file).await.unwrap();
@@ -638,13 +639,13 @@ async fn a_delegated_directory_is_given_back_to_another_client_that_changes_it()
     // a no longer answers for `e` by itself: it finds b's name.
     assert_eq!(
         a.create(e, b"y", &file).await.map(|_| ()),
-        Err(FsError::Meta(nacre_meta::MetaError::Exists))
+        Err(FsError::Meta(nacre_api::meta::MetaError::Exists))
     );
     a.unlink(e, b"y").await.unwrap();
     a.settle().await.unwrap();
     assert_eq!(
         b.lookup(e, b"y").await.map(|_| ()),
-        Err(FsError::Meta(nacre_meta::MetaError::NotFound))
+        Err(FsError::Meta(nacre_api::meta::MetaError::NotFound))
     );
     // What the queue did, as Prometheus sees it: `e`, keep, sub, f, its unlink, sub's rmdir and x
     // went behind, and `e` was given back; everything is answered, nothing failed.
@@ -666,9 +667,9 @@ async fn a_delegated_directory_is_given_back_to_another_client_that_changes_it()
     // the partition.
     let g = a.create(ROOT_INO, b"g", &dir_).await.unwrap().attr;
     let h = a.create(g.ino, b"h", &dir_).await.unwrap().attr;
-    let mode = nacre_meta::SetAttr {
+    let mode = nacre_api::meta::SetAttr {
         mode: Some(0o700),
-        ..nacre_meta::SetAttr::default()
+        ..nacre_api::meta::SetAttr::default()
     };
     b.setattr(g.ino, mode).await.unwrap();
     assert_eq!(a.getattr(g.ino).await.unwrap().mode & 0o777, 0o700);

@@ -9,8 +9,4 @@ pub mod service;
 pub mod sm;
 pub mod store;
 
-/// The data node's RPCs and their typed error live in `nacre-api`, where clients find them without
-/// linking this crate.
-pub use nacre_api::data as rpc;
-pub use nacre_api::data::DataError;
 pub use service::{DataMetrics, DataNode, DataNodeConfig};

@@ -54,9 +54,9 @@ use nacre_types::{ErrorCode, ExtentId, NodeId, PartitionId};
 use tokio::sync::watch;
 
 use crate::io::{Disk, FileDisk};
-use crate::rpc::*;
 use crate::sm::{DataSm, SmShared, store_error};
 use crate::store::{ExtentStore, SparePool, TINY_EXTENTS};
+use nacre_api::data::*;
 
 mod agent;
 mod align;

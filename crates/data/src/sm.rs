@@ -18,8 +18,8 @@ use nacre_types::ExtentId;
 use nacre_types::sync::lock;
 use serde::{Deserialize, Serialize};
 
-use crate::rpc::DataError;
 use crate::store::{ExtentStore, FIRST_NORMAL_EXTENT, StoreError};
+use nacre_api::data::DataError;
 
 /// A replicated data-partition command. Entries are postcard-encoded.
 #[derive(Clone, Debug, Serialize, Deserialize)]

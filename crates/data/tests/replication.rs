@@ -30,11 +30,12 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use common::*;
+use nacre_api::data::DataError;
 use nacre_api::data::{Read, ReadRequest};
 use nacre_cluster::PartitionHost as _;
 use nacre_data::io::{Disk, FaultPlan, FaultyDisk};
 use nacre_data::service::WrapDisk;
-use nacre_data::{DataError, DataMetrics, DataNodeConfig};
+use nacre_data::{DataMetrics, DataNodeConfig};
 use nacre_types::ExtentId;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

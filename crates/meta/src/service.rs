@@ -25,9 +25,9 @@ use nacre_types::sync::{self, lock};
 use nacre_types::{ErrorCode, NodeId, PartitionId};
 use tokio::sync::watch;
 
-use crate::ops::{Command, MetaError, Query, Reply};
 use crate::partition::MetaPartition;
-use crate::rpc::{MetaRead, MetaWrite};
+use nacre_api::meta::rpc::{MetaRead, MetaWrite};
+use nacre_api::meta::{Command, MetaError, Query, Reply};
 
 /// How long one release of freed extents may look for a data partition's leader.
 const RELEASE_RETRY_FOR: Duration = Duration::from_secs(2);

@@ -6,14 +6,15 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use nacre_api::meta::{
+    Attr, Command, Dentry, DirEntry, ExtentKey, FileType, MetaError, Query, ROOT_INO, Reply,
+    SetAttr, XattrMode,
+};
+use nacre_api::meta::{
     DELEGATION_MARGIN_NS, DELEGATION_NS, MAX_NAME, MAX_RESERVE, MAX_SYMLINK, MAX_XATTR_VALUE,
     SESSION_NS,
 };
+use nacre_meta::MetaPartition;
 use nacre_meta::partition::MAX_LINKS;
-use nacre_meta::{
-    Attr, Command, Dentry, DirEntry, ExtentKey, FileType, MetaError, MetaPartition, Query,
-    ROOT_INO, Reply, SetAttr, XattrMode,
-};
 use nacre_types::{ExtentId, Ino, PartitionId};
 use proptest::prelude::*;
 
@@ -1493,7 +1494,7 @@ fn snapshots_round_trip_and_reject_garbage() {
     assert_eq!(q, p);
     assert_eq!(q.snapshot(), bytes);
     // The memory estimate counts vector capacities, which a restore may size differently.
-    let counts = |p: &MetaPartition| nacre_meta::PartitionStats {
+    let counts = |p: &MetaPartition| nacre_api::meta::PartitionStats {
         memory: 0,
         ..p.stats()
     };
@@ -2449,7 +2450,7 @@ impl Model {
                 } else {
                     0
                 };
-                Ok(Reply::Stats(nacre_meta::PartitionStats {
+                Ok(Reply::Stats(nacre_api::meta::PartitionStats {
                     start: self.start,
                     end: self.end,
                     inodes: self.inodes.len() as u64,

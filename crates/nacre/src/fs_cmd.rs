@@ -13,11 +13,11 @@ use bytes::Bytes;
 use clap::{Args, Subcommand};
 use comfy_table::Table;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use nacre_api::meta::{Attr, FileType, MetaError, ROOT_INO, SetAttr};
 use nacre_client::MasterClient;
 use nacre_client::{
     Caller, DirEntryPlus, FileSystem, FsError, FsResult, MetaCache, NetFs, NetVolume, OpenFlags,
 };
-use nacre_meta::{Attr, FileType, MetaError, ROOT_INO, SetAttr};
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use nacre_types::Ino;
 

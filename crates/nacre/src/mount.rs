@@ -203,7 +203,7 @@ impl VolumeMount {
             let _ = stop.send(());
         }
         let r = tokio::task::spawn_blocking(move || mounted.unmount()).await;
-        if let Err(e) = fs.sync_dir(nacre_meta::ROOT_INO).await {
+        if let Err(e) = fs.sync_dir(nacre_api::meta::ROOT_INO).await {
             tracing::warn!(error = %e, "metadata changes written behind were lost at unmount");
         }
         shutdown(msgr).await;

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use nacre_api::data::DataError;
 use nacre_client::{DataCallError, MetaFs, NetVolume, NewInode, SeqWriter};
-use nacre_data::DataError;
 
-use nacre_meta::{ExtentKey, ROOT_INO};
+use nacre_api::meta::{ExtentKey, ROOT_INO};
 use nacre_types::NodeId;
 
 mod common;

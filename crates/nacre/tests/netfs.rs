@@ -10,10 +10,10 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use fastrand::Rng;
+use nacre_api::meta::{ROOT_INO, SetAttr};
 use nacre_client::netfs::HIDDEN_PREFIX;
 use nacre_client::{Caller, FileSystem, HideStep, NetFs, OpenFlags};
 use nacre_data::store::ExtentStore;
-use nacre_meta::{ROOT_INO, SetAttr};
 
 mod common;
 use common::cluster::{

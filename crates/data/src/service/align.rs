@@ -13,7 +13,7 @@ use nacre_types::{ExtentId, PartitionId};
 use super::append::Track;
 use super::{DataNode, Part, err_str, unavailable};
 use crate::repl::{Action, Event, Round};
-use crate::rpc::*;
+use nacre_api::data::*;
 
 impl DataNode {
     /// Checks that this node leads the partition and has aligned it under the current term.

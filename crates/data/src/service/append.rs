@@ -14,9 +14,9 @@ use super::TINY_ALIGN;
 use super::{DataNode, Part, off_worker};
 use crate::repl::Event;
 use crate::repl::extent::plan_batch;
-use crate::rpc::*;
 use crate::sm::store_error;
 use crate::store::{ExtentStore, StoreError};
+use nacre_api::data::*;
 
 /// Per-extent append state.
 #[derive(Debug)]

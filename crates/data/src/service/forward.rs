@@ -12,9 +12,9 @@ use super::append::{MAX_BATCH, Track};
 use super::{DataNode, Part, off_worker};
 use crate::repl::Event;
 use crate::repl::extent::{Refused, Take, follower_take};
-use crate::rpc::*;
 use crate::sm::store_error;
 use crate::store::ExtentStore;
+use nacre_api::data::*;
 
 impl DataNode {
     /// Sends a packet to every follower and, with `sync`, syncs it locally (written at store

@@ -8,9 +8,9 @@ use nacre_types::{ErrorCode, ExtentId};
 
 use super::append::check_packet;
 use super::{DataNode, Part, unavailable};
-use crate::rpc::*;
 use crate::sm::{DataCommand, store_error};
 use crate::store::StoreError;
+use nacre_api::data::*;
 
 impl DataNode {
     pub(super) async fn overwrite(

@@ -12,9 +12,9 @@ use nacre_types::{ExtentId, PartitionId};
 
 use super::{DataNode, Part, err_str};
 use crate::repl::{Action, Event, RepairStep, repair_steps};
-use crate::rpc::*;
 use crate::sm::{DataSm, store_error};
 use crate::store::StoreError;
+use nacre_api::data::*;
 
 impl DataNode {
     /// A store that failed an IO refuses all work until reopened (docs/data-store.md, "Failure").

@@ -14,9 +14,9 @@ use nacre_types::sync::lock;
 use super::DataMetrics;
 use super::append::Track;
 use super::{DataNode, unavailable};
-use crate::rpc::*;
 use crate::sm::{DataCommand, store_error};
 use crate::store::ExtentStore;
+use nacre_api::data::*;
 
 /// A handler's answer: the op's response and the data segment sent with it.
 type Reply<T> = Result<(T, Payload), RemoteError>;

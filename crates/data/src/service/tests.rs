@@ -6,7 +6,7 @@ use nacre_types::ExtentId;
 
 use super::append::{Arrived, MAX_BATCH, Track, join_packets, take_batch};
 use crate::repl::{holding_all, holds, merge_lengths};
-use crate::rpc::{DataError, MAX_PACKET};
+use nacre_api::data::{DataError, MAX_PACKET};
 
 fn lens(v: &[(u64, u64)]) -> HashMap<ExtentId, u64> {
     v.iter().map(|(e, l)| (ExtentId(*e), *l)).collect()

@@ -9,10 +9,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use nacre_api::data::DataError;
 use nacre_api::data::*;
 use nacre_api::master::{PartitionKind, PartitionSpec, Replica};
 use nacre_cluster::PartitionHost;
-use nacre_data::{DataError, DataNode, DataNodeConfig};
+use nacre_data::{DataNode, DataNodeConfig};
 use nacre_msgr::mem::MemNetwork;
 use nacre_msgr::{Client, Messenger, MsgrConfig, MsgrError, Payload};
 use nacre_proto::msg::Rpc;

@@ -1,11 +1,11 @@
-//! The handlers of the [`Command`](crate::ops::Command)s that change inodes, dentries and xattrs
+//! The handlers of the [`Command`](nacre_api::meta::Command)s that change inodes, dentries and xattrs
 //! (the dispatcher in `mod.rs` picks one). Every handler checks everything before it changes
 //! anything, so a failed command leaves the partition as it was; each keeps `heap` and the orphan
 //! and to-free lists in step with what it changes.
 
 use nacre_types::Ino;
 
-use crate::ops::{
+use nacre_api::meta::{
     Attr, Dentry, ExtentKey, FileType, MAX_RESERVE, MAX_SYMLINK, MAX_XATTR_VALUE, MetaError, Reply,
     SetAttr, XattrMode, without_suidgid,
 };

@@ -7,7 +7,7 @@
 use nacre_types::Ino;
 use serde::{Deserialize, Serialize};
 
-use crate::ops::{Command, DELEGATION_NS, FileType, MetaError, SESSION_NS};
+use nacre_api::meta::{Command, DELEGATION_NS, FileType, MetaError, SESSION_NS};
 
 use super::MetaPartition;
 use super::keys::{DentryVal, Key};

@@ -4,7 +4,7 @@
 
 use nacre_types::{ExtentId, PartitionId};
 
-use crate::ops::ExtentKey;
+use nacre_api::meta::ExtentKey;
 
 /// A key can be stored: it covers at least one byte, and neither its file range nor its extent
 /// range overflows.

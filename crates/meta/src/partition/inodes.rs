@@ -13,7 +13,7 @@ use serde::de::{SeqAccess, Visitor};
 use serde::ser::SerializeSeq;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::ops::{Attr, ExtentKey, FileType, MetaError};
+use nacre_api::meta::{Attr, ExtentKey, FileType, MetaError};
 
 use super::{MODE_MASK, btree_bytes};
 

@@ -10,7 +10,7 @@ use std::ops::Bound;
 use nacre_types::Ino;
 use serde::{Deserialize, Serialize};
 
-use crate::ops::{Dentry, FileType, MAX_NAME, MAX_XATTR_NAME, MetaError, check_name};
+use nacre_api::meta::{Dentry, FileType, MAX_NAME, MAX_XATTR_NAME, MetaError, check_name};
 
 /// Longest dentry or xattr key: an 8-byte owner, then a name.
 const KEY_MAX: usize = 8 + if MAX_NAME > MAX_XATTR_NAME {

@@ -25,12 +25,12 @@
 //! # Delegations and write-behind batches
 //!
 //! A directory created by a client (`Create`/`CreateAt` in `As` or `Batch`) is *delegated* to it
-//! for [`DELEGATION_NS`](crate::ops::DELEGATION_NS): until then only that client may change its
+//! for [`DELEGATION_NS`](nacre_api::meta::DELEGATION_NS): until then only that client may change its
 //! entries or remove it, so the client may change it ahead of the partition and send the changes
 //! later, in a `Batch` (see `Command::As`). Each change of its entries by the holder renews the
 //! delegation, unless another client asked for it back (`Recall`). A batch carries a per-client
 //! number so that a retried batch is not applied twice; the last number of each client (its
-//! *session*) is kept for [`SESSION_NS`](crate::ops::SESSION_NS) after its last batch.
+//! *session*) is kept for [`SESSION_NS`](nacre_api::meta::SESSION_NS) after its last batch.
 //!
 //! Both expire with time, and time is only the `now` a command carries: whether a delegation or a
 //! session still holds is always decided by comparing its time with `now`, never by whether it is
@@ -85,7 +85,7 @@ use std::mem::size_of;
 use nacre_types::Ino;
 use serde::{Deserialize, Serialize};
 
-use crate::ops::{
+use nacre_api::meta::{
     Attr, Command, Dentry, DirEntry, ExtentKey, FileType, MetaError, PartitionStats, Query,
     ROOT_INO, Reply,
 };
@@ -679,7 +679,7 @@ impl MetaPartition {
     fn touch_dir(&mut self, now: u64, dir: u64, subdirs: i32) {
         if let Some(node) = self.inodes.get_mut(dir) {
             node.nlink = node.nlink.saturating_add_signed(subdirs);
-            let t = crate::ops::dir_changed_at(node.ctime, now);
+            let t = nacre_api::meta::dir_changed_at(node.ctime, now);
             node.mtime = t;
             node.ctime = t;
         }

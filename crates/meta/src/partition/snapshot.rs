@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::Deserialize;
 
-use crate::ops::{ExtentKey, MetaError};
+use nacre_api::meta::{ExtentKey, MetaError};
 
 use super::MetaPartition;
 use super::delegations::{Delegation, Session};

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use nacre_types::Ino;
 
-use crate::ops::{FileType, MAX_SYMLINK, MAX_XATTR_VALUE, MetaError, check_name};
+use nacre_api::meta::{FileType, MAX_SYMLINK, MAX_XATTR_VALUE, MetaError, check_name};
 
 use super::extents::check_extents;
 use super::keys::{check_xattr_name, split_key};

@@ -16,9 +16,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context as _;
+use nacre_api::meta::{Command, ExtentKey, FileType, ROOT_INO};
 use nacre_client::MasterClient;
 use nacre_client::{MetaFs, NetVolume, NewInode};
-use nacre_meta::{Command, ExtentKey, FileType, MetaPartition, ROOT_INO};
+use nacre_meta::MetaPartition;
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use nacre_types::{ExtentId, Ino, PartitionId};
 use serde::Serialize;
@@ -337,7 +338,7 @@ pub fn memory(files: u64, extents: u64) -> anyhow::Result<MemoryRow> {
                 target: Vec::new(),
             },
         ) {
-            Ok(nacre_meta::Reply::Attr(a)) => a,
+            Ok(nacre_api::meta::Reply::Attr(a)) => a,
             other => anyhow::bail!("create inode: {other:?}"),
         };
         p.apply(

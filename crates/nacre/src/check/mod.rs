@@ -18,10 +18,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
+use nacre_api::meta::SetAttr;
 use nacre_client::MasterClient;
 use nacre_client::{FileSystem, MetaFs, MetaTransport, NetFs, NetVolume};
 use nacre_master::map::{Command as MapCommand, PartitionStatus};
-use nacre_meta::SetAttr;
 use nacre_msgr::{Client, Messenger, MsgrConfig, TcpTransport};
 use nacre_types::{ExtentId, Ino, PartitionId};
 use serde::Serialize;
@@ -570,7 +570,7 @@ async fn probe_targets(fs: &NetFs, vol: &NetVolume) -> anyhow::Result<Vec<Target
         let name = format!("probe-{j}");
         let attr = fs
             .mkdir(
-                nacre_meta::ROOT_INO,
+                nacre_api::meta::ROOT_INO,
                 name.as_bytes(),
                 0o755,
                 Default::default(),
@@ -896,7 +896,7 @@ async fn extent_use(h: &Harness, vol: &Arc<NetVolume>) -> anyhow::Result<ExtentU
     let meta = MetaFs::new(vol.clone());
     let mut used: BTreeSet<(u64, u64)> = BTreeSet::new();
     let (mut files, mut keys) = (0usize, 0usize);
-    let mut dirs = vec![nacre_meta::ROOT_INO];
+    let mut dirs = vec![nacre_api::meta::ROOT_INO];
     while let Some(dir) = dirs.pop() {
         let mut after: Option<Vec<u8>> = None;
         loop {
@@ -905,8 +905,8 @@ async fn extent_use(h: &Harness, vol: &Arc<NetVolume>) -> anyhow::Result<ExtentU
             after = Some(last.name.clone());
             for e in &page {
                 match e.kind {
-                    nacre_meta::FileType::Dir => dirs.push(e.ino),
-                    nacre_meta::FileType::File => {
+                    nacre_api::meta::FileType::Dir => dirs.push(e.ino),
+                    nacre_api::meta::FileType::File => {
                         let (_, ks) = meta.extents(e.ino).await?;
                         files += 1;
                         keys += ks.len();

@@ -10,8 +10,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use bytes::Bytes;
+use nacre_api::meta::{FileType, MetaError, ROOT_INO, SetAttr};
 use nacre_client::{Caller, Fh, FileSystem, FsError, FsResult, OpenFlags};
-use nacre_meta::{FileType, MetaError, ROOT_INO, SetAttr};
 use nacre_types::{Ino, crc32c};
 use tokio::sync::watch;
 

@@ -43,8 +43,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use nacre_types::sync::lock;
 use std::time::{Duration, Instant};
 
+use nacre_api::meta::{MetaError, ROOT_INO};
 use nacre_client::{CallError, FileSystem, FsError, FsResult, OpenFlags};
-use nacre_meta::{MetaError, ROOT_INO};
 use nacre_types::Ino;
 use serde::Serialize;
 use tokio::sync::watch;

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU32;
 
 use bytes::Bytes;
+use nacre_api::meta::{Attr, DirEntry, FileType, SetAttr, XattrMode};
 use nacre_client::{Caller, DirEntryPlus, Entry, Fh, StatFs};
-use nacre_meta::{Attr, DirEntry, FileType, SetAttr, XattrMode};
 
 use super::content::{Content, stream};
 use super::model::{Expect, FileModel};

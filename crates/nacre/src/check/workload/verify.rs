@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 
+use nacre_api::meta::{Attr, ROOT_INO};
 use nacre_client::{DirEntryPlus, FileSystem, FsResult};
-use nacre_meta::{Attr, ROOT_INO};
 use nacre_types::Ino;
 
 use super::model::{ClientModel, Expect, World};
