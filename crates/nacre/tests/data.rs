@@ -270,9 +270,9 @@ fn a_deleted_file_has_its_extents_released_on_the_data_nodes() {
 
 /// A stream whose packets are refused while the flush sends its last one (the window full, so
 /// the flush waits for the oldest, which fails) writes every byte again elsewhere before the
-/// flush returns: the keys cover the whole stream. The flush used to return with the refused
-/// packets only queued, their keys missing and the stream's file offset moved back to the
-/// first of them, so the next append's keys took their file range (`nacre check` found it).
+/// flush returns: the keys cover the whole stream. A flush that returned with the refused packets
+/// only queued would leave their keys missing and the stream's file offset moved back to the
+/// first of them, so the next append's keys would take their file range.
 #[test]
 fn a_refused_last_window_is_rewritten_before_the_flush_returns() {
     const PACKET: usize = 128 << 10;
