@@ -166,20 +166,19 @@ async fn start_meta(
 async fn wait_map(
     mc: &MasterClient,
     epochs: &mut watch::Receiver<u64>,
-    mut pred: impl FnMut(&ClusterMap) -> bool,
+    pred: impl FnMut(&ClusterMap) -> bool,
 ) -> ClusterMap {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        epochs.mark_unchanged();
-        let map = mc.cluster_map().await.unwrap();
-        if pred(&map) {
-            return map;
+    // The check's future calls `pred` after an await: it borrows it through a cell.
+    let pred = &std::cell::RefCell::new(pred);
+    nacre_testkit::until_changed(epochs, Duration::from_secs(30), move || {
+        let map = mc.cluster_map();
+        async move {
+            let map = map.await.unwrap();
+            (pred.borrow_mut())(&map).then_some(map)
         }
-        tokio::time::timeout_at(deadline, epochs.changed())
-            .await
-            .expect("cluster did not reach the expected state")
-            .unwrap();
-    }
+    })
+    .await
+    .expect("cluster did not reach the expected state")
 }
 
 struct TestCluster {

@@ -35,18 +35,7 @@ pub const POLL: Duration = Duration::from_millis(20);
 /// the 1 s replication timeout meaningful.
 pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// Deterministic bytes.
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
+pub use nacre_testkit::pattern;
 
 pub fn config(dir: &Path) -> DataNodeConfig {
     let mut cfg = DataNodeConfig::new(dir.to_path_buf());
@@ -411,40 +400,27 @@ pub struct Cluster {
 }
 
 /// Polls `check` until it returns `Some`, at most [`DEADLINE`].
-pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+pub async fn eventually<T, F, Fut>(what: &str, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        if let Some(t) = check().await {
-            return t;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(POLL).await;
-    }
+    nacre_testkit::eventually(DEADLINE, POLL, check)
+        .await
+        .unwrap_or_else(|| panic!("timed out waiting for {what}"))
 }
 
 /// Re-checks `check` each time node `node` applies Raft entries, until it returns `Some` (at most
 /// [`DEADLINE`]).
-pub async fn until_applied<T, F, Fut>(node: &DataNode, what: &str, mut check: F) -> T
+pub async fn until_applied<T, F, Fut>(node: &DataNode, what: &str, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
     let mut applied = node.applied().expect("the node's raft store runs");
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    loop {
-        applied.mark_unchanged();
-        if let Some(t) = check().await {
-            return t;
-        }
-        tokio::time::timeout_at(deadline, applied.changed())
-            .await
-            .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
-            .expect("the raft store stopped");
-    }
+    nacre_testkit::until_changed(&mut applied, DEADLINE, check)
+        .await
+        .unwrap_or_else(|| panic!("timed out waiting for {what} (or the raft store stopped)"))
 }
 
 impl Cluster {

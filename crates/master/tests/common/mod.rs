@@ -153,20 +153,18 @@ pub async fn wait_map(
     mc: &MasterClient,
     epochs: &mut watch::Receiver<u64>,
     timeout: Duration,
-    mut pred: impl FnMut(&ClusterMap) -> bool,
+    pred: impl FnMut(&ClusterMap) -> bool,
 ) -> Option<ClusterMap> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        epochs.mark_unchanged();
-        let map = mc.cluster_map().await.unwrap();
-        if pred(&map) {
-            return Some(map);
+    // The check's future calls `pred` after an await: it borrows it through a cell.
+    let pred = &std::cell::RefCell::new(pred);
+    nacre_testkit::until_changed(epochs, timeout, move || {
+        let map = mc.cluster_map();
+        async move {
+            let map = map.await.unwrap();
+            (pred.borrow_mut())(&map).then_some(map)
         }
-        match tokio::time::timeout_at(deadline, epochs.changed()).await {
-            Ok(Ok(())) => {}
-            _ => return None,
-        }
-    }
+    })
+    .await
 }
 
 /// Stops every master's messenger.
