@@ -13,7 +13,7 @@
 use std::future::Future;
 
 use bytes::Bytes;
-use nacre_api::meta::{Attr, DirEntry, SetAttr, XattrMode};
+use nacre_api::meta::{Attr, DirEntry, FileType, SetAttr, XattrMode};
 use nacre_types::Ino;
 
 pub use crate::meta::{Entry, FsError, FsResult};
@@ -149,6 +149,19 @@ pub trait FileSystem: Send + Sync + 'static {
         parent: Ino,
         name: &[u8],
         target: &[u8],
+        caller: Caller,
+    ) -> impl Future<Output = FsResult<Entry>> + Send;
+
+    /// A special file `parent/name` of `kind` — a FIFO, a UNIX socket, or a character or block
+    /// device numbered `rdev` — with permission bits `mode`. Regular files come from `create`,
+    /// directories from `mkdir`, symlinks from `symlink`; any other `kind` is invalid.
+    fn mknod(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        kind: FileType,
+        mode: u32,
+        rdev: u32,
         caller: Caller,
     ) -> impl Future<Output = FsResult<Entry>> + Send;
 

@@ -321,6 +321,22 @@ impl FileSystem for Toy {
         })
     }
 
+    async fn mknod(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        kind: FileType,
+        mode: u32,
+        rdev: u32,
+        _caller: Caller,
+    ) -> FsResult<Entry> {
+        self.with("mknod", |st| {
+            let (ino, was) = st.add(parent, name, kind, mode)?;
+            st.get_mut(ino)?.attr.rdev = rdev;
+            st.entry(ino, parent, Some(was))
+        })
+    }
+
     async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Entry> {
         self.with("link", |st| {
             nacre_api::meta::check_name(new_name)?;

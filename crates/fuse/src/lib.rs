@@ -337,15 +337,36 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         name: &OsStr,
         mode: u32,
         umask: u32,
-        _rdev: u32,
+        rdev: u32,
         reply: ReplyEntry,
     ) {
-        if mode & libc::S_IFMT != libc::S_IFREG {
-            reply.error(Errno::EPERM);
-            return;
-        }
+        // The kernel checks CAP_MKNOD for devices before it asks.
+        let special = match mode & libc::S_IFMT {
+            libc::S_IFREG => None,
+            libc::S_IFIFO => Some(FileType::Fifo),
+            libc::S_IFSOCK => Some(FileType::Socket),
+            libc::S_IFCHR => Some(FileType::CharDev),
+            libc::S_IFBLK => Some(FileType::BlockDev),
+            _ => {
+                reply.error(Errno::EINVAL);
+                return;
+            }
+        };
         let (name, caller) = (name_of(name), caller(req));
         let perm = mode & !umask & 0o7777;
+        if let Some(kind) = special {
+            self.spawn(|i| async move {
+                match i
+                    .fs
+                    .mknod(Ino(parent.0), &name, kind, perm, rdev, caller)
+                    .await
+                {
+                    Ok(e) => i.entry(reply, &e.attr),
+                    Err(e) => reply.error(err(&e)),
+                }
+            });
+            return;
+        }
         self.spawn(|i| async move {
             let r =
                 i.fs.create(Ino(parent.0), &name, perm, caller, OpenFlags::READ)

@@ -783,6 +783,84 @@ fn python_on_mount(scripts: &[&str]) {
 }
 
 #[test]
+fn every_file_type_can_be_made_renamed_linked_and_removed() {
+    require_fuse!();
+    python_on_mount(&[r#"
+import os, sys, stat, socket
+d = sys.argv[1]
+os.umask(0o022)
+kinds = {}
+
+# A regular file by mknod, written through the mount.
+os.mknod(d + "/reg", 0o644 | stat.S_IFREG)
+with open(d + "/reg", "wb") as f:
+    f.write(b"regular")
+kinds["reg"] = stat.S_ISREG
+
+# A FIFO: the kernel carries the bytes; the mount holds the name.
+os.mkfifo(d + "/fifo", 0o640)
+r = os.open(d + "/fifo", os.O_RDONLY | os.O_NONBLOCK)
+w = os.open(d + "/fifo", os.O_WRONLY)
+os.write(w, b"through the pipe")
+assert os.read(r, 100) == b"through the pipe"
+os.close(r); os.close(w)
+kinds["fifo"] = stat.S_ISFIFO
+
+# A UNIX socket bound on the mount, and a connection through its name.
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(d + "/sock"); srv.listen(1)
+cli = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+cli.connect(d + "/sock")
+conn, _ = srv.accept()
+cli.sendall(b"hi")
+assert conn.recv(2) == b"hi"
+for x in (conn, cli, srv): x.close()
+kinds["sock"] = stat.S_ISSOCK
+
+# Devices keep their numbers (making one needs CAP_MKNOD; the kernel checks it).
+if os.geteuid() == 0:
+    os.mknod(d + "/chr", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    os.mknod(d + "/blk", 0o600 | stat.S_IFBLK, os.makedev(7, 12))
+    for n, maj, mnr in (("chr", 1, 3), ("blk", 7, 12)):
+        st = os.lstat(d + "/" + n)
+        assert (os.major(st.st_rdev), os.minor(st.st_rdev)) == (maj, mnr), (n, st)
+    kinds["chr"] = stat.S_ISCHR
+    kinds["blk"] = stat.S_ISBLK
+else:
+    try:
+        os.mknod(d + "/chr", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        raise AssertionError("an unprivileged mknod of a device succeeded")
+    except PermissionError:
+        pass
+
+uid, gid = os.getuid(), os.getgid()
+for n, is_kind in kinds.items():
+    st = os.lstat(d + "/" + n)
+    assert is_kind(st.st_mode), (n, oct(st.st_mode))
+    assert (st.st_uid, st.st_gid) == (uid, gid), (n, st)
+    assert st.st_nlink == 1, (n, st)
+assert stat.S_IMODE(os.lstat(d + "/fifo").st_mode) == 0o640
+listed = {e.name: e.stat(follow_symlinks=False).st_mode for e in os.scandir(d)}
+for n, is_kind in kinds.items():
+    assert is_kind(listed[n]), (n, listed)
+
+# Rename, link, chmod and remove each.
+for n, is_kind in kinds.items():
+    os.rename(d + "/" + n, d + "/" + n + ".2")
+    os.link(d + "/" + n + ".2", d + "/" + n + ".3")
+    assert os.lstat(d + "/" + n + ".3").st_nlink == 2
+    os.chmod(d + "/" + n + ".3", 0o600)
+    assert stat.S_IMODE(os.lstat(d + "/" + n + ".2").st_mode) == 0o600
+    assert is_kind(os.lstat(d + "/" + n + ".2").st_mode)
+    os.unlink(d + "/" + n + ".2")
+    assert os.lstat(d + "/" + n + ".3").st_nlink == 1
+    os.unlink(d + "/" + n + ".3")
+assert os.listdir(d) == [], os.listdir(d)
+print("ok")
+"#]);
+}
+
+#[test]
 fn open_files_survive_rename_unlink_and_concurrent_appends() {
     require_fuse!();
     python_on_mount(&[

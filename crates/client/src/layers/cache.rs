@@ -507,6 +507,24 @@ impl<F: FileSystem> FileSystem for MetaCache<F> {
         r
     }
 
+    async fn mknod(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        kind: FileType,
+        mode: u32,
+        rdev: u32,
+        caller: Caller,
+    ) -> FsResult<Entry> {
+        let (since, began) = self.begin();
+        let r = self
+            .inner
+            .mknod(parent, name, kind, mode, rdev, caller)
+            .await;
+        self.created(since, began, parent, name, r.as_ref().ok());
+        r
+    }
+
     async fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> FsResult<Entry> {
         let (since, began) = self.begin();
         let r = self.inner.link(ino, new_parent, new_name).await;

@@ -14,7 +14,7 @@ use std::future::Future;
 use std::time::Instant;
 
 use bytes::Bytes;
-use nacre_api::meta::{Attr, SetAttr, XattrMode};
+use nacre_api::meta::{Attr, FileType, SetAttr, XattrMode};
 use nacre_types::Ino;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -34,6 +34,7 @@ pub enum Op {
     Create,
     Mkdir,
     Symlink,
+    Mknod,
     Link,
     Unlink,
     Rmdir,
@@ -54,13 +55,14 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 23] = [
+    pub const ALL: [Op; 24] = [
         Op::Lookup,
         Op::Getattr,
         Op::Setattr,
         Op::Create,
         Op::Mkdir,
         Op::Symlink,
+        Op::Mknod,
         Op::Link,
         Op::Unlink,
         Op::Rmdir,
@@ -89,6 +91,7 @@ impl Op {
             Op::Create => "create",
             Op::Mkdir => "mkdir",
             Op::Symlink => "symlink",
+            Op::Mknod => "mknod",
             Op::Link => "link",
             Op::Unlink => "unlink",
             Op::Rmdir => "rmdir",
@@ -267,6 +270,22 @@ impl<F: FileSystem> FileSystem for Metrics<F> {
         self.track(
             Op::Symlink,
             self.inner.symlink(parent, name, target, caller),
+        )
+        .await
+    }
+
+    async fn mknod(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        kind: FileType,
+        mode: u32,
+        rdev: u32,
+        caller: Caller,
+    ) -> FsResult<Entry> {
+        self.track(
+            Op::Mknod,
+            self.inner.mknod(parent, name, kind, mode, rdev, caller),
         )
         .await
     }

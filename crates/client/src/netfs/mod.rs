@@ -355,6 +355,40 @@ impl Inner {
             .await
     }
 
+    async fn mknod(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        kind: FileType,
+        mode: u32,
+        rdev: u32,
+        caller: Caller,
+    ) -> FsResult<Entry> {
+        if !matches!(
+            kind,
+            FileType::Fifo | FileType::Socket | FileType::CharDev | FileType::BlockDev
+        ) {
+            return Err(FsError::Meta(MetaError::Invalid(format!(
+                "mknod makes FIFOs, sockets and devices, not {kind:?}"
+            ))));
+        }
+        // Only device numbers mean anything on devices.
+        let rdev = if matches!(kind, FileType::CharDev | FileType::BlockDev) {
+            rdev
+        } else {
+            0
+        };
+        let new = NewInode {
+            kind,
+            mode: mode & 0o7777,
+            uid: caller.uid,
+            gid: caller.gid,
+            rdev,
+            target: Vec::new(),
+        };
+        self.meta.create(parent, name, &new).await
+    }
+
     async fn symlink(
         &self,
         parent: Ino,
@@ -643,6 +677,22 @@ impl FileSystem for NetFs {
         let name = name.to_vec();
         self.detached(move |i| async move { i.mkdir(parent, &name, mode, caller).await })
             .await
+    }
+
+    async fn mknod(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        kind: FileType,
+        mode: u32,
+        rdev: u32,
+        caller: Caller,
+    ) -> FsResult<Entry> {
+        let name = name.to_vec();
+        self.detached(
+            move |i| async move { i.mknod(parent, &name, kind, mode, rdev, caller).await },
+        )
+        .await
     }
 
     async fn symlink(

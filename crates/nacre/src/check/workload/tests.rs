@@ -318,6 +318,7 @@ impl FileSystem for MemFs {
 
     unsupported! {
         symlink(Ino, &[u8], &[u8], Caller) -> Entry;
+        mknod(Ino, &[u8], FileType, u32, u32, Caller) -> Entry;
         link(Ino, Ino, &[u8]) -> Entry;
         rmdir(Ino, &[u8]) -> Vec<Attr>;
         readlink(Ino) -> Vec<u8>;
