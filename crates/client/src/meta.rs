@@ -413,14 +413,14 @@ impl<T: MetaTransport> MetaFs<T> {
         Err(last)
     }
 
-    /// Drops one link of `ino`; evicts it when none is left. Failures to evict keep it on the
-    /// orphan list.
-    async fn drop_link(&self, ino: Ino) -> FsResult<()> {
+    /// Drops one link of `ino`; evicts it when none is left (and says so). Failures to evict
+    /// keep it on the orphan list.
+    async fn drop_link(&self, ino: Ino) -> FsResult<bool> {
         let a = Self::attr(self.write_ino(ino, Command::UnlinkInode { ino }).await?)?;
         if a.nlink == 0 {
             self.evict(ino).await;
         }
-        Ok(())
+        Ok(a.nlink == 0)
     }
 
     async fn evict(&self, ino: Ino) {
@@ -546,6 +546,7 @@ impl<T: MetaTransport> MetaFs<T> {
     /// A new name for an existing inode: nlink + 1, then the dentry.
     pub async fn link(&self, ino: Ino, parent: Ino, name: &[u8]) -> FsResult<Entry> {
         nacre_api::meta::check_name(name)?;
+        self.linked(ino);
         let attr = Self::attr(self.write_ino(ino, Command::LinkInode { ino }).await?)?;
         let cmd = Command::CreateDentry {
             parent,
@@ -584,8 +585,18 @@ impl<T: MetaTransport> MetaFs<T> {
     /// inode keeps a link it no longer needs: a leak, never a dangling name). Returns the parent's
     /// attributes after the removal.
     pub async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
+        Ok(self.unlink_reporting(parent, name).await?.0)
+    }
+
+    /// [`MetaFs::unlink`], also returning the inode when its last link went with the name (it
+    /// is deleted), as far as this client learnt it.
+    pub async fn unlink_reporting(
+        &self,
+        parent: Ino,
+        name: &[u8],
+    ) -> FsResult<(Vec<Attr>, Option<Ino>)> {
         if let Some(done) = self.remove_behind(parent, name, false) {
-            return done;
+            return done.map(|(dirs, ino)| (dirs, Some(ino)));
         }
         let cmd = Command::Remove {
             parent,
@@ -598,10 +609,11 @@ impl<T: MetaTransport> MetaFs<T> {
                 attr,
                 parent,
             } => {
-                if attr.is_none() {
-                    self.drop_link(dentry.ino).await?;
-                }
-                Ok(vec![parent])
+                let gone = match attr {
+                    Some(a) => a.nlink == 0,
+                    None => self.drop_link(dentry.ino).await?,
+                };
+                Ok((vec![parent], gone.then_some(dentry.ino)))
             }
             other => Err(unexpected(&other)),
         }
@@ -632,7 +644,7 @@ impl<T: MetaTransport> MetaFs<T> {
     /// removal when the one-step path learnt them.
     pub async fn rmdir(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         if let Some(done) = self.remove_behind(parent, name, true) {
-            return done;
+            return done.map(|(dirs, _)| dirs);
         }
         let cmd = Command::Remove {
             parent,
@@ -704,6 +716,9 @@ impl<T: MetaTransport> MetaFs<T> {
         dst_name: &[u8],
     ) -> FsResult<Vec<Attr>> {
         nacre_api::meta::check_name(dst_name)?;
+        if let Some(done) = self.rename_behind(src_parent, src_name, dst_parent, dst_name) {
+            return done;
+        }
         let src = self.lookup_dentry(src_parent, src_name).await?;
         if src_parent == dst_parent && src_name == dst_name {
             return Ok(Vec::new());
@@ -936,6 +951,9 @@ impl<T: MetaTransport> MetaFs<T> {
     }
 
     pub async fn setattr(&self, ino: Ino, set: SetAttr) -> FsResult<Attr> {
+        if let Some(done) = self.setattr_behind(ino, &set) {
+            return done;
+        }
         let cmd = if set.kill_suidgid {
             Command::SetAttrKillSuid { ino, set }
         } else {

@@ -4,8 +4,8 @@
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nacre_api::meta::{Attr, Command, FileType, MetaError, Query, ROOT_INO, Reply};
@@ -417,7 +417,7 @@ fn creates_written_behind_share_a_batch_and_a_settle_does_not_linger() {
 }
 
 /// The inode of a directory path in the real file system.
-async fn resolve(fs: &MetaFs<MemMeta>, path: &[Vec<u8>]) -> Ino {
+async fn resolve(fs: &MetaFs<impl MetaTransport>, path: &[Vec<u8>]) -> Ino {
     let mut ino = ROOT_INO;
     for c in path {
         ino = fs.lookup_dentry(ino, c).await.unwrap().ino;
@@ -427,7 +427,7 @@ async fn resolve(fs: &MetaFs<MemMeta>, path: &[Vec<u8>]) -> Ino {
 
 /// Checks that directory attributes a call returned are what the partitions hold now (the model
 /// test runs one call at a time), and drops them.
-async fn dirs_fresh(fs: &MetaFs<MemMeta>, r: FsResult<Vec<Attr>>) -> FsResult<()> {
+async fn dirs_fresh(fs: &MetaFs<impl MetaTransport>, r: FsResult<Vec<Attr>>) -> FsResult<()> {
     for d in r? {
         assert_eq!(
             fs.getattr(d.ino).await.unwrap(),
@@ -457,7 +457,7 @@ fn same_error(real: &Result<(), FsError>, model: &Result<(), MetaError>) -> bool
 
 /// Applies one op to both; returns (real result, model result).
 async fn step(
-    fs: &MetaFs<MemMeta>,
+    fs: &MetaFs<impl MetaTransport>,
     model: &mut Model,
     op: &Op,
 ) -> (Result<(), FsError>, Result<(), MetaError>) {
@@ -553,7 +553,7 @@ async fn step(
 }
 
 /// Compares the whole reachable tree: names, kinds, modes and link counts.
-async fn compare_trees(fs: &MetaFs<MemMeta>, model: &Model) -> Result<(), String> {
+async fn compare_trees(fs: &MetaFs<impl MetaTransport>, model: &Model) -> Result<(), String> {
     let mut stack = vec![(ROOT_INO, 0usize)];
     while let Some((ino, mid)) = stack.pop() {
         let attr = fs.getattr(ino).await.map_err(|e| e.to_string())?;
@@ -609,7 +609,7 @@ async fn compare_trees(fs: &MetaFs<MemMeta>, model: &Model) -> Result<(), String
 
 /// Every dentry reachable from the root points to a live inode, and a file's link count is at least
 /// the number of its reachable names.
-async fn check_invariant(fs: &MetaFs<MemMeta>) -> Result<(), String> {
+async fn check_invariant(fs: &MetaFs<impl MetaTransport>) -> Result<(), String> {
     let mut names: BTreeMap<Ino, u32> = BTreeMap::new();
     let mut stack = vec![ROOT_INO];
     let mut seen = std::collections::BTreeSet::new();
@@ -668,6 +668,33 @@ proptest! {
         })?;
     }
 
+    /// The same with write-behind: creates, removes and renames in directories the client made
+    /// are answered from what it knows and applied later, in order; after a settle the
+    /// partitions hold exactly the model's tree.
+    #[test]
+    fn workflows_written_behind_match_a_naive_model(ops in proptest::collection::vec(arb_op(), 1..60)) {
+        tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+            let mem = Arc::new(MemMeta::new());
+            let fs = MetaFs::with_write_behind(mem.clone());
+            let mut model = Model::new();
+            for (i, op) in ops.iter().enumerate() {
+                let (real, m) = step(&fs, &mut model, op).await;
+                prop_assert!(same_error(&real, &m), "op {i} {op:?}: real {real:?}, model {m:?}");
+            }
+            prop_assert!(fs.settle().await.is_ok(), "a change written behind failed");
+            // Read back by a client that knows nothing: what the partitions hold.
+            let plain = MetaFs::new(mem);
+            if let Err(e) = compare_trees(&plain, &model).await {
+                prop_assert!(false, "{e}");
+            }
+            let (inodes, _) = plain.statfs().await.unwrap();
+            let live = model.dirs().len() as u64
+                + model.nodes.iter().enumerate().filter(|(id, n)| n.kind != FileType::Dir && model.nlink(*id) > 0).count() as u64;
+            prop_assert_eq!(inodes, live, "inodes stored vs reachable");
+            Ok(())
+        })?;
+    }
+
     #[test]
     fn failures_between_steps_never_leave_a_dangling_dentry(
         ops in proptest::collection::vec(arb_op(), 1..40),
@@ -700,7 +727,7 @@ proptest! {
 }
 
 /// A model of the real tree (for choosing directories after failures made them diverge).
-async fn rebuild_model(fs: &MetaFs<MemMeta>) -> Model {
+async fn rebuild_model(fs: &MetaFs<impl MetaTransport>) -> Model {
     let mut model = Model::new();
     let mut stack = vec![(ROOT_INO, 0usize)];
     let mut ids: BTreeMap<Ino, usize> = BTreeMap::from([(ROOT_INO, 0)]);

@@ -39,6 +39,16 @@ pub struct MountFlags {
     /// "Write-behind under directory delegations").
     #[arg(long)]
     pub sync_meta: bool,
+    /// Milliseconds a closed small file's data (up to 128 KiB) may wait in the client before it
+    /// is sent, packed with other files' into shared tiny extents; sent sooner once 128 KiB are
+    /// waiting. `fsync` of the file or of any directory, and unmount, wait for it
+    /// (docs/ARCHITECTURE.md, "Write-behind of small files"). 0, or `--sync-meta`: every close
+    /// waits until its file's data is durable.
+    #[arg(long, default_value_t = 10)]
+    pub flush_delay_ms: u64,
+    /// Most bytes of closed files waiting to be sent; a close that finds more waits.
+    #[arg(long, default_value = "64MiB", value_parser = crate::bench::report::parse_size)]
+    pub dirty_max: usize,
     /// HTTP address serving the client's metrics (`/metrics`: file system operations, errors,
     /// latencies and bytes, and its messenger); empty for none.
     #[arg(long, default_value = "127.0.0.1:0")]
@@ -151,6 +161,9 @@ impl VolumeMount {
                 Arc::new(vol),
                 NetFsConfig {
                     write_behind: !flags.sync_meta,
+                    flush_delay: (flags.flush_delay_ms > 0)
+                        .then(|| Duration::from_millis(flags.flush_delay_ms)),
+                    dirty_max: flags.dirty_max as u64,
                     ..NetFsConfig::default()
                 },
             );

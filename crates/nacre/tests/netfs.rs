@@ -12,7 +12,7 @@ use bytes::Bytes;
 use fastrand::Rng;
 use nacre_api::meta::{ROOT_INO, SetAttr};
 use nacre_client::netfs::HIDDEN_PREFIX;
-use nacre_client::{Caller, FileSystem, HideStep, NetFs, OpenFlags};
+use nacre_client::{Caller, FileSystem, HideStep, NetFs, NetFsConfig, OpenFlags};
 use nacre_data::store::ExtentStore;
 
 mod common;
@@ -426,6 +426,166 @@ fn cancelled_writes_and_fsyncs_leave_old_or_new_content() {
                 assert!(released.is_ok() && got == data, "{what}");
             }
         }
+        shut_down(&msgr).await;
+    });
+}
+
+/// Small files written behind (`NetFsConfig::flush_delay`): closes return before the bytes are
+/// sent; this client reads them back at once; another client sees them after a directory fsync
+/// (`sync_dir`), many files packed into one tiny extent, each key exactly its file's bytes.
+/// Explicit times set before `close` survive the later commit; a file removed before its bytes
+/// went out leaves nothing behind; a file replaced by `rename` gets its bytes first; `fsync` of
+/// one file makes it visible alone; a tiny `dirty_max` makes closes wait, not fail.
+#[test]
+fn small_files_written_behind_are_packed_read_back_and_synced() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = start_cluster(dir.path());
+    runtime().block_on(async {
+        let (msgr, mc) = client_with_volume(&cluster.master_addr).await;
+        // A delay no test outlives: rounds start only when a packet's worth (or `dirty_max`) is
+        // waiting, or on a sync.
+        let cfg = NetFsConfig {
+            write_behind: true,
+            flush_delay: Some(std::time::Duration::from_secs(3600)),
+            dirty_max: 96 << 10,
+            ..NetFsConfig::default()
+        };
+        let fs = NetFs::with_config(open_volume(&msgr, &mc).await, cfg);
+        let other = NetFs::new(open_volume(&msgr, &mc).await);
+        let me = Caller { uid: 0, gid: 0 };
+        let mut rng = Rng::with_seed(0x5eed_0041);
+        let d = fs.mkdir(ROOT_INO, b"d", 0o755, me).await.unwrap().attr.ino;
+
+        let mut files = Vec::new();
+        for i in 0..60u64 {
+            let name = format!("f{i}");
+            let (a, h) = fs
+                .create(d, name.as_bytes(), 0o644, me, OpenFlags::WRITE)
+                .await
+                .unwrap();
+            let n = 1 + rng.usize(..6 << 10);
+            let data = random_bytes(&mut rng, n);
+            fs.write(h, 0, data.clone()).await.unwrap();
+            fs.flush(h).await.unwrap();
+            fs.release(h).await.unwrap();
+            // This client sees its own bytes before they are sent.
+            assert_eq!(
+                fs.getattr(a.attr.ino).await.unwrap().size,
+                data.len() as u64
+            );
+            let r = fs.open(a.attr.ino, OpenFlags::READ).await.unwrap();
+            assert!(read_all(&fs, r, data.len()).await == data[..], "{name}");
+            fs.release(r).await.unwrap();
+            files.push((name, a.attr.ino, data));
+        }
+
+        // mtime set while the bytes were unsent (as `tar x` does) outlives their commit.
+        let (a, h) = fs
+            .create(d, b"dated", 0o644, me, OpenFlags::WRITE)
+            .await
+            .unwrap();
+        fs.write(h, 0, Bytes::from_static(b"old")).await.unwrap();
+        let when = 1_000_000_000_123_456_789u64;
+        let set = SetAttr {
+            mtime: Some(when),
+            ..SetAttr::default()
+        };
+        fs.setattr(a.attr.ino, set).await.unwrap();
+        fs.release(h).await.unwrap();
+        let dated = a.attr.ino;
+
+        // Removed before its bytes went out: nothing to write, no error later.
+        let (a, h) = fs
+            .create(d, b"scratch", 0o644, me, OpenFlags::WRITE)
+            .await
+            .unwrap();
+        fs.write(h, 0, Bytes::from_static(b"scratch"))
+            .await
+            .unwrap();
+        fs.release(h).await.unwrap();
+        fs.unlink(d, b"scratch").await.unwrap();
+        assert!(fs.getattr(a.attr.ino).await.is_err());
+
+        // Replaced by a rename: the source's bytes end up under the destination's name.
+        for (name, body) in [(&b"old"[..], &b"replaced"[..]), (b"new", b"renamed")] {
+            let (_, h) = fs
+                .create(d, name, 0o644, me, OpenFlags::WRITE)
+                .await
+                .unwrap();
+            fs.write(h, 0, Bytes::copy_from_slice(body)).await.unwrap();
+            fs.release(h).await.unwrap();
+        }
+        fs.rename(d, b"new", d, b"old").await.unwrap();
+
+        // Appended to after its close: one file, both pieces.
+        let (a, h) = fs
+            .create(d, b"log", 0o644, me, OpenFlags::WRITE)
+            .await
+            .unwrap();
+        fs.write(h, 0, Bytes::from_static(b"one,")).await.unwrap();
+        fs.release(h).await.unwrap();
+        let h = fs
+            .open(
+                a.attr.ino,
+                OpenFlags {
+                    append: true,
+                    ..OpenFlags::WRITE
+                },
+            )
+            .await
+            .unwrap();
+        fs.write(h, 0, Bytes::from_static(b"two")).await.unwrap();
+        fs.release(h).await.unwrap();
+        let log = a.attr.ino;
+
+        // fsync of one file commits it alone, before any directory sync.
+        let (a, h) = fs
+            .create(d, b"synced", 0o644, me, OpenFlags::WRITE)
+            .await
+            .unwrap();
+        fs.write(h, 0, Bytes::from_static(b"durable"))
+            .await
+            .unwrap();
+        fs.fsync(h).await.unwrap();
+        fs.release(h).await.unwrap();
+        let (attr, keys) = other.meta().extents(a.attr.ino).await.unwrap();
+        assert_eq!((attr.size, keys.len()), (7, 1));
+
+        fs.sync_dir(d).await.unwrap();
+        let mut shared = std::collections::HashMap::new();
+        for (name, ino, data) in &files {
+            let (attr, keys) = other.meta().extents(*ino).await.unwrap();
+            assert_eq!(attr.size, data.len() as u64, "{name}");
+            assert_eq!(keys.len(), 1, "{name}: {keys:?}");
+            let k = keys[0];
+            assert!(ExtentStore::is_tiny(k.extent), "{name}: {k:?}");
+            assert_eq!(k.size as usize, data.len(), "{name}");
+            assert_eq!(k.crc, nacre_types::crc32c(data), "{name}");
+            *shared.entry((k.partition, k.extent)).or_insert(0) += 1;
+            let h = other.open(*ino, OpenFlags::READ).await.unwrap();
+            assert!(read_all(&other, h, data.len()).await == data[..], "{name}");
+            other.release(h).await.unwrap();
+        }
+        assert!(
+            shared.values().any(|&n| n > 1),
+            "no two files share a tiny extent: {shared:?}"
+        );
+        assert_eq!(other.getattr(dated).await.unwrap().mtime, when);
+        let read = |ino| {
+            let other = other.clone();
+            async move {
+                let h = other.open(ino, OpenFlags::READ).await.unwrap();
+                let size = other.getattr(ino).await.unwrap().size as usize;
+                let got = read_all(&other, h, size).await;
+                other.release(h).await.unwrap();
+                got
+            }
+        };
+        assert_eq!(read(log).await, b"one,two");
+        let old = other.lookup(d, b"old").await.unwrap();
+        assert_eq!(read(old.ino).await, b"renamed");
+        assert!(other.lookup(d, b"scratch").await.is_err());
         shut_down(&msgr).await;
     });
 }

@@ -26,7 +26,9 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use nacre_api::meta::{Attr, Command, Dentry, FileType, MetaError, Query, Reply};
+use nacre_api::meta::{
+    Attr, Command, Dentry, ExtentKey, FileType, MetaError, Query, Reply, SetAttr,
+};
 use nacre_api::meta::{DELEGATION_MARGIN_NS, DELEGATION_NS};
 use nacre_types::{Ino, PartitionId};
 use prometheus_client::metrics::counter::Counter;
@@ -69,6 +71,7 @@ pub(crate) struct Behind {
 struct State {
     parts: HashMap<PartitionId, Part>,
     owned: HashMap<Ino, Owned>,
+    made: HashMap<Ino, Made>,
     /// The first failure of a queued command since the last `settle`.
     failed: Option<String>,
     polling: bool,
@@ -164,8 +167,9 @@ impl Part {
 #[derive(Debug)]
 struct Queued {
     cmd: Command,
-    /// The directory whose entries the command changes (its delegation is what makes it safe).
-    dir: Ino,
+    /// The directory whose entries the command changes (its delegation is what makes it safe);
+    /// `None` for a file's extent keys, which need no delegation.
+    dir: Option<Ino>,
     /// A directory the command makes (delegated to this client when it is applied).
     born: Option<Ino>,
 }
@@ -187,6 +191,35 @@ struct Known {
     kind: FileType,
     /// A file this client made here and never linked elsewhere: one link, which a remove drops.
     single: bool,
+}
+
+/// A non-directory this client made behind the partition's back, with its attributes as this
+/// client's own changes left them. Attributes of files are not delegated: another client's
+/// change is missed in the attributes a `setattr` written behind returns, for at most
+/// [`MADE_FOR`].
+#[derive(Debug)]
+struct Made {
+    part: PartitionId,
+    attr: Attr,
+    since: Instant,
+}
+
+/// How long the attributes of a file this client made are relied on.
+const MADE_FOR: Duration = Duration::from_secs(5);
+
+/// The inode whose attributes `cmd` changes (a file's data, attributes, links or xattrs).
+fn changes_inode(cmd: &Command) -> Option<Ino> {
+    match cmd {
+        Command::AppendExtents { ino, .. }
+        | Command::SetAttr { ino, .. }
+        | Command::SetAttrKillSuid { ino, .. }
+        | Command::LinkInode { ino }
+        | Command::UnlinkInode { ino }
+        | Command::EvictInode { ino }
+        | Command::SetXattr { ino, .. }
+        | Command::RemoveXattr { ino, .. } => Some(*ino),
+        _ => None,
+    }
 }
 
 /// How long a delegation granted or renewed by a command sent at `sent` can be relied on.
@@ -260,7 +293,7 @@ impl Behind {
         let part = st.parts.entry(o.part).or_default();
         part.queue.push(Queued {
             cmd: Command::Release { dirs: vec![dir] },
-            dir,
+            dir: Some(dir),
             born: None,
         });
         part.queued += 1;
@@ -309,6 +342,9 @@ impl<T: MetaTransport> MetaFs<T> {
                 for d in cmd.entry_dirs().chain(cmd.attr_target()) {
                     Behind::disown(&mut st, d);
                 }
+                if let Some(ino) = changes_inode(cmd) {
+                    st.made.remove(&ino);
+                }
                 kick(&self.t, b, &mut st);
             }
             match st.parts.get_mut(&p) {
@@ -349,6 +385,20 @@ impl<T: MetaTransport> MetaFs<T> {
         self.reserve_more(b, &mut st, p);
         for w in self.t.partitions().iter().filter(|w| w.writable) {
             self.reserve_more(b, &mut st, w.id);
+        }
+    }
+
+    /// `ino` gets another link: no name of it in an owned directory holds its only link any
+    /// more (removing or replacing one drops a link, not the file).
+    pub(super) fn linked(&self, ino: Ino) {
+        if let Some(b) = self.behind() {
+            let mut st = b.lock();
+            st.made.remove(&ino);
+            for o in st.owned.values_mut() {
+                for k in o.names.values_mut().filter(|k| k.ino == ino) {
+                    k.single = false;
+                }
+            }
         }
     }
 
@@ -534,6 +584,20 @@ impl<T: MetaTransport> MetaFs<T> {
                 },
             );
         }
+        if !dir {
+            if st.made.len() >= NAMES_MAX {
+                st.made.retain(|_, m| m.since.elapsed() < MADE_FOR);
+            }
+            if st.made.len() < NAMES_MAX {
+                let since = Instant::now();
+                let m = Made {
+                    part: p,
+                    attr: attr.clone(),
+                    since,
+                };
+                st.made.insert(ino, m);
+            }
+        }
         let cmd = new.command(parent, name, Some(ino));
         self.enqueue(
             b,
@@ -541,7 +605,7 @@ impl<T: MetaTransport> MetaFs<T> {
             p,
             Queued {
                 cmd,
-                dir: parent,
+                dir: Some(parent),
                 born: dir.then_some(ino),
             },
         );
@@ -554,13 +618,14 @@ impl<T: MetaTransport> MetaFs<T> {
 
     /// Removes `name` from an owned `parent` behind the partition's back when this client knows
     /// it can (a file it made there, an owned empty directory); `None` when it must go the
-    /// synchronous way. Returns the parent's attributes after the change.
+    /// synchronous way. Returns the parent's attributes after the change and the removed inode
+    /// (its last link is gone).
     pub(super) fn remove_behind(
         &self,
         parent: Ino,
         name: &[u8],
         dir: bool,
-    ) -> Option<FsResult<Vec<Attr>>> {
+    ) -> Option<FsResult<(Vec<Attr>, Ino)>> {
         let b = self.behind()?.clone();
         let mut st = b.lock();
         let o = Behind::owned(&mut st, parent)?;
@@ -594,6 +659,7 @@ impl<T: MetaTransport> MetaFs<T> {
             // Its commands (all before this one in the queue) still go out.
             Behind::disown(&mut st, k.ino);
         }
+        st.made.remove(&k.ino);
         let o = st.owned.get_mut(&parent)?;
         o.names.remove(name);
         touched(&mut o.attr, if dir { -1 } else { 0 });
@@ -609,22 +675,232 @@ impl<T: MetaTransport> MetaFs<T> {
             p,
             Queued {
                 cmd,
-                dir: parent,
+                dir: Some(parent),
                 born: None,
             },
         );
-        Some(Ok(vec![parent_attr]))
+        Some(Ok((vec![parent_attr], k.ino)))
+    }
+
+    /// Renames behind the partition's back when this client knows it can: both parents owned and
+    /// in one partition, a directory only within its parent, and the destination either free
+    /// or a file this client made there (whose one link the rename drops). `None` when it must
+    /// go the synchronous way. Returns the parents' attributes after the change.
+    pub(super) fn rename_behind(
+        &self,
+        src_parent: Ino,
+        src_name: &[u8],
+        dst_parent: Ino,
+        dst_name: &[u8],
+    ) -> Option<FsResult<Vec<Attr>>> {
+        let b = self.behind()?.clone();
+        let mut st = b.lock();
+        let p = Behind::owned(&mut st, src_parent)?.part;
+        if Behind::owned(&mut st, dst_parent)?.part != p {
+            return None;
+        }
+        let src = Behind::owned(&mut st, src_parent)?
+            .names
+            .get(src_name)
+            .copied();
+        let Some(src) = src else {
+            return Some(Err(MetaError::NotFound.into()));
+        };
+        let dst = Behind::owned(&mut st, dst_parent)?
+            .names
+            .get(dst_name)
+            .copied();
+        if let Some(d) = dst {
+            if d.ino == src.ino {
+                return Some(Ok(Vec::new()));
+            }
+            match (src.kind == FileType::Dir, d.kind == FileType::Dir) {
+                (false, true) => return Some(Err(MetaError::IsDir.into())),
+                (true, false) => return Some(Err(MetaError::NotDir.into())),
+                _ => {}
+            }
+        }
+        let simple = (src.kind != FileType::Dir || src_parent == dst_parent)
+            && dst.is_none_or(|d| d.single && d.kind != FileType::Dir);
+        if !simple {
+            for d in [src_parent, dst_parent] {
+                Behind::disown(&mut st, d);
+            }
+            kick(&self.t, &b, &mut st);
+            return None;
+        }
+        let mut parents = Vec::new();
+        let o = st.owned.get_mut(&src_parent)?;
+        o.names.remove(src_name);
+        if src_parent == dst_parent {
+            o.names.insert(dst_name.into(), src);
+        }
+        touched(&mut o.attr, 0);
+        parents.push(o.attr.clone());
+        if src_parent != dst_parent {
+            let o = st.owned.get_mut(&dst_parent)?;
+            o.names.insert(dst_name.into(), src);
+            touched(&mut o.attr, 0);
+            parents.push(o.attr.clone());
+        }
+        if let Some(m) = st.made.get_mut(&src.ino) {
+            m.attr.ctime = m.attr.ctime.max(now_ns());
+        }
+        if let Some(d) = dst {
+            st.made.remove(&d.ino);
+        }
+        let mut cmds = vec![Command::Rename {
+            src_parent,
+            src_name: src_name.to_vec(),
+            dst_parent,
+            dst_name: dst_name.to_vec(),
+        }];
+        if let Some(d) = dst {
+            // The replaced file's one link goes with its name.
+            cmds.push(Command::UnlinkInode { ino: d.ino });
+            cmds.push(Command::EvictInode { ino: d.ino });
+        }
+        for cmd in cmds {
+            self.enqueue(
+                &b,
+                &mut st,
+                p,
+                Queued {
+                    cmd,
+                    dir: Some(dst_parent),
+                    born: None,
+                },
+            );
+        }
+        Some(Ok(parents))
+    }
+
+    /// Changes the attributes of a file this client made behind the partition's back (not its
+    /// size: truncation frees data, the synchronous way); `None` when it must go the
+    /// synchronous way. Returns the attributes after the change as this client knows them.
+    pub(super) fn setattr_behind(&self, ino: Ino, set: &SetAttr) -> Option<FsResult<Attr>> {
+        if set.size.is_some() {
+            return None;
+        }
+        let b = self.behind()?.clone();
+        let mut st = b.lock();
+        let m = st.made.get(&ino)?;
+        let p = m.part;
+        let full = st
+            .parts
+            .get(&p)
+            .is_some_and(|part| part.queued - part.done >= QUEUE_MAX);
+        if m.since.elapsed() >= MADE_FOR || full {
+            st.made.remove(&ino);
+            return None;
+        }
+        let m = st.made.get_mut(&ino)?;
+        let a = &mut m.attr;
+        if let Some(mode) = set.mode {
+            a.mode = mode & 0o7777;
+        }
+        if set.kill_suidgid && a.kind != FileType::Dir {
+            a.mode = nacre_api::meta::without_suidgid(a.mode);
+        }
+        a.uid = set.uid.unwrap_or(a.uid);
+        a.gid = set.gid.unwrap_or(a.gid);
+        a.atime = set.atime.unwrap_or(a.atime);
+        a.mtime = set.mtime.unwrap_or(a.mtime);
+        a.ctime = a.ctime.max(now_ns());
+        let attr = a.clone();
+        let cmd = if set.kill_suidgid {
+            Command::SetAttrKillSuid {
+                ino,
+                set: set.clone(),
+            }
+        } else {
+            Command::SetAttr {
+                ino,
+                set: set.clone(),
+            }
+        };
+        self.enqueue(
+            &b,
+            &mut st,
+            p,
+            Queued {
+                cmd,
+                dir: None,
+                born: None,
+            },
+        );
+        Some(Ok(attr))
+    }
+
+    /// Records a written piece of `ino` behind the partition's back: queued after every command
+    /// this client queued before (its create among them), sent in the partition's next batch;
+    /// then `times` (set explicitly while the piece was being written), which the key's commit
+    /// would otherwise stamp over. Waits while the queue is full (at most [`WAIT_MAX`], then
+    /// queues anyway: data is never dropped for want of room). A removed file's key is dropped
+    /// without an error; any other failure is reported by the next `settle`. Without
+    /// write-behind, both are applied before this returns.
+    pub(crate) async fn append_extents_behind(
+        &self,
+        ino: Ino,
+        key: ExtentKey,
+        times: Option<SetAttr>,
+    ) -> FsResult<()> {
+        let Some(b) = self.behind().cloned() else {
+            self.append_extents(ino, vec![key]).await?;
+            if let Some(set) = times {
+                self.setattr(ino, set).await?;
+            }
+            return Ok(());
+        };
+        let p = self.partition_of(ino)?;
+        b.wait_until(WAIT_MAX, |st| {
+            st.parts
+                .get(&p)
+                .is_none_or(|part| part.queued - part.done < QUEUE_MAX)
+        })
+        .await;
+        let mut st = b.lock();
+        if let Some(m) = st.made.get_mut(&ino) {
+            let now = now_ns();
+            m.attr.size = m.attr.size.max(key.end());
+            m.attr.mtime = now;
+            m.attr.ctime = m.attr.ctime.max(now);
+            if let Some(t) = &times {
+                m.attr.atime = t.atime.unwrap_or(m.attr.atime);
+                m.attr.mtime = t.mtime.unwrap_or(m.attr.mtime);
+            }
+        }
+        let cmds = std::iter::once(Command::AppendExtents {
+            ino,
+            extents: vec![key],
+        })
+        .chain(times.map(|set| Command::SetAttr { ino, set }));
+        for cmd in cmds {
+            self.enqueue(
+                &b,
+                &mut st,
+                p,
+                Queued {
+                    cmd,
+                    dir: None,
+                    born: None,
+                },
+            );
+        }
+        Ok(())
     }
 
     fn enqueue(&self, b: &Arc<Behind>, st: &mut State, p: PartitionId, q: Queued) {
         let part = st.parts.entry(p).or_default();
+        // Only names need inode numbers.
+        let names = q.dir.is_some();
         part.queue.push(q);
         part.queued += 1;
         if part.queue.len() == BATCH_MAX {
             // A full batch goes without lingering.
             b.progress.notify_waiters();
         }
-        let low = part.stock() < RESERVE_LOW;
+        let low = names && part.stock() < RESERVE_LOW;
         st.metrics.queued();
         kick(&self.t, b, st);
         if low {
@@ -724,11 +1000,20 @@ async fn pump<T: MetaTransport>(t: Arc<T>, b: Arc<Behind>, p: PartitionId) {
             Ok((results, recalled)) => {
                 st.metrics.batches.inc();
                 for (q, r) in batch.iter().zip(results.iter()) {
-                    if let Err(e) = r {
-                        st.metrics.failed.inc();
-                        tracing::warn!(partition = %p, cmd = ?q.cmd, error = %e, "a metadata change written behind failed");
-                        st.failed.get_or_insert_with(|| format!("{:?}: {e}", q.cmd));
-                        Behind::disown(&mut st, q.dir);
+                    match r {
+                        Ok(_) => {}
+                        Err(MetaError::NotFound) if q.dir.is_none() => {
+                            // The file was removed before its keys arrived: nothing to record.
+                            tracing::debug!(partition = %p, cmd = ?q.cmd, "extent keys of a removed file dropped");
+                        }
+                        Err(e) => {
+                            st.metrics.failed.inc();
+                            tracing::warn!(partition = %p, cmd = ?q.cmd, error = %e, "a metadata change written behind failed");
+                            st.failed.get_or_insert_with(|| format!("{:?}: {e}", q.cmd));
+                            if let Some(d) = q.dir {
+                                Behind::disown(&mut st, d);
+                            }
+                        }
                     }
                 }
                 for d in &recalled {
@@ -736,7 +1021,7 @@ async fn pump<T: MetaTransport>(t: Arc<T>, b: Arc<Behind>, p: PartitionId) {
                 }
                 let until = lease_end(sent);
                 for q in &batch {
-                    for d in std::iter::once(q.dir).chain(q.born) {
+                    for d in q.dir.into_iter().chain(q.born) {
                         if let Some(o) = st.owned.get_mut(&d)
                             && !recalled.contains(&d)
                             && o.until < until
@@ -751,8 +1036,7 @@ async fn pump<T: MetaTransport>(t: Arc<T>, b: Arc<Behind>, p: PartitionId) {
                 st.failed.get_or_insert_with(|| e.to_string());
                 st.metrics.failed.inc_by(batch.len() as u64);
                 for q in &batch {
-                    Behind::disown(&mut st, q.dir);
-                    if let Some(d) = q.born {
+                    for d in q.dir.into_iter().chain(q.born) {
                         Behind::disown(&mut st, d);
                     }
                 }

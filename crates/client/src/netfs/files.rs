@@ -16,6 +16,39 @@ impl Inner {
         lock(&self.files).get(&ino).cloned()
     }
 
+    /// Forgets `f` when no handle has it open and it has no bytes written behind.
+    pub(super) fn forget_if_closed(&self, f: &Arc<OpenFile>) {
+        let mut files = lock(&self.files);
+        let idle = files.get(&f.ino).is_some_and(|g| {
+            Arc::ptr_eq(g, f)
+                && f.opens.load(Ordering::SeqCst) == 0
+                && !f.dirty.load(Ordering::SeqCst)
+        });
+        if idle {
+            files.remove(&f.ino);
+        }
+    }
+
+    /// The file `parent/name` when this client knows it but has no handle on it (it has bytes
+    /// written behind, or is being flushed).
+    pub(super) async fn closed_file(
+        &self,
+        parent: Ino,
+        name: &[u8],
+    ) -> FsResult<Option<Arc<OpenFile>>> {
+        if self.behind.is_none() || lock(&self.files).is_empty() {
+            return Ok(None);
+        }
+        let d = match self.meta.lookup_dentry(parent, name).await {
+            Ok(d) => d,
+            Err(FsError::Meta(MetaError::NotFound)) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        Ok(self
+            .open_file(d.ino)
+            .filter(|f| f.opens.load(Ordering::SeqCst) == 0))
+    }
+
     /// Opens a handle on `attr`'s inode.
     pub(super) async fn open_attr(&self, attr: &Attr, flags: OpenFlags) -> FsResult<Fh> {
         let file = {
@@ -25,6 +58,8 @@ impl Inner {
                     ino: attr.ino,
                     opens: AtomicU64::new(0),
                     hidden: Mutex::new(None),
+                    dirty: AtomicBool::new(false),
+                    behind_bytes: AtomicU64::new(0),
                     next_turn: AtomicU64::new(0),
                     serving: tokio::sync::watch::Sender::new(0),
                     state: tokio::sync::Mutex::new(FileState {
@@ -35,10 +70,12 @@ impl Inner {
                         ahead: None,
                         last_read_end: 0,
                         error: None,
+                        times: None,
+                        failing: None,
                     }),
                 })
             });
-            f.opens.fetch_add(1, Ordering::Relaxed);
+            f.opens.fetch_add(1, Ordering::SeqCst);
             f.clone()
         };
         {
@@ -80,6 +117,7 @@ impl Inner {
         let Some(mut run) = st.run.take() else {
             return Ok(());
         };
+        self.uncount(f);
         let len = run.end() - run.start;
         if len == 0 {
             st.idle_stream = run.stream.map(|s| (run.start + run.sent, s));
@@ -104,17 +142,38 @@ impl Inner {
         st.size = attr.size.max(end);
         st.extents = None;
         st.idle_stream = stream.map(|s| (end, s));
+        if let Some(set) = st.times.take() {
+            self.meta.setattr(f.ino, set).await?;
+        }
         Ok(())
     }
 
     /// One small piece of a file in a tiny extent (moving on from partitions that refuse it).
     pub(super) async fn write_tiny(&self, file_offset: u64, data: Bytes) -> FsResult<ExtentKey> {
+        let (partition, w) = self.place_tiny(file_offset as usize, data.clone()).await?;
+        Ok(ExtentKey {
+            file_offset,
+            partition,
+            extent: w.extent,
+            extent_offset: w.offset,
+            size: data.len() as u32,
+            crc: nacre_types::crc32c(&data),
+        })
+    }
+
+    /// Writes `data` (at most one packet) into a tiny extent of a writable partition, the
+    /// first one chosen by `spread`, moving on from partitions that refuse it.
+    pub(super) async fn place_tiny(
+        &self,
+        spread: usize,
+        data: Bytes,
+    ) -> FsResult<(PartitionId, Written)> {
         let mut failed: Vec<PartitionId> = Vec::new();
         let mut last = DataCallError::NoWritablePartition;
         for attempt in 0..8usize {
             let Some(p) = self
                 .vol
-                .pick_writable(attempt + file_offset as usize, &failed)
+                .pick_writable(attempt.wrapping_add(spread), &failed)
             else {
                 if attempt > 0 {
                     let _ = self.vol.refresh().await;
@@ -124,16 +183,7 @@ impl Inner {
                 break;
             };
             match self.vol.write_tiny(p, data.clone()).await {
-                Ok(w) => {
-                    return Ok(ExtentKey {
-                        file_offset,
-                        partition: p,
-                        extent: w.extent,
-                        extent_offset: w.offset,
-                        size: data.len() as u32,
-                        crc: nacre_types::crc32c(&data),
-                    });
-                }
+                Ok(w) => return Ok((p, w)),
                 Err(e) if e.try_elsewhere() => {
                     failed.push(p);
                     last = e;
@@ -330,6 +380,15 @@ impl Inner {
         if d.kind != FileType::File || keep == Some(d.ino) {
             return Ok(None);
         }
+        if f.opens.load(Ordering::SeqCst) == 0 {
+            // Closed, with bytes written behind: a file that `rename` replaces gets them first
+            // (an unlink drops them instead, see `unlink`).
+            if keep.is_some() {
+                let mut st = f.state.lock().await;
+                self.flush_file(&f, &mut st).await?;
+            }
+            return Ok(None);
+        }
         let mut hidden = HIDDEN_PREFIX.to_vec();
         hidden.extend_from_slice(d.ino.0.to_string().as_bytes());
         let dirs = self.meta.rename(parent, name, parent, &hidden).await?;
@@ -340,7 +399,7 @@ impl Inner {
         // sets `hidden` before it looks at `files`, so exactly one of the two removes the name.
         let still_open = lock(&self.files)
             .get(&d.ino)
-            .is_some_and(|g| Arc::ptr_eq(g, &f));
+            .is_some_and(|g| Arc::ptr_eq(g, &f) && f.opens.load(Ordering::SeqCst) > 0);
         if !still_open {
             let left = lock(&f.hidden).take();
             if let Some((parent, name)) = left {

@@ -30,11 +30,12 @@
 //! size refreshed on open; no leases, no guarantee for concurrent writers of one range.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use nacre_api::data::MAX_PACKET;
+use nacre_api::data::{MAX_PACKET, Written};
 use nacre_api::meta::{Attr, ExtentKey, FileType, MetaError, SetAttr, XattrMode, without_suidgid};
 use nacre_types::sync::lock;
 use nacre_types::{Ino, PartitionId};
@@ -45,6 +46,7 @@ use crate::fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
 use crate::meta::{CallError, Entry, FsError, FsResult, MetaFs, NewInode};
 use crate::net::NetVolume;
 
+mod behind;
 mod files;
 
 /// Tuning of the network file system.
@@ -62,6 +64,12 @@ pub struct NetFsConfig {
     /// partitions (`MetaFs::with_write_behind`); fsync waits for them. Off by default: a
     /// long-lived client (a mount) turns it on and settles before it goes.
     pub write_behind: bool,
+    /// With `write_behind`: a closed file whose bytes fit a tiny extent is written behind
+    /// (`behind` module), sent at the latest this long after its close unless a packet's worth
+    /// is waiting sooner. `None`: every close commits its file before it returns.
+    pub flush_delay: Option<Duration>,
+    /// Most bytes written behind and not yet sent; a close that finds more waits.
+    pub dirty_max: u64,
 }
 
 impl Default for NetFsConfig {
@@ -72,6 +80,8 @@ impl Default for NetFsConfig {
             read_ahead: 4 << 20,
             read_piece: 1 << 20,
             write_behind: false,
+            flush_delay: None,
+            dirty_max: 64 << 20,
         }
     }
 }
@@ -96,6 +106,10 @@ pub struct NetFs {
 
 #[derive(Debug)]
 struct Inner {
+    /// This client itself, for the tasks it starts.
+    me: Weak<Inner>,
+    /// Small files' data written behind, when on.
+    behind: Option<behind::DataBehind>,
     vol: Arc<NetVolume>,
     meta: MetaFs<Arc<NetVolume>>,
     cfg: NetFsConfig,
@@ -143,6 +157,10 @@ struct OpenFile {
     opens: AtomicU64,
     /// Unlinked while open: the hidden name (parent, name) to remove on the last release.
     hidden: Mutex<Option<(Ino, Vec<u8>)>>,
+    /// On the dirty list of the data written behind (kept in `files` while it is).
+    dirty: AtomicBool,
+    /// This file's bytes counted as dirty.
+    behind_bytes: AtomicU64,
     state: tokio::sync::Mutex<FileState>,
     /// Turns of the data calls, in issue order (see "Order" on [`NetFs`]): the next one to hand
     /// out, and the one whose call may run.
@@ -220,6 +238,11 @@ struct FileState {
     /// A failed commit of written bytes, reported by the next `flush`/`fsync`/`release` (the
     /// call that hit it may have been a read that had to commit first).
     error: Option<String>,
+    /// Times set explicitly while the run was uncommitted: applied again after its keys, whose
+    /// commit stamps the time of the commit.
+    times: Option<SetAttr>,
+    /// Since when the run's write behind has been failing.
+    failing: Option<std::time::Instant>,
 }
 
 fn fs_err(e: DataCallError) -> FsError {
@@ -233,7 +256,12 @@ impl NetFs {
 
     pub fn with_config(vol: Arc<NetVolume>, cfg: NetFsConfig) -> Self {
         Self {
-            inner: Arc::new(Inner {
+            inner: Arc::new_cyclic(|me| Inner {
+                me: me.clone(),
+                behind: cfg
+                    .flush_delay
+                    .filter(|_| cfg.write_behind)
+                    .map(|d| behind::DataBehind::new(d, cfg.dirty_max)),
                 meta: if cfg.write_behind {
                     MetaFs::with_write_behind(vol.clone())
                 } else {
@@ -318,6 +346,16 @@ impl Inner {
 
     async fn setattr(&self, ino: Ino, set: SetAttr) -> FsResult<Attr> {
         let Some(size) = set.size else {
+            if (set.atime.is_some() || set.mtime.is_some())
+                && let Some(f) = self.open_file(ino)
+            {
+                let mut st = f.state.lock().await;
+                if st.run.is_some() {
+                    let t = st.times.get_or_insert_with(SetAttr::default);
+                    t.atime = set.atime.or(t.atime);
+                    t.mtime = set.mtime.or(t.mtime);
+                }
+            }
             return Ok(self.overlay(self.meta.setattr(ino, set).await?).await);
         };
         let Some(f) = self.open_file(ino) else {
@@ -346,6 +384,13 @@ impl Inner {
             .create(parent, name, &NewInode::file(mode, caller.uid, caller.gid))
             .await?;
         let fh = self.open_attr(&e.attr, flags).await?;
+        // A new inode has no extent keys: its first write need not ask for them.
+        if let Some(f) = self.open_file(e.attr.ino) {
+            let mut st = f.state.lock().await;
+            if st.run.is_none() && st.size == 0 {
+                st.extents.get_or_insert_with(Vec::new);
+            }
+        }
         Ok((e, fh))
     }
 
@@ -411,9 +456,19 @@ impl Inner {
     async fn unlink(&self, parent: Ino, name: &[u8]) -> FsResult<Vec<Attr>> {
         // A file this client has open is hidden, not unlinked. When it is not open (or its last
         // handle was released meanwhile: FUSE sends RELEASE after close(2) returns), the name is
-        // removed; returning without removing it once left a "deleted" SQLite journal in place,
-        // which the next transaction took for a hot journal and rolled back.
+        // removed; returning without removing it would leave, say, a "deleted" SQLite journal in
+        // place, which the next transaction takes for a hot journal and rolls back.
         if let Some(dirs) = self.hide_if_open(parent, name, None).await? {
+            return Ok(dirs);
+        }
+        if let Some(f) = self.closed_file(parent, name).await? {
+            // Closed with bytes written behind: removed under the file's lock, so the flusher
+            // cannot queue its key after the removal; bytes of a deleted file are not written.
+            let mut st = f.state.lock().await;
+            let (dirs, gone) = self.meta.unlink_reporting(parent, name).await?;
+            if gone == Some(f.ino) {
+                self.discard(&f, &mut st);
+            }
             return Ok(dirs);
         }
         self.meta.unlink(parent, name).await
@@ -594,34 +649,43 @@ impl Inner {
         self.extend_run(&mut st, off, data).await.map(|()| n)
     }
 
+    /// `close(2)`: commits the file's bytes, or leaves them to the flusher (`behind`).
     async fn flush(&self, fh: Fh) -> FsResult<()> {
+        let h = self.handle(fh)?;
+        self.close_file(&h.file).await
+    }
+
+    /// `fsync(2)`: commits the file's bytes now.
+    async fn sync_file(&self, fh: Fh) -> FsResult<()> {
         let h = self.handle(fh)?;
         let mut st = h.file.state.lock().await;
         self.flush_reporting(&h.file, &mut st).await
     }
 
+    async fn close_file(&self, f: &Arc<OpenFile>) -> FsResult<()> {
+        {
+            let mut st = f.state.lock().await;
+            if !self.defer(f, &st) {
+                return self.flush_reporting(f, &mut st).await;
+            }
+            if let Some(e) = st.error.take() {
+                return Err(FsError::WriteFailed(e));
+            }
+        }
+        self.wait_room().await;
+        Ok(())
+    }
+
     async fn release(&self, fh: Fh) -> FsResult<()> {
         let h = self.handle(fh)?;
-        let r = {
-            let mut st = h.file.state.lock().await;
-            let r = self.flush_reporting(&h.file, &mut st).await;
-            if h.file.opens.load(Ordering::Relaxed) <= 1 {
-                st.idle_stream = None;
-            }
-            r
-        };
+        let r = self.close_file(&h.file).await;
+        if h.file.opens.load(Ordering::SeqCst) <= 1 {
+            h.file.state.lock().await.idle_stream = None;
+        }
         lock(&self.handles).remove(&fh);
-        let last = h.file.opens.fetch_sub(1, Ordering::Relaxed) == 1 && {
-            let mut files = lock(&self.files);
-            let idle = files
-                .get(&h.file.ino)
-                .is_some_and(|f| f.opens.load(Ordering::Relaxed) == 0);
-            if idle {
-                files.remove(&h.file.ino);
-            }
-            idle
-        };
+        let last = h.file.opens.fetch_sub(1, Ordering::SeqCst) == 1;
         if last {
+            self.forget_if_closed(&h.file);
             let hidden = lock(&h.file.hidden).take();
             if let Some((parent, name)) = hidden {
                 self.meta.unlink(parent, &name).await?;
@@ -783,14 +847,17 @@ impl FileSystem for NetFs {
 
     async fn fsync(&self, fh: Fh) -> FsResult<()> {
         self.in_turn(fh, move |i| async move {
-            i.flush(fh).await?;
+            i.sync_file(fh).await?;
             i.meta.settle().await
         })
         .await
     }
 
+    /// Every file's bytes written behind, and every metadata change, before the call.
     async fn sync_dir(&self, _dir: Ino) -> FsResult<()> {
-        self.inner.meta.settle().await
+        let data = self.inner.sync_data().await;
+        self.inner.meta.settle().await?;
+        data
     }
 
     async fn release(&self, fh: Fh) -> FsResult<()> {

@@ -21,7 +21,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use nacre_api::meta::SetAttr;
 use nacre_client::MasterClient;
-use nacre_client::{FileSystem, MetaFs, MetaTransport, NetFs, NetVolume};
+use nacre_client::{FileSystem, MetaFs, MetaTransport, NetFs, NetFsConfig, NetVolume};
 use nacre_master::map::{Command as MapCommand, PartitionStatus};
 use nacre_msgr::{Client, Messenger, MsgrConfig, TcpTransport};
 use nacre_types::{ExtentId, Ino, PartitionId};
@@ -107,6 +107,12 @@ struct RunArgs {
     /// Print the report as one JSON object.
     #[arg(long)]
     json: bool,
+    /// Clients write behind as a mount does: creates, removes and renames in the directories
+    /// they make, and the data of the small files they close, go out after the call returns
+    /// (every client syncs its directories before the check, so nothing a close acknowledged
+    /// may be missing).
+    #[arg(long)]
+    write_behind: bool,
 }
 
 #[derive(Debug, Args)]
@@ -491,9 +497,17 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     for id in 0..a.clients {
         let vol = connect(msgr.client(), &masters).await?;
         let (wl, stop) = (wl.clone(), stop_rx.clone());
+        let cfg = NetFsConfig {
+            write_behind: a.write_behind,
+            flush_delay: a.write_behind.then_some(Duration::from_millis(10)),
+            ..NetFsConfig::default()
+        };
         clients.spawn(async move {
-            let fs = NetFs::new(vol);
+            let fs = NetFs::with_config(vol, cfg);
             wl.run_client(id, &fs, stop).await;
+            if let Err(e) = fs.sync_dir(nacre_api::meta::ROOT_INO).await {
+                tracing::warn!(client = id, error = %e, "changes written behind were lost");
+            }
         });
     }
 

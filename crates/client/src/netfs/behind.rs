@@ -1,0 +1,389 @@
+//! Write-behind of small files' data (docs/ARCHITECTURE.md, "Write-behind of small files").
+//!
+//! **What goes behind.** A `close` (`flush`) or `release` of a file whose run fits a tiny
+//! extent (no stream started, at most [`NetFsConfig::tiny_max`](super::NetFsConfig) bytes) does
+//! not commit it: the bytes stay in the file's run, the file joins the *dirty list* and the call
+//! returns. A file with a stream, a hidden (unlinked while open) file and `fsync` take the
+//! synchronous path as before.
+//!
+//! **Rounds.** One flusher task per client sends the list in rounds, oldest first. A round
+//! starts when a packet's worth (128 KiB) is dirty, when the oldest dirty file has waited
+//! `flush_delay`, or when someone syncs; it takes up to [`ROUND_MAX`] bytes. It locks the
+//! round's files (their calls wait for it), packs their runs into packets of up to 128 KiB,
+//! writes each packet as **one replicated append into a shared tiny extent**, and queues each
+//! file's extent key behind the client's other metadata changes
+//! ([`MetaFs::append_extents_behind`](crate::MetaFs)), so that a partition records many files'
+//! keys in one batch, after the creates that made them. Times set explicitly while the run was
+//! open (`tar` sets mtime before `close`) are queued again after the keys, which would
+//! otherwise stamp the commit's time over them.
+//!
+//! **Memory.** Dirty bytes are bounded by `dirty_max`: a close that finds more waits until the
+//! flusher has written enough (backpressure; nothing is dropped for want of room).
+//!
+//! **Durability.** What a crash of the client may lose: data closed but neither fsynced nor
+//! synced (its directory fsynced, or unmount), at most `flush_delay` plus the rounds ahead of
+//! it. `fsync` of a file commits that file itself and waits for every metadata change queued
+//! before; `fsync` of any directory ([`Inner::sync_data`]) and unmount wait until every file
+//! dirty before the call is written and its key applied. A packet that cannot be written is
+//! retried in later rounds for [`RETRY_FOR`]; then the file's bytes are dropped, logged, and
+//! the file's next `flush`/`fsync`/`close` and the next directory fsync report the failure.
+//!
+//! **Files sharing an extent.** A key covers exactly its file's bytes within the packet; a
+//! removed file's range is punched exactly (neighbours' bytes in a shared block are kept), so
+//! no file ever reads another's bytes.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use nacre_api::data::MAX_PACKET;
+use nacre_api::meta::ExtentKey;
+use nacre_types::sync::lock;
+use tokio::task::JoinSet;
+
+use super::{FileState, Inner, OpenFile};
+use crate::meta::{FsError, FsResult};
+
+/// Most bytes one round takes (its packets are written at once).
+pub(super) const ROUND_MAX: usize = 16 * MAX_PACKET;
+/// How long a file's bytes are retried before they are given up.
+pub(super) const RETRY_FOR: Duration = Duration::from_secs(30);
+/// The pause after a round in which a packet failed.
+const RETRY_PAUSE: Duration = Duration::from_millis(200);
+
+/// The dirty list of one client.
+#[derive(Debug)]
+pub(super) struct DataBehind {
+    delay: Duration,
+    max: u64,
+    st: Mutex<Dirty>,
+    /// Wakes the flusher: a packet's worth is dirty, or someone syncs.
+    wake: tokio::sync::Notify,
+    /// Woken after every round and whenever dirty bytes are committed.
+    progress: tokio::sync::Notify,
+}
+
+/// One dirty file: its mark (order of becoming dirty), when it became dirty, the file.
+type Entry = (u64, Instant, Arc<OpenFile>);
+
+#[derive(Debug, Default)]
+struct Dirty {
+    files: VecDeque<Entry>,
+    /// Dirty bytes of every file (each file's share is `OpenFile::behind_bytes`).
+    bytes: u64,
+    /// The last mark handed out.
+    marks: u64,
+    /// The lowest mark of the round being written.
+    flying: Option<u64>,
+    /// Someone waits for every file marked up to this: no lingering.
+    urgent_to: u64,
+    /// The flusher task is alive.
+    running: bool,
+    /// The first file whose bytes were given up since the last directory fsync.
+    failed: Option<String>,
+}
+
+impl DataBehind {
+    pub(super) fn new(delay: Duration, max: u64) -> Self {
+        Self {
+            delay,
+            max,
+            st: Mutex::default(),
+            wake: tokio::sync::Notify::new(),
+            progress: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Waits until `ready` holds (checked under the lock).
+    async fn wait_until(&self, mut ready: impl FnMut(&Dirty) -> bool) {
+        loop {
+            let notified = self.progress.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if ready(&lock(&self.st)) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Dirty bytes that start a round at once: a packet's worth, or what makes closes wait.
+    fn full(&self) -> u64 {
+        self.max.min(MAX_PACKET as u64)
+    }
+
+    /// Forgets `f`'s dirty bytes (its run was committed or dropped).
+    fn uncount(&self, f: &OpenFile) {
+        let n = f.behind_bytes.swap(0, Ordering::SeqCst);
+        if n > 0 {
+            let mut d = lock(&self.st);
+            d.bytes = d.bytes.saturating_sub(n);
+            drop(d);
+            self.progress.notify_waiters();
+        }
+    }
+}
+
+impl Inner {
+    /// Leaves `f`'s run to the flusher when it can go behind (see the module docs); `false`
+    /// when the caller must commit it now.
+    pub(super) fn defer(&self, f: &Arc<OpenFile>, st: &FileState) -> bool {
+        let Some(b) = &self.behind else {
+            return false;
+        };
+        let Some(run) = &st.run else {
+            return false;
+        };
+        if run.stream.is_some()
+            || run.sent > 0
+            || run.buf.is_empty()
+            || run.buf.len() > self.cfg.tiny_max
+            || st.error.is_some()
+            || lock(&f.hidden).is_some()
+        {
+            return false;
+        }
+        let Some(me) = self.me.upgrade() else {
+            return false;
+        };
+        let n = run.buf.len() as u64;
+        let old = f.behind_bytes.swap(n, Ordering::SeqCst);
+        let mut d = lock(&b.st);
+        d.bytes = d.bytes.saturating_sub(old) + n;
+        if !f.dirty.swap(true, Ordering::SeqCst) {
+            d.marks += 1;
+            let mark = d.marks;
+            d.files.push_back((mark, Instant::now(), f.clone()));
+        }
+        if !d.running {
+            d.running = true;
+            tokio::spawn(flusher(me));
+        }
+        let full = d.bytes >= b.full();
+        drop(d);
+        if full {
+            b.wake.notify_one();
+        }
+        true
+    }
+
+    /// Waits while more than `dirty_max` bytes are dirty (called without any file's lock).
+    pub(super) async fn wait_room(&self) {
+        if let Some(b) = &self.behind {
+            b.wait_until(|d| d.bytes <= b.max).await;
+        }
+    }
+
+    /// Forgets `f`'s dirty bytes: its run was just taken by a synchronous commit.
+    pub(super) fn uncount(&self, f: &OpenFile) {
+        if let Some(b) = &self.behind {
+            b.uncount(f);
+        }
+    }
+
+    /// Drops `f`'s run unwritten: the file is deleted.
+    pub(super) fn discard(&self, f: &OpenFile, st: &mut FileState) {
+        st.run = None;
+        st.times = None;
+        st.extents = None;
+        st.ahead = None;
+        self.uncount(f);
+    }
+
+    /// Waits until every file dirty before the call is written and its keys queued; reports a
+    /// file given up since the last call. The caller then settles the metadata queue.
+    pub(super) async fn sync_data(&self) -> FsResult<()> {
+        let Some(b) = &self.behind else {
+            return Ok(());
+        };
+        let target = {
+            let mut d = lock(&b.st);
+            d.urgent_to = d.urgent_to.max(d.marks);
+            d.marks
+        };
+        b.wake.notify_one();
+        b.wait_until(|d| {
+            d.flying.is_none_or(|m| m > target) && d.files.front().is_none_or(|e| e.0 > target)
+        })
+        .await;
+        match lock(&b.st).failed.take() {
+            Some(e) => Err(FsError::WriteFailed(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes one round of dirty files; returns those to retry.
+    async fn flush_round(self: &Arc<Self>, round: Vec<Entry>) -> Vec<Entry> {
+        let Some(b) = &self.behind else {
+            return Vec::new();
+        };
+        // The round's files are locked in list order; every other call locks one file at a
+        // time, so this cannot deadlock.
+        let mut guards = Vec::with_capacity(round.len());
+        for (_, _, f) in &round {
+            guards.push(f.state.lock().await);
+        }
+        // Runs that grew a stream since they were deferred are committed as usual.
+        let mut small = Vec::new();
+        for (i, st) in guards.iter_mut().enumerate() {
+            let f = &round[i].2;
+            let fits = st
+                .run
+                .as_ref()
+                .map(|r| r.stream.is_none() && r.sent == 0 && r.buf.len() <= self.cfg.tiny_max);
+            match fits {
+                None => {}
+                Some(true) if st.run.as_ref().is_some_and(|r| !r.buf.is_empty()) => small.push(i),
+                Some(_) => {
+                    if let Err(e) = self.flush_file(f, st).await {
+                        tracing::warn!(ino = %f.ino, error = %e, "a file's bytes written behind were not committed");
+                    }
+                }
+            }
+        }
+        // Packed in list order: (packet bytes, members as (file index, offset in packet)).
+        let mut packets: Vec<(BytesMut, Vec<(usize, u64)>)> = Vec::new();
+        for &i in &small {
+            let Some(run) = guards[i].run.as_ref() else {
+                continue;
+            };
+            let len = run.buf.len();
+            if packets
+                .last()
+                .is_none_or(|(p, _)| p.len() + len > MAX_PACKET)
+            {
+                packets.push((BytesMut::with_capacity(MAX_PACKET), Vec::new()));
+            }
+            if let Some((p, members)) = packets.last_mut() {
+                members.push((i, p.len() as u64));
+                p.extend_from_slice(&run.buf);
+            }
+        }
+        let mut writes = JoinSet::new();
+        let spread = lock(&b.st).marks as usize;
+        for (k, (bytes, _)) in packets.iter_mut().enumerate() {
+            let (me, data) = (self.clone(), bytes.split().freeze());
+            writes.spawn(async move { (k, me.place_tiny(spread + k, data).await) });
+        }
+        let mut placed = vec![None; packets.len()];
+        while let Some(r) = writes.join_next().await {
+            match r {
+                Ok((k, r)) => placed[k] = Some(r),
+                Err(e) => tracing::warn!(error = %e, "a packet write ended without an answer"),
+            }
+        }
+        let mut retry = Vec::new();
+        let mut done = vec![true; round.len()];
+        for ((_, members), placed) in packets.iter().zip(placed) {
+            let written = match placed {
+                Some(Ok(w)) => Ok(w),
+                Some(Err(e)) => Err(e.to_string()),
+                None => Err("the packet's write task failed".to_string()),
+            };
+            for &(i, pos) in members {
+                let f = &round[i].2;
+                let st = &mut *guards[i];
+                match &written {
+                    Ok((partition, w)) => {
+                        let Some(run) = st.run.take() else { continue };
+                        let key = ExtentKey {
+                            file_offset: run.start,
+                            partition: *partition,
+                            extent: w.extent,
+                            extent_offset: w.offset + pos,
+                            size: run.buf.len() as u32,
+                            crc: nacre_types::crc32c(&run.buf),
+                        };
+                        st.extents = None;
+                        st.ahead = None;
+                        st.failing = None;
+                        let times = st.times.take();
+                        if let Err(e) = self.meta.append_extents_behind(f.ino, key, times).await {
+                            tracing::warn!(ino = %f.ino, error = %e, "a file's extent key was not queued");
+                            st.error = Some(e.to_string());
+                        }
+                        b.uncount(f);
+                    }
+                    Err(e) => {
+                        let since = *st.failing.get_or_insert_with(Instant::now);
+                        if since.elapsed() < RETRY_FOR {
+                            tracing::debug!(ino = %f.ino, error = %e, "a packet written behind failed; retrying");
+                            done[i] = false;
+                            continue;
+                        }
+                        tracing::error!(ino = %f.ino, error = %e, "bytes written behind were given up");
+                        let msg = format!("bytes of inode {} written behind were lost: {e}", f.ino);
+                        st.error = Some(msg.clone());
+                        lock(&b.st).failed.get_or_insert(msg);
+                        self.discard(f, st);
+                    }
+                }
+            }
+        }
+        for (i, (entry, st)) in round.iter().zip(guards).enumerate() {
+            if !done[i] {
+                drop(st);
+                retry.push(entry.clone());
+                continue;
+            }
+            let f = &entry.2;
+            f.dirty.store(false, Ordering::SeqCst);
+            drop(st);
+            self.forget_if_closed(f);
+        }
+        retry
+    }
+}
+
+/// Sends the dirty list round after round until it is empty.
+async fn flusher(inner: Arc<Inner>) {
+    let Some(b) = &inner.behind else { return };
+    loop {
+        let due = {
+            let mut d = lock(&b.st);
+            let Some(&(mark, at, _)) = d.files.front() else {
+                d.running = false;
+                return;
+            };
+            let due = at + b.delay;
+            let go = d.bytes >= b.full() || d.urgent_to >= mark || Instant::now() >= due;
+            (!go).then_some(due)
+        };
+        if let Some(due) = due {
+            let _ = tokio::time::timeout_at(due.into(), b.wake.notified()).await;
+            continue;
+        }
+        let round = {
+            let mut d = lock(&b.st);
+            let mut taken = 0usize;
+            let mut round = Vec::new();
+            while let Some(e) = d.files.front() {
+                let n = e.2.behind_bytes.load(Ordering::SeqCst) as usize;
+                if !round.is_empty() && taken + n > ROUND_MAX {
+                    break;
+                }
+                taken += n;
+                if let Some(e) = d.files.pop_front() {
+                    round.push(e);
+                }
+            }
+            d.flying = round.first().map(|e| e.0);
+            round
+        };
+        let retry = inner.flush_round(round).await;
+        let failed = !retry.is_empty();
+        {
+            let mut d = lock(&b.st);
+            for e in retry.into_iter().rev() {
+                d.files.push_front(e);
+            }
+            d.flying = None;
+        }
+        b.progress.notify_waiters();
+        if failed {
+            tokio::time::sleep(RETRY_PAUSE).await;
+        }
+    }
+}
