@@ -963,10 +963,11 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
 }
 
 /// The [`Falloc`] of `fallocate(2)`'s `mode` bits, with the checks `vfs_fallocate` makes in
-/// the order it makes them: a length of 0 or an offset past `i64::MAX` is `EINVAL`; a flag
-/// nacre does not offer (`COLLAPSE_RANGE`, `INSERT_RANGE`, `UNSHARE_RANGE`, `NO_HIDE_STALE`,
-/// unknown bits) is `EOPNOTSUPP`; `PUNCH_HOLE` with `ZERO_RANGE` is `EINVAL` and without
-/// `KEEP_SIZE` `EOPNOTSUPP`; an end past `i64::MAX` is `EFBIG`.
+/// the order it makes them: a length of 0 or an offset past `i64::MAX` is `EINVAL`; any mode
+/// but the ones nacre offers is `EOPNOTSUPP` (`COLLAPSE_RANGE`, `INSERT_RANGE`,
+/// `UNSHARE_RANGE`, `NO_HIDE_STALE`, unknown bits, `PUNCH_HOLE` without `KEEP_SIZE`, and
+/// `PUNCH_HOLE` with `ZERO_RANGE`, which kernels before 6.13 refuse with `EINVAL` instead);
+/// an end past `i64::MAX` is `EFBIG`.
 pub fn falloc_mode(mode: i32, offset: u64, len: u64) -> Result<Falloc, Errno> {
     const KEEP: i32 = libc::FALLOC_FL_KEEP_SIZE;
     const PUNCH: i32 = libc::FALLOC_FL_PUNCH_HOLE;
@@ -974,15 +975,10 @@ pub fn falloc_mode(mode: i32, offset: u64, len: u64) -> Result<Falloc, Errno> {
     if len == 0 || i64::try_from(offset).is_err() || i64::try_from(len).is_err() {
         return Err(Errno::EINVAL);
     }
-    if mode & !(KEEP | PUNCH | ZERO) != 0 {
-        return Err(Errno::EOPNOTSUPP);
-    }
     let falloc = match mode {
         0 => Falloc::Allocate,
         KEEP => Falloc::KeepSize,
-        m if m & PUNCH != 0 && m & ZERO != 0 => return Err(Errno::EINVAL),
         m if m == PUNCH | KEEP => Falloc::PunchHole,
-        PUNCH => return Err(Errno::EOPNOTSUPP),
         ZERO => Falloc::ZeroRange { keep_size: false },
         m if m == ZERO | KEEP => Falloc::ZeroRange { keep_size: true },
         _ => return Err(Errno::EOPNOTSUPP),
