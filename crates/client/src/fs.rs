@@ -90,6 +90,39 @@ mod libc_consts {
     pub const O_APPEND: i32 = 0o2000;
 }
 
+/// What `fallocate` does: the modes of `fallocate(2)` nacre offers. nacre allocates space
+/// lazily (data nodes allocate when bytes are written), so none of them reserves space; they
+/// change the size and which ranges read as zeros.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Falloc {
+    /// Mode 0: the file grows to at least `offset + len` (the new bytes read as zeros).
+    Allocate,
+    /// `FALLOC_FL_KEEP_SIZE`: nothing changes beyond the checks.
+    KeepSize,
+    /// `FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE`: the range reads as zeros and its bytes are
+    /// freed; the size stays.
+    PunchHole,
+    /// `FALLOC_FL_ZERO_RANGE` (with `keep_size`, `| FALLOC_FL_KEEP_SIZE`): the range reads as
+    /// zeros, as after `PunchHole`; without `keep_size` the file grows to at least
+    /// `offset + len`.
+    ZeroRange { keep_size: bool },
+}
+
+impl Falloc {
+    /// Whether the range's bytes are dropped (read as zeros afterwards).
+    pub fn punches(self) -> bool {
+        matches!(self, Falloc::PunchHole | Falloc::ZeroRange { .. })
+    }
+
+    /// Whether the size stays as it is.
+    pub fn keeps_size(self) -> bool {
+        matches!(
+            self,
+            Falloc::KeepSize | Falloc::PunchHole | Falloc::ZeroRange { keep_size: true }
+        )
+    }
+}
+
 /// A directory entry with its attributes (readdir-plus). `attr` is `None` when the inode vanished
 /// between listing and reading it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -209,6 +242,21 @@ pub trait FileSystem: Send + Sync + 'static {
     /// The data may stay buffered until `flush`, `fsync` or `release`.
     fn write(&self, fh: Fh, offset: u64, data: Bytes)
     -> impl Future<Output = FsResult<u32>> + Send;
+
+    /// `fallocate(2)` over `[offset, offset + len)` of the file `fh` is open on (for writing):
+    /// see [`Falloc`]. `len` must be at least 1 and the end within `u64` (else invalid). Data
+    /// still buffered in the file's handles is flushed first. A file system that offers none
+    /// of it answers [`FsError::Unsupported`].
+    fn fallocate(
+        &self,
+        fh: Fh,
+        mode: Falloc,
+        offset: u64,
+        len: u64,
+    ) -> impl Future<Output = FsResult<()>> + Send {
+        let _ = (fh, mode, offset, len);
+        async { Err(FsError::Unsupported("fallocate")) }
+    }
 
     /// Makes everything written through `fh` durable and visible to other clients (`close(2)`).
     fn flush(&self, fh: Fh) -> impl Future<Output = FsResult<()>> + Send;

@@ -12,7 +12,7 @@ pub mod netfs;
 pub mod task;
 
 pub use data::{DataCallError, SeqWriter};
-pub use fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
+pub use fs::{Caller, DirEntryPlus, Falloc, Fh, FileSystem, OpenFlags, StatFs};
 pub use layers::{MetaCache, MetaCacheConfig, Metrics};
 pub use master::MasterClient;
 pub use meta::{CallError, Entry, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};

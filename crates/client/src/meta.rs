@@ -116,6 +116,12 @@ pub enum FsError {
     /// written since the last successful flush is lost.
     #[error("an earlier write of this file failed: {0}")]
     WriteFailed(String),
+    /// The file system does not offer this operation, or not in this mode.
+    #[error("{0} is not supported")]
+    Unsupported(&'static str),
+    /// Less space is free than the call asked for.
+    #[error("{wanted} bytes asked for, {free} free")]
+    NoSpace { wanted: u64, free: u64 },
 }
 
 pub type FsResult<T> = Result<T, FsError>;
@@ -974,6 +980,25 @@ impl<T: MetaTransport> MetaFs<T> {
             self.write_ino(ino, Command::AppendExtents { ino, extents })
                 .await?,
         )
+    }
+
+    /// `Command::Fallocate`: punches `[offset, offset + len)` out of the file's keys (`punch`)
+    /// and grows the size to at least its end (unless `keep_size`).
+    pub async fn fallocate(
+        &self,
+        ino: Ino,
+        (offset, len): (u64, u64),
+        punch: bool,
+        keep_size: bool,
+    ) -> FsResult<Attr> {
+        let cmd = Command::Fallocate {
+            ino,
+            offset,
+            len,
+            punch,
+            keep_size,
+        };
+        Self::attr(self.write_ino(ino, cmd).await?)
     }
 
     pub async fn extents(&self, ino: Ino) -> FsResult<(Attr, Vec<ExtentKey>)> {

@@ -42,6 +42,8 @@ pub fn errno(e: &FsError) -> i32 {
         },
         FsError::BadHandle(_) | FsError::NotOpenFor(_) => libc::EBADF,
         FsError::WriteFailed(_) => libc::EIO,
+        FsError::Unsupported(_) => libc::EOPNOTSUPP,
+        FsError::NoSpace { .. } => libc::ENOSPC,
     }
 }
 
@@ -100,6 +102,8 @@ mod tests {
             (FsError::BadHandle(9), libc::EBADF),
             (FsError::NotOpenFor("writing"), libc::EBADF),
             (FsError::WriteFailed("lost".into()), libc::EIO),
+            (FsError::Unsupported("fallocate"), libc::EOPNOTSUPP),
+            (FsError::NoSpace { wanted: 2, free: 1 }, libc::ENOSPC),
         ];
         for (e, want) in cases {
             assert_eq!(errno(&e), want, "{e:?}");

@@ -33,7 +33,7 @@ use fuser::{
     WriteFlags,
 };
 use nacre_api::meta::{Attr, FileType, MetaError, SetAttr, XattrMode};
-use nacre_client::{Caller, Fh, FileSystem, FsError, OpenFlags};
+use nacre_client::{Caller, Falloc, Fh, FileSystem, FsError, OpenFlags};
 use nacre_types::Ino;
 use nacre_types::sync::lock;
 use tokio::runtime::Handle;
@@ -872,23 +872,33 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
         reply.ok();
     }
 
-    // Not offered by the file system. ENOSYS makes the kernel stop asking and fall back: to
-    // EOPNOTSUPP for fallocate (glibc's posix_fallocate then writes zeros), to its generic
-    // SEEK_DATA/SEEK_HOLE, and to a read/write copy for copy_file_range. (fuser's defaults
-    // answer the same but log a warning.)
+    /// The modes [`falloc_mode`] accepts; the kernel clears its cached pages of a punched range
+    /// and takes the new size itself.
     fn fallocate(
         &self,
         _req: &Request,
         _ino: INodeNo,
-        _fh: FileHandle,
-        _offset: u64,
-        _length: u64,
-        _mode: i32,
+        fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
         reply: ReplyEmpty,
     ) {
-        reply.error(Errno::ENOSYS);
+        let mode = match falloc_mode(mode, offset, length) {
+            Ok(m) => m,
+            Err(e) => return reply.error(e),
+        };
+        self.spawn(|i| async move {
+            match i.fs.fallocate(Fh(fh.0), mode, offset, length).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(err(&e)),
+            }
+        });
     }
 
+    // Not offered by the file system. ENOSYS makes the kernel stop asking and fall back: to its
+    // generic SEEK_DATA/SEEK_HOLE, and to a read/write copy for copy_file_range. (fuser's
+    // defaults answer the same but log a warning.)
     fn lseek(
         &self,
         _req: &Request,
@@ -950,6 +960,36 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
             }
         });
     }
+}
+
+/// The [`Falloc`] of `fallocate(2)`'s `mode` bits, with the checks `vfs_fallocate` makes in
+/// the order it makes them: a length of 0 or an offset past `i64::MAX` is `EINVAL`; any mode
+/// but the ones nacre offers is `EOPNOTSUPP` (`COLLAPSE_RANGE`, `INSERT_RANGE`,
+/// `UNSHARE_RANGE`, `NO_HIDE_STALE`, unknown bits, `PUNCH_HOLE` without `KEEP_SIZE`, and
+/// `PUNCH_HOLE` with `ZERO_RANGE`, which kernels before 6.13 refuse with `EINVAL` instead);
+/// an end past `i64::MAX` is `EFBIG`.
+pub fn falloc_mode(mode: i32, offset: u64, len: u64) -> Result<Falloc, Errno> {
+    const KEEP: i32 = libc::FALLOC_FL_KEEP_SIZE;
+    const PUNCH: i32 = libc::FALLOC_FL_PUNCH_HOLE;
+    const ZERO: i32 = libc::FALLOC_FL_ZERO_RANGE;
+    if len == 0 || i64::try_from(offset).is_err() || i64::try_from(len).is_err() {
+        return Err(Errno::EINVAL);
+    }
+    let falloc = match mode {
+        0 => Falloc::Allocate,
+        KEEP => Falloc::KeepSize,
+        m if m == PUNCH | KEEP => Falloc::PunchHole,
+        ZERO => Falloc::ZeroRange { keep_size: false },
+        m if m == ZERO | KEEP => Falloc::ZeroRange { keep_size: true },
+        _ => return Err(Errno::EOPNOTSUPP),
+    };
+    if offset
+        .checked_add(len)
+        .is_none_or(|end| i64::try_from(end).is_err())
+    {
+        return Err(Errno::EFBIG);
+    }
+    Ok(falloc)
 }
 
 /// The size probe protocol of getxattr/listxattr.

@@ -66,3 +66,43 @@ fn times_round_trip() {
     assert_eq!(nanos(UNIX_EPOCH - Duration::from_secs(1)), 0);
     assert!(time_or_now(TimeOrNow::Now) > 1_600_000_000_000_000_000);
 }
+
+#[test]
+fn fallocate_modes_map_as_linux_checks_them() {
+    use libc::{
+        FALLOC_FL_COLLAPSE_RANGE as COLLAPSE, FALLOC_FL_INSERT_RANGE as INSERT,
+        FALLOC_FL_KEEP_SIZE as KEEP, FALLOC_FL_PUNCH_HOLE as PUNCH,
+        FALLOC_FL_UNSHARE_RANGE as UNSHARE, FALLOC_FL_ZERO_RANGE as ZERO,
+    };
+    const NO_HIDE: i32 = 0x04; // FALLOC_FL_NO_HIDE_STALE
+    let ok = [
+        (0, Falloc::Allocate),
+        (KEEP, Falloc::KeepSize),
+        (PUNCH | KEEP, Falloc::PunchHole),
+        (ZERO, Falloc::ZeroRange { keep_size: false }),
+        (ZERO | KEEP, Falloc::ZeroRange { keep_size: true }),
+    ];
+    for (mode, want) in ok {
+        assert_eq!(falloc_mode(mode, 10, 20), Ok(want), "{mode:#x}");
+    }
+    let bad = [
+        (PUNCH, Errno::EOPNOTSUPP),
+        (PUNCH | ZERO, Errno::EOPNOTSUPP),
+        (PUNCH | ZERO | KEEP, Errno::EOPNOTSUPP),
+        (COLLAPSE, Errno::EOPNOTSUPP),
+        (INSERT, Errno::EOPNOTSUPP),
+        (UNSHARE, Errno::EOPNOTSUPP),
+        (NO_HIDE | PUNCH | KEEP, Errno::EOPNOTSUPP),
+        (0x1000, Errno::EOPNOTSUPP),
+        (-1, Errno::EOPNOTSUPP),
+    ];
+    for (mode, want) in bad {
+        assert_eq!(falloc_mode(mode, 10, 20), Err(want), "{mode:#x}");
+    }
+    // Lengths and offsets, checked before the mode as the kernel does.
+    assert_eq!(falloc_mode(COLLAPSE, 0, 0), Err(Errno::EINVAL));
+    assert_eq!(falloc_mode(0, 1 << 63, 1), Err(Errno::EINVAL));
+    assert_eq!(falloc_mode(0, 0, 1 << 63), Err(Errno::EINVAL));
+    assert_eq!(falloc_mode(0, i64::MAX as u64, 1), Err(Errno::EFBIG));
+    assert_eq!(falloc_mode(0, i64::MAX as u64 - 1, 1), Ok(Falloc::Allocate));
+}

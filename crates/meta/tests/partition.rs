@@ -1152,6 +1152,127 @@ fn append_extents_errors() {
     assert_eq!(getattr(&p, f).unwrap().size, u64::MAX);
 }
 
+fn falloc(ino: Ino, offset: u64, len: u64, punch: bool, keep_size: bool) -> Command {
+    Command::Fallocate {
+        ino,
+        offset,
+        len,
+        punch,
+        keep_size,
+    }
+}
+
+#[test]
+fn fallocate_punches_holes_and_extends_the_size() {
+    let mut p = part();
+    let f = new_inode(&mut p, 1, FileType::File).ino;
+    let uncut = |k: ExtentKey| ExtentKey { crc: 0, ..k };
+    // Tiny extent 1 (a shared one: ranges are freed, never the extent) and normal extent 2000.
+    ok(
+        &mut p,
+        2,
+        append(f, vec![key(0, 1, 500, 100), key(100, 2000, 0, 100)]),
+    );
+    // Punching inside a key splits it; the middle is freed; the size stays.
+    let a = attr(ok(&mut p, 5, falloc(f, 10, 20, true, true)));
+    assert_eq!((a.size, a.mtime, a.ctime), (200, 5, 5));
+    assert_eq!(
+        extents(&p, f),
+        [
+            uncut(key(0, 1, 500, 10)),
+            uncut(key(30, 1, 530, 70)),
+            key(100, 2000, 0, 100)
+        ]
+    );
+    assert_eq!(to_free(&p), [uncut(key(10, 1, 510, 20))]);
+    // Across the end of one key and all of the next: the normal extent no key uses any more is
+    // freed whole; past the end nothing grows with `keep_size`.
+    ok(&mut p, 6, falloc(f, 50, 1000, true, true));
+    assert_eq!(
+        extents(&p, f),
+        [uncut(key(0, 1, 500, 10)), uncut(key(30, 1, 530, 20))]
+    );
+    let whole = ExtentKey {
+        file_offset: 0,
+        extent_offset: 0,
+        size: u32::MAX,
+        crc: 0,
+        ..key(0, 2000, 0, 1)
+    };
+    assert_eq!(
+        to_free(&p),
+        [
+            uncut(key(10, 1, 510, 20)),
+            uncut(key(50, 1, 550, 50)),
+            whole
+        ]
+    );
+    assert_eq!(getattr(&p, f).unwrap().size, 200);
+    // Zeroing a range past the end (punch, size grows) and allocating (size grows, keys stay).
+    assert_eq!(
+        attr(ok(&mut p, 7, falloc(f, 40, 260, true, false))).size,
+        300
+    );
+    assert_eq!(
+        extents(&p, f),
+        [uncut(key(0, 1, 500, 10)), uncut(key(30, 1, 530, 10))]
+    );
+    let a = attr(ok(&mut p, 8, falloc(f, 0, 4096, false, false)));
+    assert_eq!((a.size, a.mtime), (4096, 8));
+    assert_eq!(extents(&p, f).len(), 2);
+    // Allocating within the size changes nothing, not even the times.
+    let a = attr(ok(&mut p, 9, falloc(f, 0, 10, false, false)));
+    assert_eq!((a.size, a.mtime, a.ctime), (4096, 8, 8));
+    let a = attr(ok(&mut p, 10, falloc(f, 0, 1 << 40, false, true)));
+    assert_eq!((a.size, a.mtime, a.ctime), (4096, 8, 8));
+    // A hole punched in a hole: nothing to free.
+    let freed = to_free(&p).len();
+    ok(&mut p, 11, falloc(f, 1000, 100, true, true));
+    assert_eq!(to_free(&p).len(), freed);
+}
+
+#[test]
+fn fallocate_errors() {
+    let mut p = part();
+    let f = new_inode(&mut p, 1, FileType::File).ino;
+    let d = new_inode(&mut p, 1, FileType::Dir).ino;
+    let l = new_inode(&mut p, 1, FileType::Symlink).ino;
+    assert_eq!(err(&mut p, falloc(d, 0, 1, true, true)), MetaError::IsDir);
+    assert_eq!(err(&mut p, falloc(d, 0, 1, false, false)), MetaError::IsDir);
+    assert!(matches!(
+        err(&mut p, falloc(l, 0, 1, false, false)),
+        MetaError::Invalid(_)
+    ));
+    assert!(matches!(
+        err(&mut p, falloc(f, 0, 0, true, true)),
+        MetaError::Invalid(_)
+    ));
+    assert!(matches!(
+        err(&mut p, falloc(f, u64::MAX, 1, false, false)),
+        MetaError::Invalid(_)
+    ));
+    assert_eq!(
+        err(&mut p, falloc(Ino(999), 0, 1, false, false)),
+        MetaError::NotFound
+    );
+    assert_eq!(
+        err(&mut p, falloc(FOREIGN, 0, 1, false, false)),
+        MetaError::WrongPartition(FOREIGN)
+    );
+    // Up to the largest end.
+    let a = attr(ok(&mut p, 2, falloc(f, u64::MAX - 1, 1, false, false)));
+    assert_eq!(a.size, u64::MAX);
+}
+
+#[test]
+fn fallocate_keeps_its_encoding() {
+    // Log entries are postcard: variants are numbered in order, so `Fallocate` stays last.
+    let cmd = falloc(Ino(5), 1, 2, true, false);
+    let bytes = postcard::to_allocvec(&cmd).unwrap();
+    assert_eq!(bytes[0], 24, "variant index of Fallocate");
+    assert_eq!(postcard::from_bytes::<Command>(&bytes).unwrap(), cmd);
+}
+
 #[test]
 fn ack_freed_forgets_the_oldest() {
     let mut p = part();
@@ -2242,6 +2363,56 @@ impl Model {
                 self.to_free.extend(freed);
                 Ok(Reply::Attr(self.attr(i)))
             }
+            Command::Fallocate {
+                ino,
+                offset,
+                len,
+                punch,
+                keep_size,
+            } => {
+                let i = self.live(ino)?;
+                let n = self.inodes.get_mut(&i).unwrap();
+                match n.kind {
+                    FileType::File => {}
+                    FileType::Dir => return Err(MetaError::IsDir),
+                    _ => return Err(invalid()),
+                }
+                let end = match offset.checked_add(len) {
+                    Some(end) if len > 0 => end,
+                    _ => return Err(invalid()),
+                };
+                let mut changed = punch;
+                if punch {
+                    let mut kept = Vec::new();
+                    let mut dropped = Vec::new();
+                    for k in sorted(&n.keys) {
+                        let (ks, ke) = (k.file_offset, k.end());
+                        if ke <= offset || ks >= end {
+                            kept.push(k);
+                            continue;
+                        }
+                        if ks < offset {
+                            kept.push(piece(&k, ks, offset));
+                        }
+                        dropped.push(piece(&k, ks.max(offset), ke.min(end)));
+                        if ke > end {
+                            kept.push(piece(&k, end, ke));
+                        }
+                    }
+                    let freed = model_unreferenced(&dropped, &kept);
+                    n.keys = kept;
+                    self.to_free.extend(freed);
+                }
+                if !keep_size && end > n.size {
+                    n.size = end;
+                    changed = true;
+                }
+                if changed {
+                    n.mtime = now;
+                    n.ctime = n.ctime.max(now);
+                }
+                Ok(Reply::Attr(self.attr(i)))
+            }
             Command::SetXattr {
                 ino,
                 name,
@@ -2638,6 +2809,13 @@ enum Op {
         file: u8,
         keys: Vec<(u8, u8, u8)>,
     },
+    Fallocate {
+        file: u8,
+        offset: u8,
+        len: u8,
+        punch: bool,
+        keep_size: bool,
+    },
     SetXattr {
         ino: u8,
         name: u8,
@@ -2690,6 +2868,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (s(), proptest::option::of(any::<u16>()), o(), o(), rare(), any::<bool>())
             .prop_map(|(file, mode, uid, size, mtime, kill)| Op::SetAttr { file, mode, uid, size, mtime, kill }),
         4 => (s(), proptest::collection::vec((s(), s(), s()), 0..4)).prop_map(|(file, keys)| Op::Append { file, keys }),
+        2 => (s(), s(), s(), any::<bool>(), any::<bool>())
+            .prop_map(|(file, offset, len, punch, keep_size)| Op::Fallocate { file, offset, len, punch, keep_size }),
         2 => (s(), s(), s(), s()).prop_map(|(ino, name, len, mode)| Op::SetXattr { ino, name, len, mode }),
         1 => (s(), s()).prop_map(|(ino, name)| Op::RemoveXattr { ino, name }),
         1 => s().prop_map(|count| Op::AckFreed { count }),
@@ -2980,6 +3160,21 @@ impl Pair {
                     extents,
                 })
             }
+            // Over the keys `Append` makes (offsets and sizes below 256 + 64); length 0 now and
+            // then (invalid).
+            Op::Fallocate {
+                file,
+                offset,
+                len,
+                punch,
+                keep_size,
+            } => Some(Command::Fallocate {
+                ino: self.live(file, FileType::File),
+                offset: u64::from(offset),
+                len: u64::from(len % 96),
+                punch,
+                keep_size,
+            }),
             Op::SetXattr {
                 ino,
                 name,
@@ -3112,6 +3307,8 @@ enum Write {
     /// client appending to the extent it is writing), if that key is still wholly in use.
     Extend(u8),
     Truncate(u16),
+    /// A hole punched at an offset, of a length; with `true`, the size grows to its end.
+    Punch(u16, u8, bool),
 }
 
 fn write() -> impl Strategy<Value = Write> {
@@ -3119,6 +3316,7 @@ fn write() -> impl Strategy<Value = Write> {
         6 => proptest::collection::vec((0..300u16, 1..64u8, any::<u16>()), 1..4).prop_map(Write::Fresh),
         2 => (1..64u8).prop_map(Write::Extend),
         1 => (0..400u16).prop_map(Write::Truncate),
+        2 => (0..400u16, 1..128u8, any::<bool>()).prop_map(|(at, len, grow)| Write::Punch(at, len, grow)),
     ]
 }
 
@@ -3162,6 +3360,15 @@ proptest! {
                     ok(&mut p, 2, Command::SetAttr { ino: f, set: SetAttr { size: Some(to), ..SetAttr::default() } });
                     bytes.retain(|&b, _| b < to);
                     size = to;
+                    Vec::new()
+                }
+                Write::Punch(at, len, grow) => {
+                    let (at, end) = (u64::from(at), u64::from(at) + u64::from(len));
+                    ok(&mut p, 2, Command::Fallocate { ino: f, offset: at, len: u64::from(len), punch: true, keep_size: !grow });
+                    bytes.retain(|&b, _| b < at || b >= end);
+                    if grow {
+                        size = size.max(end);
+                    }
                     Vec::new()
                 }
             };
@@ -3295,6 +3502,20 @@ fn any_command() -> impl Strategy<Value = Command> {
             }),
         (any_ino(), proptest::collection::vec(any_key(), 0..4))
             .prop_map(|(ino, extents)| Command::AppendExtents { ino, extents }),
+        (
+            any_ino(),
+            prop_oneof![0..100u64, any::<u64>()],
+            prop_oneof![0..100u64, any::<u64>()],
+            any::<bool>(),
+            any::<bool>()
+        )
+            .prop_map(|(ino, offset, len, punch, keep_size)| Command::Fallocate {
+                ino,
+                offset,
+                len,
+                punch,
+                keep_size
+            }),
         (any_ino(), any_name(), any_name()).prop_map(|(ino, name, value)| Command::SetXattr {
             ino,
             name,

@@ -932,6 +932,111 @@ print("ok")
 }
 
 #[test]
+fn fallocate_allocates_punches_and_zeroes_ranges() {
+    require_fuse!();
+    python_on_mount(&[r#"
+import ctypes, errno, os, sys
+d = sys.argv[1]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+KEEP, PUNCH, COLLAPSE, ZERO, INSERT = 0x01, 0x02, 0x08, 0x10, 0x20
+K = 1024
+
+def falloc(fd, mode, off, n):
+    if libc.fallocate(fd, mode, off, n) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+def refused(want, fd, mode, off, n):
+    try:
+        falloc(fd, mode, off, n)
+    except OSError as e:
+        assert e.errno in (want if isinstance(want, tuple) else (want,)), (mode, off, n, e)
+    else:
+        raise AssertionError(f"mode {mode:#x} {off}+{n} succeeded")
+
+p = d + "/f"
+body = bytes(range(256)) * K  # 256 KiB: a stream, then a tiny extent for the tail below
+with open(p, "wb") as f:
+    f.write(body)
+fd = os.open(p, os.O_RDWR)
+want = bytearray(body)
+
+def check(what):
+    assert os.fstat(fd).st_size == len(want), (what, os.fstat(fd).st_size, len(want))
+    # Past the kernel's page cache: what the file system has.
+    r = os.open(p, os.O_RDONLY)
+    os.posix_fadvise(r, 0, 0, os.POSIX_FADV_DONTNEED)
+    got = b""
+    while chunk := os.pread(r, 1 << 20, len(got)):
+        got += chunk
+    os.close(r)
+    assert got == want, (what, next(i for i in range(len(got)) if got[i] != want[i]))
+
+# Mode 0 (posix_fallocate) grows the file with zeros; within the size it changes nothing.
+os.posix_fallocate(fd, 200 * K, 100 * K)
+want += bytes(300 * K - len(want))
+check("mode 0")
+os.posix_fallocate(fd, 10, 100)
+check("mode 0 within")
+# KEEP_SIZE alone: nothing changes, even past the end.
+falloc(fd, KEEP, 0, 1 << 20)
+check("keep size")
+# A hole in the middle of the written data; its neighbours stay.
+falloc(fd, PUNCH | KEEP, 1000, 5000)
+want[1000:6000] = bytes(5000)
+check("punch")
+# A hole across the end: the size stays.
+falloc(fd, PUNCH | KEEP, 250 * K, 100 * K)
+want[250 * K :] = bytes(50 * K)
+check("punch past the end")
+# Zeroing inside, and across the end with and without KEEP_SIZE.
+falloc(fd, ZERO | KEEP, 64 * K, 3)
+want[64 * K : 64 * K + 3] = bytes(3)
+check("zero range")
+falloc(fd, ZERO | KEEP, 290 * K, 100 * K)
+want[290 * K :] = bytes(10 * K)
+check("zero range, keep size")
+falloc(fd, ZERO, 100 * K, 300 * K)
+want[100 * K :] = bytes(200 * K)
+want += bytes(100 * K)
+check("zero range, grow")
+# Writes into a punched range land; fsync reports no error.
+os.pwrite(fd, b"hello", 2000)
+falloc(fd, PUNCH | KEEP, 2002, 1)
+want[2000:2005] = b"he\0lo"
+os.fsync(fd)
+check("write into a hole")
+# Appends after a punch of the tail of the last write.
+os.pwrite(fd, b"t" * 300 * K, len(want))
+want += b"t" * 300 * K
+falloc(fd, PUNCH | KEEP, len(want) - 10 * K, 5 * K)
+want[len(want) - 10 * K : len(want) - 5 * K] = bytes(5 * K)
+os.pwrite(fd, b"more", len(want))
+want += b"more"
+check("append after a punch")
+
+# What Linux refuses, nacre refuses the same way.
+size = len(want)
+refused(errno.EOPNOTSUPP, fd, COLLAPSE, 0, 4096)
+refused(errno.EOPNOTSUPP, fd, INSERT, 0, 4096)
+refused(errno.EOPNOTSUPP, fd, PUNCH, 0, 4096)
+# EINVAL before Linux 6.13.
+refused((errno.EOPNOTSUPP, errno.EINVAL), fd, PUNCH | ZERO | KEEP, 0, 4096)
+refused(errno.EINVAL, fd, 0, 0, 0)
+refused(errno.EINVAL, fd, 0, -1, 10)
+# More than the volume has free: ENOSPC, and nothing changes.
+refused(errno.ENOSPC, fd, 0, 0, 1 << 55)
+check("refused")
+os.close(fd)
+ro = os.open(p, os.O_RDONLY)
+refused(errno.EBADF, ro, PUNCH | KEEP, 0, 1)
+os.close(ro)
+print("ok")
+"#]);
+}
+
+#[test]
 fn a_name_another_client_made_after_a_cached_miss_is_opened_not_refused() {
     require_fuse!();
     let _serial = serial();

@@ -1,9 +1,10 @@
 //! `NetFs`, the SDK's `FileSystem` over the network, against real `nacre server` processes (1
 //! master, 3 meta and 3 data nodes): a file changed by a long random sequence of writes (appends,
-//! overwrites in place, writes into holes and past the end), truncates, flushes, reopens and
-//! `O_APPEND` writes reads back exactly like a byte-vector model, from this client and from a fresh
-//! one; small files land in tiny extents in one packet and read back; a file unlinked while open
-//! stays readable and writable through its handle until released.
+//! overwrites in place, writes into holes and past the end), truncates, `fallocate` in every
+//! mode, flushes, reopens and `O_APPEND` writes reads back exactly like a byte-vector model,
+//! from this client and from a fresh one; small files land in tiny extents in one packet and
+//! read back; a file unlinked while open stays readable and writable through its handle until
+//! released.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
 use std::sync::Arc;
@@ -12,7 +13,9 @@ use bytes::Bytes;
 use fastrand::Rng;
 use nacre_api::meta::{ROOT_INO, SetAttr};
 use nacre_client::netfs::HIDDEN_PREFIX;
-use nacre_client::{Caller, FileSystem, HideStep, NetFs, NetFsConfig, OpenFlags};
+use nacre_client::{
+    Caller, Falloc, FileSystem, FsError, HideStep, NetFs, NetFsConfig, OpenFlags,
+};
 use nacre_data::store::ExtentStore;
 
 mod common;
@@ -98,7 +101,7 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
         let mut rng = Rng::with_seed(seed);
         for step in 0..steps {
             let len = model.len() as u64;
-            match rng.u64(..12) {
+            match rng.u64(..13) {
                 0..=4 => {
                     let off = match rng.u64(..4) {
                         0 | 1 => len,                    // append
@@ -175,6 +178,27 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
                     write_model(&mut model, end, &data);
                     fs.release(ah).await.unwrap();
                 }
+                11 => {
+                    let off = rng.u64(..len + 10);
+                    let n = 1 + rng.u64(..300 << 10);
+                    let mode = match rng.u64(..5) {
+                        0 => Falloc::Allocate,
+                        1 => Falloc::KeepSize,
+                        2 => Falloc::PunchHole,
+                        3 => Falloc::ZeroRange { keep_size: false },
+                        _ => Falloc::ZeroRange { keep_size: true },
+                    };
+                    log.push(format!("{step}: fallocate {mode:?} {off}+{n} (size {len})"));
+                    fs.fallocate(fh, mode, off, n).await.unwrap();
+                    let end = (off + n) as usize;
+                    if mode.punches() && (off as usize) < model.len() {
+                        let to = end.min(model.len());
+                        model[off as usize..to].fill(0);
+                    }
+                    if !mode.keeps_size() && model.len() < end {
+                        model.resize(end, 0);
+                    }
+                }
                 _ => {
                     let all = read_all(&fs, fh, model.len()).await;
                     assert!(
@@ -194,9 +218,13 @@ fn netfs_files_match_a_byte_model_across_writes_truncates_and_reopens() {
         let fh2 = other.open(ino, OpenFlags::READ).await.unwrap();
         assert!(read_all(&other, fh2, model.len()).await == model);
         other.release(fh2).await.unwrap();
-        // A read-only handle takes no writes.
+        // A read-only handle takes no writes, nor fallocate.
         let ro = fs.open(ino, OpenFlags::READ).await.unwrap();
         assert!(fs.write(ro, 0, Bytes::from_static(b"x")).await.is_err());
+        assert!(matches!(
+            fs.fallocate(ro, Falloc::PunchHole, 0, 1).await,
+            Err(FsError::NotOpenFor(_))
+        ));
         fs.release(ro).await.unwrap();
 
         // Small files: one packet each into a tiny extent, read back by another client.

@@ -357,6 +357,20 @@ pub enum Command {
         ino: Ino,
         set: SetAttr,
     },
+    /// `fallocate(2)` of a regular file over `[offset, offset + len)` (`len` at least 1, the end
+    /// within `u64`: else `Invalid`). With `punch` the range is cut out of the extent keys (keys
+    /// across its ends keep their parts outside it), so it reads as zeros; the bytes no key
+    /// refers to any more join the to-free list. Without `keep_size` the size becomes at least
+    /// `offset + len`. No space is reserved: data nodes allocate when bytes are written. Updates
+    /// mtime and ctime when it punches or grows the file. `IsDir` on a directory, `Invalid` on
+    /// other non-regular files. Replies `Attr`.
+    Fallocate {
+        ino: Ino,
+        offset: u64,
+        len: u64,
+        punch: bool,
+        keep_size: bool,
+    },
 }
 
 impl Command {

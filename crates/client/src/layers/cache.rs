@@ -29,7 +29,7 @@
 //! | link | the new parent's and the inode's attributes (then cached anew) |
 //! | unlink, rmdir | the dentry, the parent's and the target's attributes |
 //! | rename | both dentries, both parents', the moved and the replaced inode's attributes |
-//! | write, flush, fsync, release | the file's attribute |
+//! | write, fallocate, flush, fsync, release | the file's attribute |
 //!
 //! A call that changed a directory's entries returns the directory's attributes right after the
 //! change when it learnt them (one meta request does the change and answers them); they are cached
@@ -57,7 +57,7 @@ use nacre_api::meta::{Attr, FileType, MetaError, SetAttr, XattrMode};
 use nacre_types::Ino;
 use tokio::time::Instant;
 
-use crate::fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
+use crate::fs::{Caller, DirEntryPlus, Falloc, Fh, FileSystem, OpenFlags, StatFs};
 use crate::meta::{Entry, FsError, FsResult};
 
 /// How long and how much [`MetaCache`] keeps.
@@ -628,6 +628,12 @@ impl<F: FileSystem> FileSystem for MetaCache<F> {
 
     async fn write(&self, fh: Fh, offset: u64, data: Bytes) -> FsResult<u32> {
         let r = self.inner.write(fh, offset, data).await;
+        self.written(fh, false);
+        r
+    }
+
+    async fn fallocate(&self, fh: Fh, mode: Falloc, offset: u64, len: u64) -> FsResult<()> {
+        let r = self.inner.fallocate(fh, mode, offset, len).await;
         self.written(fh, false);
         r
     }

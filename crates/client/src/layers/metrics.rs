@@ -22,7 +22,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
+use crate::fs::{Caller, DirEntryPlus, Falloc, Fh, FileSystem, OpenFlags, StatFs};
 use crate::meta::{Entry, FsResult};
 
 /// A [`FileSystem`] operation, as the metrics name it.
@@ -44,6 +44,7 @@ pub enum Op {
     Open,
     Read,
     Write,
+    Fallocate,
     Flush,
     Fsync,
     Release,
@@ -55,7 +56,7 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 24] = [
+    pub const ALL: [Op; 25] = [
         Op::Lookup,
         Op::Getattr,
         Op::Setattr,
@@ -72,6 +73,7 @@ impl Op {
         Op::Open,
         Op::Read,
         Op::Write,
+        Op::Fallocate,
         Op::Flush,
         Op::Fsync,
         Op::Release,
@@ -101,6 +103,7 @@ impl Op {
             Op::Open => "open",
             Op::Read => "read",
             Op::Write => "write",
+            Op::Fallocate => "fallocate",
             Op::Flush => "flush",
             Op::Fsync => "fsync",
             Op::Release => "release",
@@ -352,6 +355,11 @@ impl<F: FileSystem> FileSystem for Metrics<F> {
             self.written_bytes.inc_by(u64::from(*n));
         }
         r
+    }
+
+    async fn fallocate(&self, fh: Fh, mode: Falloc, offset: u64, len: u64) -> FsResult<()> {
+        self.track(Op::Fallocate, self.inner.fallocate(fh, mode, offset, len))
+            .await
     }
 
     async fn flush(&self, fh: Fh) -> FsResult<()> {

@@ -217,7 +217,8 @@ fn changes_inode(cmd: &Command) -> Option<Ino> {
         | Command::UnlinkInode { ino }
         | Command::EvictInode { ino }
         | Command::SetXattr { ino, .. }
-        | Command::RemoveXattr { ino, .. } => Some(*ino),
+        | Command::RemoveXattr { ino, .. }
+        | Command::Fallocate { ino, .. } => Some(*ino),
         _ => None,
     }
 }

@@ -46,6 +46,7 @@ use crate::fs::{Caller, DirEntryPlus, Fh, FileSystem, OpenFlags, StatFs};
 use crate::meta::{CallError, Entry, FsError, FsResult, MetaFs, NewInode};
 use crate::net::NetVolume;
 
+mod alloc;
 mod behind;
 mod files;
 
@@ -828,6 +829,13 @@ impl FileSystem for NetFs {
     async fn write(&self, fh: Fh, offset: u64, data: Bytes) -> FsResult<u32> {
         self.in_turn(fh, move |i| async move { i.write(fh, offset, data).await })
             .await
+    }
+
+    async fn fallocate(&self, fh: Fh, mode: crate::Falloc, offset: u64, len: u64) -> FsResult<()> {
+        self.in_turn(fh, move |i| async move {
+            i.fallocate(fh, mode, offset, len).await
+        })
+        .await
     }
 
     async fn flush(&self, fh: Fh) -> FsResult<()> {

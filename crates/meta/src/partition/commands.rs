@@ -10,7 +10,7 @@ use nacre_api::meta::{
     SetAttr, XattrMode, without_suidgid,
 };
 
-use super::extents::{key_is_valid, overlay, truncate, unreferenced};
+use super::extents::{key_is_valid, overlay, punch, truncate, unreferenced};
 use super::inodes::Inode;
 use super::keys::{DentryVal, Key, owned_by};
 use super::{EXTENT_BYTES, MAX_LINKS, MODE_MASK, MetaPartition};
@@ -440,6 +440,51 @@ impl MetaPartition {
         node.extents = keys.into_boxed_slice();
         node.mtime = now;
         node.ctime = node.ctime.max(now);
+        let (attr, new_keys) = (node.attr(i, rdev), node.extents.len() as u64);
+        self.heap = self.heap - old_keys * EXTENT_BYTES + new_keys * EXTENT_BYTES;
+        self.to_free.extend(freed);
+        Ok(Reply::Attr(attr))
+    }
+
+    /// `Command::Fallocate`.
+    pub(super) fn fallocate(
+        &mut self,
+        now: u64,
+        ino: Ino,
+        (offset, len): (u64, u64),
+        punch_range: bool,
+        keep_size: bool,
+    ) -> Result<Reply, MetaError> {
+        let rdev = self.rdev(ino.0);
+        let (i, node) = self.live_mut(ino)?;
+        match node.kind {
+            FileType::File => {}
+            FileType::Dir => return Err(MetaError::IsDir),
+            _ => return Err(MetaError::Invalid("fallocate of a non-regular file".into())),
+        }
+        let end = offset
+            .checked_add(len)
+            .filter(|_| len > 0)
+            .ok_or_else(|| MetaError::Invalid(format!("fallocate of {len} bytes at {offset}")))?;
+        let old_keys = node.extents.len() as u64;
+        let mut freed = Vec::new();
+        let mut changed = false;
+        if punch_range {
+            let (kept, punched) = punch(&node.extents, offset, end);
+            if !punched.is_empty() {
+                freed = unreferenced(punched, &kept);
+                node.extents = kept.into_boxed_slice();
+            }
+            changed = true;
+        }
+        if !keep_size && end > node.size {
+            node.size = end;
+            changed = true;
+        }
+        if changed {
+            node.mtime = now;
+            node.ctime = node.ctime.max(now);
+        }
         let (attr, new_keys) = (node.attr(i, rdev), node.extents.len() as u64);
         self.heap = self.heap - old_keys * EXTENT_BYTES + new_keys * EXTENT_BYTES;
         self.to_free.extend(freed);

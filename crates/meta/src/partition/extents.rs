@@ -1,6 +1,7 @@
 //! The algebra of a file's extent keys: validity, overlaying a new key on the sorted,
-//! non-overlapping keys of a file, truncating them, and which parts of dropped keys no live key
-//! refers to any more (only those may be freed). Pure functions over slices of [`ExtentKey`].
+//! non-overlapping keys of a file, truncating them, punching a range out of them, and which
+//! parts of dropped keys no live key refers to any more (only those may be freed). Pure
+//! functions over slices of [`ExtentKey`].
 
 use nacre_types::{ExtentId, PartitionId};
 
@@ -155,4 +156,155 @@ pub(super) fn unreferenced(dropped: Vec<ExtentKey>, live: &[ExtentKey]) -> Vec<E
 fn cut_extent(key: &ExtentKey, from: u64, to: u64) -> ExtentKey {
     let offset = key.file_offset + (from - key.extent_offset);
     cut(key, offset, offset + (to - from))
+}
+
+/// Cuts the file range `[from, to)` out of `keys` (sorted, non-overlapping): the keys with the
+/// parts outside it, and the pieces inside it (both sorted). A key across an end of the range
+/// leaves its outer part; one across the whole range leaves two.
+pub(super) fn punch(keys: &[ExtentKey], from: u64, to: u64) -> (Vec<ExtentKey>, Vec<ExtentKey>) {
+    // Ends are sorted too (see `overlay`): keys[first..last] overlap the range.
+    let first = keys.partition_point(|k| k.end() <= from);
+    let last = keys.partition_point(|k| k.file_offset < to).max(first);
+    let mut kept = Vec::with_capacity(keys.len() + 1);
+    kept.extend_from_slice(&keys[..first]);
+    let mut punched = Vec::with_capacity(last - first);
+    let mut right = None;
+    for k in &keys[first..last] {
+        if k.file_offset < from {
+            kept.push(cut(k, k.file_offset, from));
+        }
+        punched.push(cut(k, k.file_offset.max(from), k.end().min(to)));
+        if k.end() > to {
+            right = Some(cut(k, to, k.end()));
+        }
+    }
+    kept.extend(right);
+    kept.extend_from_slice(&keys[last..]);
+    (kept, punched)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn key(file_offset: u64, extent: u64, extent_offset: u64, size: u32) -> ExtentKey {
+        ExtentKey {
+            file_offset,
+            partition: PartitionId(1),
+            extent: ExtentId(extent),
+            extent_offset,
+            size,
+            crc: 7,
+        }
+    }
+
+    #[test]
+    fn punch_keeps_the_parts_outside_the_range() {
+        let keys = [key(0, 1, 0, 10), key(10, 2, 100, 10), key(30, 3, 0, 10)];
+        // Inside one key: it splits in two, the middle is punched.
+        let (kept, punched) = punch(&keys[..1], 2, 5);
+        assert_eq!(
+            kept,
+            [
+                ExtentKey {
+                    crc: 0,
+                    ..key(0, 1, 0, 2)
+                },
+                ExtentKey {
+                    crc: 0,
+                    ..key(5, 1, 5, 5)
+                }
+            ]
+        );
+        assert_eq!(
+            punched,
+            [ExtentKey {
+                crc: 0,
+                ..key(2, 1, 2, 3)
+            }]
+        );
+        // Across keys and a hole: the ends are trimmed, a key wholly inside goes whole (CRC kept).
+        let (kept, punched) = punch(&keys, 5, 35);
+        assert_eq!(
+            kept,
+            [
+                ExtentKey {
+                    crc: 0,
+                    ..key(0, 1, 0, 5)
+                },
+                ExtentKey {
+                    crc: 0,
+                    ..key(35, 3, 5, 5)
+                }
+            ]
+        );
+        assert_eq!(
+            punched,
+            [
+                ExtentKey {
+                    crc: 0,
+                    ..key(5, 1, 5, 5)
+                },
+                key(10, 2, 100, 10),
+                ExtentKey {
+                    crc: 0,
+                    ..key(30, 3, 0, 5)
+                }
+            ]
+        );
+        // A hole, or past the end: nothing changes.
+        assert_eq!(punch(&keys, 20, 30), (keys.to_vec(), Vec::new()));
+        assert_eq!(punch(&keys, 40, u64::MAX), (keys.to_vec(), Vec::new()));
+        assert_eq!(punch(&[], 0, 1), (Vec::new(), Vec::new()));
+    }
+
+    /// Disjoint sorted keys from (gap, size) pairs, each in an extent of its own.
+    fn keys_from(spec: &[(u8, u8)]) -> Vec<ExtentKey> {
+        let mut at = 0;
+        let mut out = Vec::new();
+        for (i, &(gap, size)) in spec.iter().enumerate() {
+            at += u64::from(gap);
+            out.push(key(at, i as u64, u64::from(gap) * 3, u32::from(size) + 1));
+            at += u64::from(size) + 1;
+        }
+        out
+    }
+
+    /// File byte → (extent, extent offset).
+    fn bytes(keys: &[ExtentKey]) -> std::collections::BTreeMap<u64, (u64, u64)> {
+        keys.iter()
+            .flat_map(|k| {
+                (0..u64::from(k.size))
+                    .map(move |b| (k.file_offset + b, (k.extent.0, k.extent_offset + b)))
+            })
+            .collect()
+    }
+
+    proptest! {
+        /// Against a byte map: the kept keys map every byte outside the range as before and
+        /// nothing inside it; the punched pieces map exactly the bytes inside it; both stay
+        /// valid, sorted and disjoint.
+        #[test]
+        fn punch_matches_a_byte_map(
+            spec in proptest::collection::vec((0..8u8, 0..8u8), 0..8),
+            from in 0..80u64,
+            len in 1..40u64,
+        ) {
+            let keys = keys_from(&spec);
+            let to = from + len;
+            let (kept, punched) = punch(&keys, from, to);
+            prop_assert!(check_extents(&kept, u64::MAX).is_ok(), "{kept:?}");
+            prop_assert!(check_extents(&punched, u64::MAX).is_ok(), "{punched:?}");
+            let before = bytes(&keys);
+            let inside = |b: &u64| (from..to).contains(b);
+            let want_kept: std::collections::BTreeMap<_, _> =
+                before.iter().filter(|(b, _)| !inside(b)).map(|(b, p)| (*b, *p)).collect();
+            let want_punched: std::collections::BTreeMap<_, _> =
+                before.iter().filter(|(b, _)| inside(b)).map(|(b, p)| (*b, *p)).collect();
+            prop_assert_eq!(bytes(&kept), want_kept);
+            prop_assert_eq!(bytes(&punched), want_punched);
+        }
+    }
 }

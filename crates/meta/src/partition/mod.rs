@@ -69,7 +69,8 @@
 //! - `snapshot`: the snapshot format and restoring from it;
 //! - `inodes`: the inode and the chunked inode table;
 //! - `keys`: how dentries and xattrs are keyed and stored;
-//! - `extents`: the algebra of a file's extent keys (overlay, truncate, what may be freed).
+//! - `extents`: the algebra of a file's extent keys (overlay, truncate, punch, what may be
+//!   freed).
 
 mod commands;
 mod delegations;
@@ -171,7 +172,7 @@ impl MetaPartition {
     /// Applies a command stamped with the leader's time `now` (ns). A failed command changes nothing.
     ///
     /// Replies: the inode's attributes after `CreateInode`, `LinkInode`, `UnlinkInode` (nlink 0:
-    /// now deleted), `SetAttr` and `AppendExtents`; the old dentry after `DeleteDentry` and
+    /// now deleted), `SetAttr`, `AppendExtents` and `Fallocate`; the old dentry after `DeleteDentry` and
     /// `UpdateDentry`; `Created` after `Create` and `CreateAt`; `Removed` after `Remove`;
     /// `Renamed` after `Rename`; `Freed` after `EvictInode`; `Reserved` after `Reserve`; `Batch`
     /// after `Batch`; the wrapped command's reply after `As`; else `Done`.
@@ -377,6 +378,13 @@ impl MetaPartition {
             Command::SetAttr { ino, set } => self.set_attr(now, *ino, set, false),
             Command::SetAttrKillSuid { ino, set } => self.set_attr(now, *ino, set, true),
             Command::AppendExtents { ino, extents } => self.append_extents(now, *ino, extents),
+            Command::Fallocate {
+                ino,
+                offset,
+                len,
+                punch,
+                keep_size,
+            } => self.fallocate(now, *ino, (*offset, *len), *punch, *keep_size),
             Command::SetXattr {
                 ino,
                 name,
