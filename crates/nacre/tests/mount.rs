@@ -861,6 +861,27 @@ print("ok")
 }
 
 #[test]
+fn times_before_1970_keep_their_nanoseconds() {
+    require_fuse!();
+    python_on_mount(&[r#"
+import os, sys
+d = sys.argv[1]
+T1960 = -315_619_199_876_543_211  # 1960-01-01T00:00:00.123456789Z
+
+# A file and a directory dated 1960, to the nanosecond, as `touch -d` or `tar x` date them.
+open(d + "/old", "wb").write(b"x")
+os.mkdir(d + "/olddir")
+for p in (d + "/old", d + "/olddir"):
+    os.utime(p, ns=(T1960 - 1, T1960))
+    st = os.stat(p)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (T1960 - 1, T1960), (p, st)
+listed = {e.name: e.stat().st_mtime_ns for e in os.scandir(d)}
+assert listed == {"old": T1960, "olddir": T1960}, listed
+print("ok")
+"#]);
+}
+
+#[test]
 fn open_files_survive_rename_unlink_and_concurrent_appends() {
     require_fuse!();
     python_on_mount(&[

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nacre_api::meta::{Attr, Command, Dentry, FileType, MetaError, Query, Reply};
-use nacre_api::meta::{DELEGATION_MARGIN_NS, DELEGATION_NS};
+use nacre_api::meta::{DELEGATION_MARGIN_NS, DELEGATION_NS, time::file_time};
 use nacre_types::{Ino, PartitionId};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -203,7 +203,7 @@ fn now_ns() -> u64 {
 /// A directory's attributes after a change of its entries, as the partition will make them.
 fn touched(attr: &mut Attr, subdirs: i32) {
     attr.nlink = attr.nlink.saturating_add_signed(subdirs);
-    let t = nacre_api::meta::dir_changed_at(attr.ctime, now_ns());
+    let t = nacre_api::meta::dir_changed_at(attr.ctime, file_time(now_ns()));
     attr.mtime = t;
     attr.ctime = t;
 }
@@ -489,7 +489,7 @@ impl<T: MetaTransport> MetaFs<T> {
         new: &NewInode,
         ino: Ino,
     ) -> Option<Entry> {
-        let now = now_ns();
+        let now = file_time(now_ns());
         let dir = new.kind == FileType::Dir;
         let attr = Attr {
             ino,
