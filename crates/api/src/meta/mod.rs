@@ -264,7 +264,8 @@ pub enum Command {
     },
     /// Records written pieces of a file: each new key replaces whatever range it overlaps (older keys
     /// are trimmed or dropped; dropped ones join the to-free list); size becomes at least the end of
-    /// the last key. Updates mtime and ctime. `IsDir` on a directory.
+    /// the last key. Updates mtime and ctime, also with no keys (what a client sends after writing
+    /// in place). `IsDir` on a directory.
     AppendExtents {
         ino: Ino,
         extents: Vec<ExtentKey>,

@@ -220,6 +220,9 @@ struct FileState {
     /// A failed commit of written bytes, reported by the next `flush`/`fsync`/`release` (the
     /// call that hit it may have been a read that had to commit first).
     error: Option<String>,
+    /// Bytes were overwritten in place since keys were last committed: the next flush moves the
+    /// file's mtime and ctime (an `AppendExtents` without keys), unless a time is set first.
+    times_stale: bool,
 }
 
 fn fs_err(e: DataCallError) -> FsError {
@@ -317,6 +320,12 @@ impl Inner {
     }
 
     async fn setattr(&self, ino: Ino, set: SetAttr) -> FsResult<Attr> {
+        if set.mtime.is_some()
+            && let Some(f) = self.open_file(ino)
+        {
+            // An explicit mtime wins over the stamp of earlier in-place writes.
+            f.state.lock().await.times_stale = false;
+        }
         let Some(size) = set.size else {
             return Ok(self.overlay(self.meta.setattr(ino, set).await?).await);
         };
@@ -774,6 +783,7 @@ impl FileSystem for NetFs {
             && let Ok(st) = h.file.state.try_lock()
             && st.run.is_none()
             && st.error.is_none()
+            && !st.times_stale
         {
             return Ok(());
         }
