@@ -135,7 +135,7 @@ pub struct Entry {
     pub parent: Option<Attr>,
     /// The parent's ctime just before the change, when the change was one atomic step that
     /// learnt it (see `Reply::Created`).
-    pub parent_was: Option<u64>,
+    pub parent_was: Option<i64>,
 }
 
 impl Entry {

@@ -38,7 +38,7 @@ struct ToyState {
     next_fh: u64,
     handles: HashMap<Fh, (Ino, OpenFlags)>,
     /// Logical time: every change gets a new mtime/ctime, so any change shows in `Attr`.
-    clock: u64,
+    clock: i64,
 }
 
 /// A `getattr` held between reading the inode and answering (to race it with a mutation).
@@ -79,7 +79,7 @@ impl Toy {
         }
     }
 
-    fn node(ino: Ino, kind: FileType, mode: u32, parent: Ino, now: u64) -> Node {
+    fn node(ino: Ino, kind: FileType, mode: u32, parent: Ino, now: i64) -> Node {
         Node {
             attr: Attr {
                 ino,
@@ -123,7 +123,7 @@ impl Toy {
 }
 
 impl ToyState {
-    fn tick(&mut self) -> u64 {
+    fn tick(&mut self) -> i64 {
         self.clock += 1;
         self.clock
     }
@@ -166,7 +166,7 @@ impl ToyState {
     }
 
     /// Adds a name; returns the new inode and the parent's ctime before the change.
-    fn add(&mut self, parent: Ino, name: &[u8], kind: FileType, mode: u32) -> FsResult<(Ino, u64)> {
+    fn add(&mut self, parent: Ino, name: &[u8], kind: FileType, mode: u32) -> FsResult<(Ino, i64)> {
         nacre_api::meta::check_name(name)?;
         if self.dir(parent)?.children.contains_key(name) {
             return err(MetaError::Exists);
@@ -200,7 +200,7 @@ impl ToyState {
     }
 
     /// What a create-like call answers: the inode and its directory, as they are now.
-    fn entry(&self, ino: Ino, parent: Ino, parent_was: Option<u64>) -> FsResult<Entry> {
+    fn entry(&self, ino: Ino, parent: Ino, parent_was: Option<i64>) -> FsResult<Entry> {
         Ok(Entry {
             attr: self.get(ino)?.attr.clone(),
             parent: Some(self.get(parent)?.attr.clone()),

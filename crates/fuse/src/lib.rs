@@ -48,10 +48,9 @@ pub const BLKSIZE: u32 = 128 << 10;
 /// Entries fetched from the file system per `readdir` call.
 const DIR_PAGE: u32 = 1024;
 
-/// The kernel attributes of `a`: times are ns since the Unix epoch, `blocks` counts 512-byte
-/// units (`ceil(size / 512)`: files are not sparse as far as `du` can tell).
+/// The kernel attributes of `a`: times are signed ns since the Unix epoch, `blocks` counts
+/// 512-byte units (`ceil(size / 512)`: files are not sparse as far as `du` can tell).
 pub fn file_attr(a: &Attr) -> fuser::FileAttr {
-    let time = |ns: u64| UNIX_EPOCH + Duration::from_nanos(ns);
     fuser::FileAttr {
         ino: INodeNo(a.ino.0),
         size: a.size,
@@ -83,15 +82,43 @@ fn file_type(k: FileType) -> fuser::FileType {
     }
 }
 
-/// Nanoseconds since the Unix epoch (times before it clamp to 0).
-fn nanos(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+/// The `SystemTime` of a file time (signed ns since the Unix epoch).
+fn time(ns: i64) -> SystemTime {
+    let d = Duration::from_nanos(ns.unsigned_abs());
+    if ns >= 0 {
+        UNIX_EPOCH + d
+    } else {
+        // Every i64 of ns is a `SystemTime` on Linux; the fallback is never taken there.
+        UNIX_EPOCH.checked_sub(d).unwrap_or(UNIX_EPOCH)
+    }
 }
 
-fn time_or_now(t: TimeOrNow) -> u64 {
+/// Signed nanoseconds since the Unix epoch of `t`, saturated to the `i64` range (1677 to 2262).
+fn nanos(t: SystemTime) -> i64 {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
+        Err(e) => i64::try_from(e.duration().as_nanos()).map_or(i64::MIN, |n| -n),
+    }
+}
+
+/// The file time of a time the kernel sent in `SETATTR`. fuser 0.18 (pinned) decodes the
+/// kernel's `timespec {sec, nsec}` with `sec < 0` as `UNIX_EPOCH - (-sec s + nsec ns)`, not as
+/// `-sec s` before the epoch plus `nsec`; this undoes that (the mapping is one to one), so
+/// 1969-12-31T23:59:59.25 stays that, not 23:59:58.75.
+fn kernel_nanos(t: SystemTime) -> i64 {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(_) => nanos(t),
+        Err(e) => {
+            let d = e.duration();
+            let ns = -i128::from(d.as_secs()) * 1_000_000_000 + i128::from(d.subsec_nanos());
+            i64::try_from(ns).unwrap_or(i64::MIN)
+        }
+    }
+}
+
+fn time_or_now(t: TimeOrNow) -> i64 {
     match t {
-        TimeOrNow::SpecificTime(t) => nanos(t),
+        TimeOrNow::SpecificTime(t) => kernel_nanos(t),
         TimeOrNow::Now => nanos(SystemTime::now()),
     }
 }

@@ -865,6 +865,38 @@ fn set_parent_records_dotdot() {
 // Attributes, extents, xattrs
 
 #[test]
+fn set_attr_keeps_times_before_1970_with_their_nanoseconds() {
+    // 1960-01-01T00:00:00.123456789Z and the first representable time (1677).
+    const T1960: i64 = -315_619_199_876_543_211;
+    let mut p = part();
+    let f = new_inode(&mut p, 1, FileType::File).ino;
+    let d = new_inode(&mut p, 1, FileType::Dir).ino;
+    for (ino, atime) in [(f, i64::MIN), (d, T1960 - 1)] {
+        let a = attr(ok(
+            &mut p,
+            5,
+            Command::SetAttr {
+                ino,
+                set: SetAttr {
+                    atime: Some(atime),
+                    mtime: Some(T1960),
+                    ..SetAttr::default()
+                },
+            },
+        ));
+        assert_eq!((a.atime, a.mtime, a.ctime), (atime, T1960, 5));
+        assert_eq!(getattr(&p, ino).unwrap(), a);
+    }
+    // A snapshot and its restore keep them.
+    let q = MetaPartition::restore(&p.snapshot()).unwrap();
+    assert_eq!(getattr(&q, f).unwrap().mtime, T1960);
+    assert_eq!(getattr(&q, d).unwrap().atime, T1960 - 1);
+    // A change of the data stamps the leader's time, as for any file.
+    let a = attr(ok(&mut p, 6, truncate(f, 10)));
+    assert_eq!((a.atime, a.mtime, a.ctime), (i64::MIN, 6, 6));
+}
+
+#[test]
 fn set_attr_changes_what_is_asked_and_stamps_ctime() {
     let mut p = part();
     let f = new_inode(&mut p, 1, FileType::File).ino;
@@ -1727,9 +1759,9 @@ struct MInode {
     rdev: u32,
     size: u64,
     nlink: u32,
-    atime: u64,
-    mtime: u64,
-    ctime: u64,
+    atime: i64,
+    mtime: i64,
+    ctime: i64,
     parent: u64,
     target: Vec<u8>,
     /// Unsorted pieces.
@@ -1909,7 +1941,7 @@ impl Model {
         self.dirs.get(&dir).map_or(0, BTreeMap::len)
     }
 
-    fn touch(&mut self, now: u64, dir: u64, delta: i64) {
+    fn touch(&mut self, now: i64, dir: u64, delta: i64) {
         let n = self.inodes.get_mut(&dir).unwrap();
         n.nlink = (i64::from(n.nlink) + delta) as u32;
         // Every change of a directory's entries moves its ctime forward.
@@ -1942,7 +1974,8 @@ impl Model {
         }
     }
 
-    fn apply(&mut self, now: u64, cmd: &Command) -> Result<Reply, MetaError> {
+    fn apply(&mut self, clock: u64, cmd: &Command) -> Result<Reply, MetaError> {
+        let now = nacre_api::meta::time::file_time(clock);
         match cmd.clone() {
             // The one-step commands are their steps, checked up front so that a failure changes
             // nothing. `CreateAt` is `Create` whose `CreateInode` step takes the given number.
@@ -1986,7 +2019,7 @@ impl Model {
                 if let Command::CreateAt { ino, .. } = cmd {
                     self.at = Some(*ino);
                 }
-                let Reply::Attr(a) = self.apply(now, &create)? else {
+                let Reply::Attr(a) = self.apply(clock, &create)? else {
                     unreachable!("CreateInode answers attributes")
                 };
                 let ino = a.ino;
@@ -1997,7 +2030,7 @@ impl Model {
                     ino,
                     kind,
                 };
-                let Reply::Attr(parent) = self.apply(now, &add)? else {
+                let Reply::Attr(parent) = self.apply(clock, &add)? else {
                     unreachable!("CreateDentry answers the parent's attributes")
                 };
                 Ok(Reply::Created {
@@ -2030,15 +2063,15 @@ impl Model {
                     name,
                     expect: Some(d.ino),
                 };
-                self.apply(now, &delete)?;
+                self.apply(clock, &delete)?;
                 let mut attr = None;
                 if local {
-                    let Reply::Attr(a) = self.apply(now, &Command::UnlinkInode { ino: d.ino })?
+                    let Reply::Attr(a) = self.apply(clock, &Command::UnlinkInode { ino: d.ino })?
                     else {
                         unreachable!("UnlinkInode answers attributes")
                     };
                     if a.nlink == 0 {
-                        self.apply(now, &Command::EvictInode { ino: d.ino })?;
+                        self.apply(clock, &Command::EvictInode { ino: d.ino })?;
                     }
                     attr = Some(a);
                 }
@@ -3130,7 +3163,8 @@ impl Pair {
                     gid: None,
                     size: size.map(u64::from),
                     atime: None,
-                    mtime: mtime.map(u64::from),
+                    // Half of them before 1970, with nanoseconds.
+                    mtime: mtime.map(|m| i64::from(m as i8) * 1_000_000_007),
                     // Only the command says whether the bits go: `SetAttr` keeps them anyway.
                     kill_suidgid: true,
                 };

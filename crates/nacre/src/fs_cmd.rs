@@ -307,12 +307,13 @@ fn mode_string(kind: FileType, mode: u32) -> String {
     s
 }
 
-/// Nanoseconds since the Unix epoch as `YYYY-MM-DD HH:MM:SS` (UTC), with `.nnnnnnnnn` if `nanos`.
-fn time_string(ns: u64, nanos: bool) -> String {
-    let secs = ns / 1_000_000_000;
-    let (days, rem) = (secs / 86_400, secs % 86_400);
+/// Signed nanoseconds since the Unix epoch as `YYYY-MM-DD HH:MM:SS` (UTC), with `.nnnnnnnnn` if
+/// `nanos`.
+fn time_string(ns: i64, nanos: bool) -> String {
+    let secs = ns.div_euclid(1_000_000_000);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     // Howard Hinnant's civil_from_days.
-    let z = days as i64 + 719_468;
+    let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z.rem_euclid(146_097);
     let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
@@ -328,7 +329,7 @@ fn time_string(ns: u64, nanos: bool) -> String {
         rem % 60
     );
     if nanos {
-        s.push_str(&format!(".{:09}", ns % 1_000_000_000));
+        s.push_str(&format!(".{:09}", ns.rem_euclid(1_000_000_000)));
     }
     s
 }
@@ -780,5 +781,10 @@ mod tests {
             time_string(1_709_210_096_000_000_789, true),
             "2024-02-29 12:34:56.000000789"
         );
+        assert_eq!(
+            time_string(-315_619_199_876_543_211, true),
+            "1960-01-01 00:00:00.123456789"
+        );
+        assert_eq!(time_string(-1, true), "1969-12-31 23:59:59.999999999");
     }
 }

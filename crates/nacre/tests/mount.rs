@@ -877,6 +877,65 @@ print("ok")
 }
 
 #[test]
+fn times_before_1970_keep_their_nanoseconds_and_mmap_writes_move_mtime() {
+    require_fuse!();
+    python_on_mount(&[
+        r#"
+import os, sys
+d = sys.argv[1]
+T1960 = -315_619_199_876_543_211  # 1960-01-01T00:00:00.123456789Z
+
+# A file and a directory dated 1960, to the nanosecond, as `touch -d` or `tar x` date them.
+open(d + "/old", "wb").write(b"x")
+os.mkdir(d + "/olddir")
+for p in (d + "/old", d + "/olddir"):
+    os.utime(p, ns=(T1960 - 1, T1960))
+    st = os.stat(p)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (T1960 - 1, T1960), (p, st)
+listed = {e.name: e.stat().st_mtime_ns for e in os.scandir(d)}
+assert listed == {"old": T1960, "olddir": T1960}, listed
+print("ok")
+"#,
+        r#"
+import os, sys, mmap
+d = sys.argv[1]
+T1960 = -315_619_199_876_543_211
+
+# Writes through a shared mapping move mtime and ctime: after msync while mapped, and after
+# munmap and close without msync; into allocated bytes (overwrites) and into a hole.
+for i, (sparse, sync) in enumerate([(False, True), (False, False), (True, True), (True, False)]):
+    p = d + "/mapped%d" % i
+    with open(p, "wb") as f:
+        if sparse:
+            f.truncate(1 << 20)
+        else:
+            f.write(b"\0" * (1 << 20))
+    os.utime(p, ns=(T1960, T1960))
+    before = os.stat(p)
+    assert before.st_mtime_ns == T1960, before
+    fd = os.open(p, os.O_RDWR)
+    m = mmap.mmap(fd, 1 << 20)
+    m[70000:70005] = b"hello"
+    if sync:
+        m.flush()
+        st = os.stat(p)
+        assert st.st_mtime_ns > before.st_ctime_ns, ("mtime after msync", i, before, st)
+        assert st.st_ctime_ns > before.st_ctime_ns, ("ctime after msync", i, before, st)
+    m.close()
+    os.close(fd)
+    after = os.stat(p)
+    assert after.st_mtime_ns > before.st_ctime_ns, ("mtime after close", i, before, after)
+    assert after.st_ctime_ns > before.st_ctime_ns, ("ctime after close", i, before, after)
+    assert after.st_size == 1 << 20, after
+    with open(p, "rb") as f:
+        f.seek(70000)
+        assert f.read(5) == b"hello"
+print("ok")
+"#,
+    ]);
+}
+
+#[test]
 fn open_files_survive_rename_unlink_and_concurrent_appends() {
     require_fuse!();
     python_on_mount(&[

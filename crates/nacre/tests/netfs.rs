@@ -13,9 +13,7 @@ use bytes::Bytes;
 use fastrand::Rng;
 use nacre_api::meta::{ROOT_INO, SetAttr};
 use nacre_client::netfs::HIDDEN_PREFIX;
-use nacre_client::{
-    Caller, Falloc, FileSystem, FsError, HideStep, NetFs, NetFsConfig, OpenFlags,
-};
+use nacre_client::{Caller, Falloc, FileSystem, FsError, HideStep, NetFs, NetFsConfig, OpenFlags};
 use nacre_data::store::ExtentStore;
 
 mod common;
@@ -514,7 +512,7 @@ fn small_files_written_behind_are_packed_read_back_and_synced() {
             .await
             .unwrap();
         fs.write(h, 0, Bytes::from_static(b"old")).await.unwrap();
-        let when = 1_000_000_000_123_456_789u64;
+        let when = -1_000_000_000_123_456_789i64; // 1938, to the nanosecond
         let set = SetAttr {
             mtime: Some(when),
             ..SetAttr::default()

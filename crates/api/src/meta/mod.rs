@@ -8,6 +8,7 @@
 //! existing inode" true under any single failure (see `nacre-client`'s meta module).
 
 pub mod rpc;
+pub mod time;
 
 use nacre_types::{ExtentId, Ino, PartitionId};
 use serde::{Deserialize, Serialize};
@@ -63,7 +64,10 @@ impl ExtentKey {
     }
 }
 
-/// An inode's attributes as clients see them. Times are nanoseconds since the Unix epoch.
+/// An inode's attributes as clients see them. Times are signed nanoseconds since the Unix epoch
+/// (negative before 1970; 1677 to 2262), encoded as the two's-complement bit pattern of the
+/// `i64` in a `u64` ([`time::nanos`]): a time at or after 1970 is encoded exactly as the `u64` it
+/// once was, so log entries and snapshots written with unsigned times decode unchanged.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Attr {
     pub ino: Ino,
@@ -75,9 +79,12 @@ pub struct Attr {
     pub size: u64,
     pub nlink: u32,
     pub rdev: u32,
-    pub atime: u64,
-    pub mtime: u64,
-    pub ctime: u64,
+    #[serde(with = "time::nanos")]
+    pub atime: i64,
+    #[serde(with = "time::nanos")]
+    pub mtime: i64,
+    #[serde(with = "time::nanos")]
+    pub ctime: i64,
     /// Bumped when an inode number is reused (never, today: numbers are not reused).
     pub generation: u32,
 }
@@ -106,8 +113,11 @@ pub struct SetAttr {
     /// Truncate or extend. Shrinking drops (or trims) extent keys past the new size; dropped keys
     /// join the partition's list of extents to free on the data nodes.
     pub size: Option<u64>,
-    pub atime: Option<u64>,
-    pub mtime: Option<u64>,
+    /// Signed ns since the epoch, encoded as in [`Attr`].
+    #[serde(with = "time::opt_nanos")]
+    pub atime: Option<i64>,
+    #[serde(with = "time::opt_nanos")]
+    pub mtime: Option<i64>,
     /// Also clear set-user-ID, and set-group-ID when the group may execute, of a non-directory
     /// (after `mode` if both are given): what chown, and a write or truncate by a caller without
     /// `CAP_FSETID`, must do. Not part of a command's encoding: [`Command::SetAttr`] never
@@ -254,7 +264,8 @@ pub enum Command {
     },
     /// Records written pieces of a file: each new key replaces whatever range it overlaps (older keys
     /// are trimmed or dropped; dropped ones join the to-free list); size becomes at least the end of
-    /// the last key. Updates mtime and ctime. `IsDir` on a directory.
+    /// the last key. Updates mtime and ctime, also with no keys (what a client sends after writing
+    /// in place). `IsDir` on a directory.
     AppendExtents {
         ino: Ino,
         extents: Vec<ExtentKey>,
@@ -514,7 +525,8 @@ pub enum Reply {
     Created {
         attr: Attr,
         parent: Attr,
-        parent_was: u64,
+        #[serde(with = "time::nanos")]
+        parent_was: i64,
     },
     /// `Remove`: the removed dentry, its inode's attributes after the drop when local, and the
     /// parent's attributes after the change.
@@ -584,10 +596,11 @@ pub enum MetaError {
     Delegated(Ino),
 }
 
-/// A directory's mtime and ctime after a change of its entries at `now`: `now`, or one past the
-/// old ctime when the clock is not ahead of it, so that the ctime always moves forward (a client
-/// that writes behind predicts the partition's value with it).
-pub fn dir_changed_at(ctime: u64, now: u64) -> u64 {
+/// A directory's mtime and ctime after a change of its entries at `now` (a file time,
+/// [`time::file_time`]): `now`, or one past the old ctime when the clock is not ahead of it, so
+/// that the ctime always moves forward (a client that writes behind predicts the partition's
+/// value with it).
+pub fn dir_changed_at(ctime: i64, now: i64) -> i64 {
     if ctime >= now {
         ctime.saturating_add(1)
     } else {

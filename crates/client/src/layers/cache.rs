@@ -114,7 +114,7 @@ const COMPLETE_NAMES: usize = 16_384;
 #[derive(Debug)]
 struct Complete {
     /// The directory's ctime when `names` were its entries.
-    ctime: u64,
+    ctime: i64,
     names: std::collections::HashSet<Vec<u8>>,
     /// Until when a missing name is answered without asking.
     expires: Instant,

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use nacre_api::meta::{
     Attr, Command, Dentry, ExtentKey, FileType, MetaError, Query, Reply, SetAttr,
 };
-use nacre_api::meta::{DELEGATION_MARGIN_NS, DELEGATION_NS};
+use nacre_api::meta::{DELEGATION_MARGIN_NS, DELEGATION_NS, time::file_time};
 use nacre_types::{Ino, PartitionId};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -237,7 +237,7 @@ fn now_ns() -> u64 {
 /// A directory's attributes after a change of its entries, as the partition will make them.
 fn touched(attr: &mut Attr, subdirs: i32) {
     attr.nlink = attr.nlink.saturating_add_signed(subdirs);
-    let t = nacre_api::meta::dir_changed_at(attr.ctime, now_ns());
+    let t = nacre_api::meta::dir_changed_at(attr.ctime, file_time(now_ns()));
     attr.mtime = t;
     attr.ctime = t;
 }
@@ -540,7 +540,7 @@ impl<T: MetaTransport> MetaFs<T> {
         new: &NewInode,
         ino: Ino,
     ) -> Option<Entry> {
-        let now = now_ns();
+        let now = file_time(now_ns());
         let dir = new.kind == FileType::Dir;
         let attr = Attr {
             ino,
@@ -745,7 +745,7 @@ impl<T: MetaTransport> MetaFs<T> {
             parents.push(o.attr.clone());
         }
         if let Some(m) = st.made.get_mut(&src.ino) {
-            m.attr.ctime = m.attr.ctime.max(now_ns());
+            m.attr.ctime = m.attr.ctime.max(file_time(now_ns()));
         }
         if let Some(d) = dst {
             st.made.remove(&d.ino);
@@ -807,7 +807,7 @@ impl<T: MetaTransport> MetaFs<T> {
         a.gid = set.gid.unwrap_or(a.gid);
         a.atime = set.atime.unwrap_or(a.atime);
         a.mtime = set.mtime.unwrap_or(a.mtime);
-        a.ctime = a.ctime.max(now_ns());
+        a.ctime = a.ctime.max(file_time(now_ns()));
         let attr = a.clone();
         let cmd = if set.kill_suidgid {
             Command::SetAttrKillSuid {
@@ -862,7 +862,7 @@ impl<T: MetaTransport> MetaFs<T> {
         .await;
         let mut st = b.lock();
         if let Some(m) = st.made.get_mut(&ino) {
-            let now = now_ns();
+            let now = file_time(now_ns());
             m.attr.size = m.attr.size.max(key.end());
             m.attr.mtime = now;
             m.attr.ctime = m.attr.ctime.max(now);

@@ -299,6 +299,8 @@ impl Inner {
                         st.extents = None;
                         st.ahead = None;
                         st.failing = None;
+                        // The keys' commit stamps mtime and ctime.
+                        st.times_stale = false;
                         let times = st.times.take();
                         if let Err(e) = self.meta.append_extents_behind(f.ino, key, times).await {
                             tracing::warn!(ino = %f.ino, error = %e, "a file's extent key was not queued");

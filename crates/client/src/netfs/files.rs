@@ -72,6 +72,7 @@ impl Inner {
                         error: None,
                         times: None,
                         failing: None,
+                        times_stale: false,
                     }),
                 })
             });
@@ -95,7 +96,11 @@ impl Inner {
     /// Commits the run of `f` (if any): its keys go to the meta node. On failure the run's bytes
     /// are lost; the error is returned and kept for the next flush to report.
     pub(super) async fn flush_file(&self, f: &OpenFile, st: &mut FileState) -> FsResult<()> {
-        let r = self.commit_run(f, st).await;
+        let mut r = self.commit_run(f, st).await;
+        if r.is_ok() && st.times_stale {
+            r = self.meta.append_extents(f.ino, Vec::new()).await.map(drop);
+            st.times_stale = r.is_err();
+        }
         if let Err(e) = &r {
             st.error = Some(e.to_string());
         }
@@ -139,6 +144,7 @@ impl Inner {
             (s.take_keys(), Some(s))
         };
         let attr = self.meta.append_extents(f.ino, keys).await?;
+        st.times_stale = false;
         st.size = attr.size.max(end);
         st.extents = None;
         st.idle_stream = stream.map(|s| (end, s));
@@ -257,6 +263,7 @@ impl Inner {
             if let Some((p, e, eo, piece)) = pieces.pop() {
                 self.vol.overwrite(p, e, eo, piece).await.map_err(fs_err)?;
             }
+            st.times_stale = true;
             return Ok(());
         }
         let mut in_place = JoinSet::new();
@@ -287,8 +294,11 @@ impl Inner {
         if let Some(e) = first_err {
             return Err(e);
         }
-        if !new_keys.is_empty() {
+        if new_keys.is_empty() {
+            st.times_stale = true;
+        } else {
             let attr = self.meta.append_extents(f.ino, new_keys).await?;
+            st.times_stale = false;
             st.size = st.size.max(attr.size);
             st.extents = None;
         }

@@ -244,6 +244,9 @@ struct FileState {
     times: Option<SetAttr>,
     /// Since when the run's write behind has been failing.
     failing: Option<std::time::Instant>,
+    /// Bytes were overwritten in place since keys were last committed: the next flush moves the
+    /// file's mtime and ctime (an `AppendExtents` without keys), unless a time is set first.
+    times_stale: bool,
 }
 
 fn fs_err(e: DataCallError) -> FsError {
@@ -346,6 +349,12 @@ impl Inner {
     }
 
     async fn setattr(&self, ino: Ino, set: SetAttr) -> FsResult<Attr> {
+        if set.mtime.is_some()
+            && let Some(f) = self.open_file(ino)
+        {
+            // An explicit mtime wins over the stamp of earlier in-place writes.
+            f.state.lock().await.times_stale = false;
+        }
         let Some(size) = set.size else {
             if (set.atime.is_some() || set.mtime.is_some())
                 && let Some(f) = self.open_file(ino)
@@ -846,6 +855,7 @@ impl FileSystem for NetFs {
             && let Ok(st) = h.file.state.try_lock()
             && st.run.is_none()
             && st.error.is_none()
+            && !st.times_stale
         {
             return Ok(());
         }

@@ -58,7 +58,7 @@ impl MetaPartition {
     /// `create_inode`) and its dentry `name` under `parent`, in one step.
     pub(super) fn create(
         &mut self,
-        now: u64,
+        now: i64,
         (parent, name): (Ino, &[u8]),
         node: Inode,
         rdev: u32,
@@ -110,7 +110,7 @@ impl MetaPartition {
         })
     }
 
-    pub(super) fn link_inode(&mut self, now: u64, ino: Ino) -> Result<Reply, MetaError> {
+    pub(super) fn link_inode(&mut self, now: i64, ino: Ino) -> Result<Reply, MetaError> {
         let rdev = self.rdev(ino.0);
         let (i, node) = self.live_mut(ino)?;
         if node.kind == FileType::Dir {
@@ -124,7 +124,7 @@ impl MetaPartition {
         Ok(Reply::Attr(node.attr(i, rdev)))
     }
 
-    pub(super) fn unlink_inode(&mut self, now: u64, ino: Ino) -> Result<Reply, MetaError> {
+    pub(super) fn unlink_inode(&mut self, now: i64, ino: Ino) -> Result<Reply, MetaError> {
         let (i, node) = self.live(ino)?;
         if node.kind == FileType::Dir && self.has_children(i) {
             return Err(MetaError::NotEmpty);
@@ -176,7 +176,7 @@ impl MetaPartition {
     /// `Command::Remove`: the dentry, and the link when the inode is local.
     pub(super) fn remove(
         &mut self,
-        now: u64,
+        now: i64,
         parent: Ino,
         name: &[u8],
         dir: bool,
@@ -224,7 +224,7 @@ impl MetaPartition {
     /// `Command::CreateDentry`: the parent's attributes after the change.
     pub(super) fn create_dentry(
         &mut self,
-        now: u64,
+        now: i64,
         parent: Ino,
         name: &[u8],
         d: Dentry,
@@ -248,7 +248,7 @@ impl MetaPartition {
 
     pub(super) fn delete_dentry(
         &mut self,
-        now: u64,
+        now: i64,
         parent: Ino,
         name: &[u8],
         expect: Option<Ino>,
@@ -271,7 +271,7 @@ impl MetaPartition {
 
     pub(super) fn update_dentry(
         &mut self,
-        now: u64,
+        now: i64,
         parent: Ino,
         name: &[u8],
         d: Dentry,
@@ -298,7 +298,7 @@ impl MetaPartition {
 
     pub(super) fn rename(
         &mut self,
-        now: u64,
+        now: i64,
         src: (Ino, &[u8]),
         dst: (Ino, &[u8]),
     ) -> Result<Reply, MetaError> {
@@ -371,7 +371,7 @@ impl MetaPartition {
 
     pub(super) fn set_attr(
         &mut self,
-        now: u64,
+        now: i64,
         ino: Ino,
         set: &SetAttr,
         kill_suidgid: bool,
@@ -415,7 +415,7 @@ impl MetaPartition {
 
     pub(super) fn append_extents(
         &mut self,
-        now: u64,
+        now: i64,
         ino: Ino,
         extents: &[ExtentKey],
     ) -> Result<Reply, MetaError> {
@@ -449,7 +449,7 @@ impl MetaPartition {
     /// `Command::Fallocate`.
     pub(super) fn fallocate(
         &mut self,
-        now: u64,
+        now: i64,
         ino: Ino,
         (offset, len): (u64, u64),
         punch_range: bool,
@@ -493,7 +493,7 @@ impl MetaPartition {
 
     pub(super) fn set_xattr(
         &mut self,
-        now: u64,
+        now: i64,
         ino: Ino,
         name: &[u8],
         value: &[u8],
@@ -524,7 +524,7 @@ impl MetaPartition {
 
     pub(super) fn remove_xattr(
         &mut self,
-        now: u64,
+        now: i64,
         ino: Ino,
         name: &[u8],
     ) -> Result<Reply, MetaError> {

@@ -22,9 +22,13 @@ use super::{MODE_MASK, btree_bytes};
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) struct Inode {
     pub(super) size: u64,
-    pub(super) atime: u64,
-    pub(super) mtime: u64,
-    pub(super) ctime: u64,
+    /// File times, encoded as `Attr`'s (`nacre_api::meta::time`).
+    #[serde(with = "nacre_api::meta::time::nanos")]
+    pub(super) atime: i64,
+    #[serde(with = "nacre_api::meta::time::nanos")]
+    pub(super) mtime: i64,
+    #[serde(with = "nacre_api::meta::time::nanos")]
+    pub(super) ctime: i64,
     /// The directory the inode was created in, or moved to (`..` for a directory).
     pub(super) parent: u64,
     /// Sorted by file offset, non-overlapping; empty but for files.
@@ -64,7 +68,7 @@ impl Inode {
         uid: u32,
         gid: u32,
         parent: u64,
-        now: u64,
+        now: i64,
     ) -> Self {
         Self {
             size: 0,
@@ -268,5 +272,68 @@ impl<'de> Deserialize<'de> for InodeTable {
         }
 
         d.deserialize_seq(TableVisitor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Inode` as snapshots encoded it with unsigned times.
+    #[derive(Serialize)]
+    struct OldInode {
+        size: u64,
+        atime: u64,
+        mtime: u64,
+        ctime: u64,
+        parent: u64,
+        extents: Box<[ExtentKey]>,
+        uid: u32,
+        gid: u32,
+        nlink: u32,
+        mode: u16,
+        kind: FileType,
+    }
+
+    fn inode(t: i64) -> Inode {
+        Inode {
+            size: 5,
+            atime: t,
+            mtime: t.wrapping_add(1),
+            ctime: 1_765_000_000_000_000_000,
+            ..Inode::new(FileType::File, 0o644, 1, 2, 1, 0)
+        }
+    }
+
+    #[test]
+    fn snapshots_with_unsigned_times_decode_unchanged() {
+        for t in [0u64, 1_765_000_000_123_456_789] {
+            let old = OldInode {
+                size: 5,
+                atime: t,
+                mtime: t + 1,
+                ctime: 1_765_000_000_000_000_000,
+                parent: 1,
+                extents: Box::default(),
+                uid: 1,
+                gid: 2,
+                nlink: 1,
+                mode: 0o644,
+                kind: FileType::File,
+            };
+            let bytes = postcard::to_allocvec(&old).unwrap();
+            let new = inode(t as i64);
+            assert_eq!(postcard::from_bytes::<Inode>(&bytes).unwrap(), new);
+            assert_eq!(postcard::to_allocvec(&new).unwrap(), bytes);
+        }
+    }
+
+    #[test]
+    fn times_before_1970_survive_a_snapshot() {
+        let mut table = InodeTable::default();
+        table.insert(7, inode(-315_619_199_876_543_211));
+        table.insert(8, inode(i64::MIN));
+        let bytes = postcard::to_allocvec(&table).unwrap();
+        assert_eq!(postcard::from_bytes::<InodeTable>(&bytes).unwrap(), table);
     }
 }

@@ -88,7 +88,7 @@ use serde::{Deserialize, Serialize};
 
 use nacre_api::meta::{
     Attr, Command, Dentry, DirEntry, ExtentKey, FileType, MetaError, PartitionStats, Query,
-    ROOT_INO, Reply,
+    ROOT_INO, Reply, time::file_time,
 };
 
 use self::delegations::{Delegation, Session};
@@ -285,8 +285,10 @@ impl MetaPartition {
         Ok(Reply::Batch { results, recalled })
     }
 
-    /// One command of any client (`As` and `Batch` are unwrapped by the callers).
-    fn execute(&mut self, now: u64, cmd: &Command) -> Result<Reply, MetaError> {
+    /// One command of any client (`As` and `Batch` are unwrapped by the callers), at the leader's
+    /// `clock`: delegations compare with it, files are stamped with its file time.
+    fn execute(&mut self, clock: u64, cmd: &Command) -> Result<Reply, MetaError> {
+        let now = file_time(clock);
         match cmd {
             Command::CreateInode {
                 kind,
@@ -403,7 +405,7 @@ impl MetaPartition {
             Command::Recall { dir } => {
                 let i = self.owned(*dir)?;
                 if let Some(d) = self.delegations.get_mut(&i)
-                    && d.live(now)
+                    && d.live(clock)
                 {
                     // Ends at its time; `until` stays, so the index stays right.
                     d.recalled = true;
@@ -684,7 +686,7 @@ impl MetaPartition {
     /// (ctime never decreases). So a client that knows the directory's entries as of ctime `v` and
     /// learns that its own change found ctime `v` (`Reply::Created::parent_was`) knows that no
     /// other change came in between.
-    fn touch_dir(&mut self, now: u64, dir: u64, subdirs: i32) {
+    fn touch_dir(&mut self, now: i64, dir: u64, subdirs: i32) {
         if let Some(node) = self.inodes.get_mut(dir) {
             node.nlink = node.nlink.saturating_add_signed(subdirs);
             let t = nacre_api::meta::dir_changed_at(node.ctime, now);
