@@ -7,6 +7,7 @@
 //! client from these single-partition steps, in the CFS order that keeps "every dentry points to an
 //! existing inode" true under any single failure (see `nacre-client`'s meta module).
 
+pub mod extents;
 pub mod rpc;
 pub mod time;
 

@@ -296,7 +296,7 @@ impl Inner {
                             size: run.buf.len() as u32,
                             crc: nacre_types::crc32c(&run.buf),
                         };
-                        st.extents = None;
+                        super::files::record_keys(st, vec![key]);
                         st.ahead = None;
                         st.failing = None;
                         // The keys' commit stamps mtime and ctime.
