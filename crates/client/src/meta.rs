@@ -23,7 +23,9 @@ mod behind;
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use behind::Behind;
 
@@ -335,6 +337,9 @@ impl<T: MetaTransport> MetaFs<T> {
     }
 
     pub async fn getattr(&self, ino: Ino) -> FsResult<Attr> {
+        if let Some(a) = self.made_attr(ino) {
+            return Ok(a);
+        }
         if let Some(a) = self.owned_attr(ino) {
             return Ok(a);
         }
@@ -380,7 +385,13 @@ impl<T: MetaTransport> MetaFs<T> {
                     return Ok(a);
                 }
             }
-            _ => {}
+            // So does a file it made there (`made_attr`).
+            Some(Ok(d)) => {
+                if let Some(a) = self.made_attr(d.ino) {
+                    return Ok(a);
+                }
+            }
+            None => {}
         }
         match self.lookup_plus(parent, name).await? {
             (_, Some(a)) => Ok(a),
@@ -1025,6 +1036,10 @@ impl<T: MetaTransport> MetaFs<T> {
     }
 
     pub async fn get_xattr(&self, ino: Ino, name: &[u8]) -> FsResult<Vec<u8>> {
+        if self.made_bare(ino) {
+            // Through FUSE every write(2) asks for `security.capability` first.
+            return Err(MetaError::NoXattr.into());
+        }
         let q = Query::GetXattr {
             ino,
             name: name.to_vec(),
@@ -1036,6 +1051,9 @@ impl<T: MetaTransport> MetaFs<T> {
     }
 
     pub async fn list_xattr(&self, ino: Ino) -> FsResult<Vec<Vec<u8>>> {
+        if self.made_bare(ino) {
+            return Ok(Vec::new());
+        }
         match self.read_ino(ino, Query::ListXattr { ino }).await? {
             Reply::Names(n) => Ok(n),
             other => Err(unexpected(&other)),

@@ -416,6 +416,44 @@ fn creates_written_behind_share_a_batch_and_a_settle_does_not_linger() {
         });
 }
 
+/// A directory the client made stays its own while the client lives: the poller renews its
+/// delegation before it ends, so creates there are still written behind long after.
+#[test]
+fn directories_a_client_made_stay_its_own() {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap()
+        .block_on(async {
+            let fs = MetaFs::with_write_behind(MemMeta::new());
+            let dir = fs
+                .create(ROOT_INO, b"d", &NewInode::dir(0o755, 1, 1))
+                .await
+                .unwrap()
+                .attr
+                .ino;
+            fs.settle().await.unwrap();
+            // Three delegations' length, in the poller's steps.
+            let steps = 3 * nacre_api::meta::DELEGATION_NS / 100_000_000;
+            for _ in 0..steps {
+                tokio::time::advance(Duration::from_millis(100)).await;
+                tokio::task::yield_now().await;
+            }
+            let batches = || fs.transport().batches.lock().unwrap().clone();
+            let start = batches().len();
+            fs.create(dir, b"f", &NewInode::file(0o644, 1, 1))
+                .await
+                .unwrap();
+            fs.settle().await.unwrap();
+            assert_eq!(
+                batches()[start..],
+                [1],
+                "the create went behind, in a batch"
+            );
+        });
+}
+
 /// The inode of a directory path in the real file system.
 async fn resolve(fs: &MetaFs<impl MetaTransport>, path: &[Vec<u8>]) -> Ino {
     let mut ino = ROOT_INO;

@@ -2518,7 +2518,8 @@ impl Model {
             Command::As { .. }
             | Command::Batch { .. }
             | Command::Recall { .. }
-            | Command::Release { .. } => {
+            | Command::Release { .. }
+            | Command::Renew { .. } => {
                 unreachable!("not generated for the model: {cmd:?}")
             }
         }
@@ -4147,6 +4148,33 @@ fn changes_by_the_holder_renew_its_delegation() {
     let end = T + SEC + DELEGATION_NS;
     refused(&mut p, end - 1, as_client(B, file_in(d, "x")), d);
     ok(&mut p, end, as_client(B, file_in(d, "x")));
+}
+
+#[test]
+fn renew_extends_only_the_delegations_the_client_still_holds() {
+    let mut p = part();
+    let d = mkdir_as(&mut p, T, A, "d");
+    let e = mkdir_as(&mut p, T, A, "e");
+    let f = mkdir_as(&mut p, T, B, "f");
+    ok(&mut p, T + 1, as_client(B, Command::Recall { dir: e }));
+    let renew = Command::Renew {
+        dirs: vec![d, e, f, ROOT],
+    };
+    // Only d: e was recalled, f is B's, the root nobody's.
+    assert_eq!(
+        ok(&mut p, T + 5 * SEC, as_client(A, renew.clone())),
+        Reply::Inos(vec![d])
+    );
+    let end = T + 5 * SEC + DELEGATION_NS;
+    refused(&mut p, end - 1, as_client(B, file_in(d, "x")), d);
+    ok(&mut p, end, as_client(B, file_in(d, "x")));
+    ok(&mut p, T + DELEGATION_NS, as_client(B, file_in(e, "x")));
+    // An ended delegation is not renewed, nor is anything without a client.
+    assert_eq!(
+        ok(&mut p, end, as_client(A, renew.clone())),
+        Reply::Inos(vec![])
+    );
+    assert_eq!(ok(&mut p, T, renew), Reply::Inos(vec![]));
 }
 
 #[test]

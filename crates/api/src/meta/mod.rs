@@ -383,6 +383,13 @@ pub enum Command {
         punch: bool,
         keep_size: bool,
     },
+    /// On behalf of a client (`As`, `Batch`): renews the delegations of `dirs` this client still
+    /// holds (live and not recalled) to `now + DELEGATION_NS`, so that a tree it made stays its
+    /// own while it uses it without changing every directory. Others are left alone. Replies
+    /// `Inos` with the directories renewed.
+    Renew {
+        dirs: Vec<Ino>,
+    },
 }
 
 impl Command {

@@ -24,7 +24,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use nacre_api::meta::{
     Attr, Command, Dentry, ExtentKey, FileType, MetaError, Query, Reply, SetAttr,
@@ -48,6 +50,10 @@ const QUEUE_MAX: u64 = 8192;
 const NAMES_MAX: usize = 200_000;
 /// How long a batch is retried (unavailable partition, unknown outcome) before it is given up.
 const RETRY_FOR: Duration = Duration::from_secs(30);
+/// How long before a delegation ends the poller renews it.
+const RENEW_BEFORE: Duration = Duration::from_secs(3);
+/// Most names in all owned directories together for which delegations are renewed.
+const OWNED_NAMES_MAX: usize = 1_000_000;
 /// How often the poller asks the partitions which delegations were recalled.
 const POLL: Duration = Duration::from_millis(100);
 /// Longest wait for room in a queue or for reserved inode numbers.
@@ -776,15 +782,70 @@ impl<T: MetaTransport> MetaFs<T> {
         Some(Ok(parents))
     }
 
-    /// Changes the attributes of a file this client made behind the partition's back (not its
-    /// size: truncation frees data, the synchronous way); `None` when it must go the
-    /// synchronous way. Returns the attributes after the change as this client knows them.
+    /// The attributes of a file this client made (within [`MADE_FOR`]), as its own changes left
+    /// them: what a lookup or getattr answers without waiting for the queue to reach its
+    /// partition (another client's change of them is missed for at most that long).
+    pub(super) fn made_attr(&self, ino: Ino) -> Option<Attr> {
+        let b = self.behind()?;
+        let st = b.lock();
+        let m = st.made.get(&ino)?;
+        (m.since.elapsed() < MADE_FOR).then(|| m.attr.clone())
+    }
+
+    /// `ino` is a file this client made (within [`MADE_FOR`]) and has set no extended attribute
+    /// on since: it has none (a `setxattr` goes the synchronous way and forgets the file).
+    pub(super) fn made_bare(&self, ino: Ino) -> bool {
+        self.behind().is_some_and(|b| {
+            b.lock()
+                .made
+                .get(&ino)
+                .is_some_and(|m| m.since.elapsed() < MADE_FOR)
+        })
+    }
+
+    /// Changes the attributes of an owned directory, or of a file this client made, behind the
+    /// partition's back (not a size: truncation frees data, the synchronous way); `None` when
+    /// it must go the synchronous way. Returns the attributes after the change as this client
+    /// knows them.
     pub(super) fn setattr_behind(&self, ino: Ino, set: &SetAttr) -> Option<FsResult<Attr>> {
         if set.size.is_some() {
             return None;
         }
         let b = self.behind()?.clone();
         let mut st = b.lock();
+        if let Some(o) = Behind::owned(&mut st, ino) {
+            // An owned directory's attributes are this client's to answer for and change.
+            let p = o.part;
+            if st
+                .parts
+                .get(&p)
+                .is_some_and(|part| part.queued - part.done >= QUEUE_MAX)
+            {
+                return None;
+            }
+            let o = st.owned.get_mut(&ino)?;
+            let a = &mut o.attr;
+            if let Some(mode) = set.mode {
+                a.mode = mode & 0o7777;
+            }
+            a.uid = set.uid.unwrap_or(a.uid);
+            a.gid = set.gid.unwrap_or(a.gid);
+            a.atime = set.atime.unwrap_or(a.atime);
+            a.mtime = set.mtime.unwrap_or(a.mtime);
+            a.ctime = a.ctime.max(file_time(now_ns()));
+            let attr = a.clone();
+            let cmd = Command::SetAttr {
+                ino,
+                set: set.clone(),
+            };
+            let q = Queued {
+                cmd,
+                dir: Some(ino),
+                born: None,
+            };
+            self.enqueue(&b, &mut st, p, q);
+            return Some(Ok(attr));
+        }
         let m = st.made.get(&ino)?;
         let p = m.part;
         let full = st
@@ -1124,6 +1185,50 @@ async fn poll<T: MetaTransport>(t: Arc<T>, b: Arc<Behind>) {
                 Behind::disown(&mut st, *d);
             }
             kick(&t, &b, &mut st);
+        }
+        renew(&*t, &b).await;
+    }
+}
+
+/// Renews, a partition at a time, the delegations of owned directories that would otherwise
+/// end within [`RENEW_BEFORE`], while all owned directories together hold at most
+/// [`OWNED_NAMES_MAX`] names: a tree this client made stays its own while it lives, unless
+/// another client recalls it.
+async fn renew<T: MetaTransport>(t: &T, b: &Behind) {
+    let due: HashMap<PartitionId, Vec<Ino>> = {
+        let st = b.lock();
+        let names: usize = st.owned.values().map(|o| o.names.len()).sum();
+        if names > OWNED_NAMES_MAX {
+            return;
+        }
+        let soon = Instant::now() + RENEW_BEFORE;
+        let mut due: HashMap<PartitionId, Vec<Ino>> = HashMap::new();
+        for (dir, o) in &st.owned {
+            if o.until < soon {
+                due.entry(o.part).or_default().push(*dir);
+            }
+        }
+        due
+    };
+    for (p, dirs) in due {
+        let sent = Instant::now();
+        let cmd = Command::As {
+            client: b.client,
+            cmd: Box::new(Command::Renew { dirs }),
+        };
+        match t.write(p, cmd).await {
+            Ok(Ok(Reply::Inos(renewed))) => {
+                let mut st = b.lock();
+                let until = lease_end(sent);
+                for d in renewed {
+                    if let Some(o) = st.owned.get_mut(&d)
+                        && o.until < until
+                    {
+                        o.until = until;
+                    }
+                }
+            }
+            other => tracing::debug!(partition = %p, reply = ?other, "delegations not renewed"),
         }
     }
 }

@@ -205,6 +205,18 @@ impl MetaPartition {
     /// the directories whose entries it changed (for a client).
     fn apply_as(&mut self, now: u64, client: u64, cmd: &Command) -> Result<Reply, MetaError> {
         self.check_delegations(now, client, cmd)?;
+        if let Command::Renew { dirs } = cmd {
+            let mut renewed = Vec::new();
+            for dir in dirs {
+                if client != 0
+                    && let Some(d) = self.held(now, client, *dir)
+                {
+                    self.set_delegation(dir.0, d.renewed(now));
+                    renewed.push(*dir);
+                }
+            }
+            return Ok(Reply::Inos(renewed));
+        }
         if let Command::Release { dirs } = cmd {
             for dir in dirs {
                 if client != 0
@@ -413,6 +425,7 @@ impl MetaPartition {
                 Ok(Reply::Done)
             }
             Command::Release { .. } => Ok(Reply::Done), // done by `apply_as`, which knows who
+            Command::Renew { .. } => Ok(Reply::Inos(Vec::new())), // as `Release`
             Command::As { .. } | Command::Batch { .. } => {
                 Err(MetaError::Invalid("As and Batch do not nest".into()))
             }
