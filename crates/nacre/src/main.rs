@@ -197,7 +197,7 @@ struct BenchFsArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "1k,4k,16k,64k,128k")]
     sizes: Vec<usize>,
     /// Files per writer in `create` and `create-parallel`.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 500)]
     files: usize,
     /// Writer threads of `create-parallel`, each in its own directory.
     #[arg(long, default_value_t = 2)]
@@ -212,7 +212,7 @@ struct BenchFsArgs {
     #[arg(long, conflicts_with = "tree")]
     gen_tree: Option<usize>,
     /// Files of the rename and unlink storms.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 1000)]
     storm: usize,
     /// The local repository `git-clone` clones (any directory inside it).
     #[arg(long, default_value = ".")]
@@ -220,6 +220,9 @@ struct BenchFsArgs {
     /// How many commits before HEAD `git-checkout` goes (and back).
     #[arg(long, default_value_t = 200)]
     git_back: usize,
+    /// 4 KiB files created, synced and removed before the first phase, not timed.
+    #[arg(long, default_value_t = 100)]
+    warmup_files: usize,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
@@ -961,6 +964,7 @@ fn bench_fs(a: BenchFsArgs) -> anyhow::Result<()> {
         storm: a.storm,
         git_repo: a.git_repo,
         git_back: a.git_back,
+        warmup_files: a.warmup_files,
     };
     let json = a.json;
     let rows = bench::fs::run(&p, |r| {
