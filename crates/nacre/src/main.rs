@@ -174,6 +174,58 @@ enum BenchCmd {
     /// Raft replication: 3 stores in this process (loopback TCP, raft-engine logs in a temp dir);
     /// proposals/s and commit latency, idle CPU and memory per group.
     Raft(BenchRaftArgs),
+    /// Everyday file-system work on any mounted directory (a nacre or ceph-fuse mount, a local
+    /// disk): small-file creates with data, untar, cp -r, rm -rf, git clone and checkout, rename
+    /// and unlink storms. Each phase ends with fsync of its directory and syncfs, inside the time.
+    Fs(BenchFsArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchFsArgs {
+    /// The directory to measure (a mount point or any directory in one); the benchmark works in
+    /// a fresh subdirectory, removed at the end.
+    #[arg(long)]
+    dir: PathBuf,
+    /// The `impl` of every row (e.g. nacre, ceph-fuse, tmpfs).
+    #[arg(long, default_value = "fs")]
+    label: String,
+    /// Workloads, comma-separated: create, create-parallel, untar, cp, rm, git-clone,
+    /// git-checkout, rename, unlink, or all.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    workloads: Vec<String>,
+    /// File sizes of `create` (comma-separated; units k, m).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "1k,4k,16k,64k,128k")]
+    sizes: Vec<usize>,
+    /// Files per writer in `create` and `create-parallel`.
+    #[arg(long, default_value_t = 500)]
+    files: usize,
+    /// Writer threads of `create-parallel`, each in its own directory.
+    #[arg(long, default_value_t = 2)]
+    writers: usize,
+    /// File size of `create-parallel`.
+    #[arg(long, value_parser = parse_size, default_value = "4k")]
+    parallel_size: usize,
+    /// The tree archived (outside --dir) and unpacked by `untar`.
+    #[arg(long, default_value = "/usr/share/doc")]
+    tree: PathBuf,
+    /// Archive a generated tree of this many files (1 KiB to 256 KiB) instead of --tree.
+    #[arg(long, conflicts_with = "tree")]
+    gen_tree: Option<usize>,
+    /// Files of the rename and unlink storms.
+    #[arg(long, default_value_t = 1000)]
+    storm: usize,
+    /// The local repository `git-clone` clones (any directory inside it).
+    #[arg(long, default_value = ".")]
+    git_repo: PathBuf,
+    /// How many commits before HEAD `git-checkout` goes (and back).
+    #[arg(long, default_value_t = 200)]
+    git_back: usize,
+    /// 4 KiB files created, synced and removed before the first phase, not timed.
+    #[arg(long, default_value_t = 100)]
+    warmup_files: usize,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -309,6 +361,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Bench(BenchCmd::Raft(a)) => bench_raft(a),
         Cmd::Bench(BenchCmd::Meta(a)) => bench_meta(a),
         Cmd::Bench(BenchCmd::Data(a)) => bench_data(a),
+        Cmd::Bench(BenchCmd::Fs(a)) => bench_fs(a),
     }
 }
 
@@ -891,6 +944,49 @@ fn bench_raft(a: BenchRaftArgs) -> anyhow::Result<()> {
     }))?;
     if !json {
         bench::raft::print_table(&rows);
+    }
+    Ok(())
+}
+
+fn bench_fs(a: BenchFsArgs) -> anyhow::Result<()> {
+    let p = bench::fs::Params {
+        dir: a.dir,
+        label: a.label,
+        workloads: bench::fs::Workload::parse_list(&a.workloads)?,
+        sizes: a.sizes,
+        files: a.files,
+        writers: a.writers,
+        parallel_size: a.parallel_size,
+        tree: match a.gen_tree {
+            Some(files) => bench::fs::TreeSource::Generated { files },
+            None => bench::fs::TreeSource::Dir(a.tree),
+        },
+        storm: a.storm,
+        git_repo: a.git_repo,
+        git_back: a.git_back,
+        warmup_files: a.warmup_files,
+    };
+    let json = a.json;
+    let rows = bench::fs::run(&p, |r| {
+        if json {
+            println!("{}", r.to_json());
+        } else {
+            eprintln!(
+                "  {} {}: {:.0} {}/s in {:.2} s",
+                r.workload,
+                r.params
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                r.rate(),
+                r.unit,
+                r.secs
+            );
+        }
+    })?;
+    if !json {
+        bench::fs::print_table(&rows);
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 
 pub mod cluster;
 pub mod data;
+pub mod fs;
 pub mod meta;
 pub mod msgr;
 pub mod raft;
