@@ -872,6 +872,58 @@ for n, is_kind in kinds.items():
     assert os.lstat(d + "/" + n + ".3").st_nlink == 1
     os.unlink(d + "/" + n + ".3")
 assert os.listdir(d) == [], os.listdir(d)
+
+# The same by an unprivileged user in a directory it owns; where a local file system refuses
+# (a device, or changing a directory it may not write), so does the mount, with EPERM or EACCES.
+if os.geteuid() == 0:
+    u = d + "/user"
+    os.mkdir(u, 0o755)
+    os.chown(u, 65534, 65534)
+    os.mkfifo(d + "/rootfifo", 0o644)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            os.mkfifo(u + "/fifo", 0o600)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(u + "/sock")
+            s.close()
+            with open(u + "/reg", "wb") as f:
+                f.write(b"mine")
+            try:
+                os.mknod(u + "/chr", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+                raise AssertionError("an unprivileged mknod of a device succeeded")
+            except PermissionError:
+                pass
+            for n in ("fifo", "sock", "reg"):
+                assert os.lstat(u + "/" + n).st_uid == 65534, n
+                os.rename(u + "/" + n, u + "/" + n + ".2")
+                os.link(u + "/" + n + ".2", u + "/" + n + ".3")
+                os.chmod(u + "/" + n + ".3", 0o644)
+                os.unlink(u + "/" + n + ".2")
+                os.unlink(u + "/" + n + ".3")
+            refused = [
+                lambda: os.mkfifo(d + "/nope"),
+                lambda: os.unlink(d + "/rootfifo"),
+                lambda: os.rename(d + "/rootfifo", u + "/x"),
+                lambda: os.chmod(d + "/rootfifo", 0o666),
+            ]
+            for i, f in enumerate(refused):
+                try:
+                    f()
+                    raise AssertionError("allowed: %d" % i)
+                except PermissionError:
+                    pass
+            assert os.listdir(u) == [], os.listdir(u)
+            os._exit(0)
+        except BaseException as e:
+            print("as nobody:", repr(e), flush=True)
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, status
+    os.unlink(d + "/rootfifo")
+    os.rmdir(u)
 print("ok")
 "#]);
 }
