@@ -506,6 +506,20 @@ fn small_files_written_behind_are_packed_read_back_and_synced() {
             files.push((name, a.attr.ino, data));
         }
 
+        // A file of several packets goes behind too, in packet-sized pieces.
+        let (a, h) = fs
+            .create(d, b"bigger", 0o644, me, OpenFlags::WRITE)
+            .await
+            .unwrap();
+        let bigger = random_bytes(&mut rng, 300 << 10);
+        for (k, piece) in bigger.chunks(64 << 10).enumerate() {
+            fs.write(h, (k << 16) as u64, Bytes::copy_from_slice(piece))
+                .await
+                .unwrap();
+        }
+        fs.release(h).await.unwrap();
+        let bigger_ino = a.attr.ino;
+
         // mtime set while the bytes were unsent (as `tar x` does) outlives their commit.
         let (a, h) = fs
             .create(d, b"dated", 0o644, me, OpenFlags::WRITE)
@@ -609,6 +623,13 @@ fn small_files_written_behind_are_packed_read_back_and_synced() {
             }
         };
         assert_eq!(read(log).await, b"one,two");
+        assert!(read(bigger_ino).await == bigger[..], "bigger");
+        let (_, keys) = other.meta().extents(bigger_ino).await.unwrap();
+        assert_eq!(keys.len(), 3, "{keys:?}");
+        assert!(
+            keys.iter().all(|k| ExtentStore::is_tiny(k.extent)),
+            "{keys:?}"
+        );
         let old = other.lookup(d, b"old").await.unwrap();
         assert_eq!(read(old.ino).await, b"renamed");
         assert!(other.lookup(d, b"scratch").await.is_err());

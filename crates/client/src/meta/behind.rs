@@ -894,7 +894,7 @@ impl<T: MetaTransport> MetaFs<T> {
         Some(Ok(attr))
     }
 
-    /// Records a written piece of `ino` behind the partition's back: queued after every command
+    /// Records written pieces of `ino` behind the partition's back: queued after every command
     /// this client queued before (its create among them), sent in the partition's next batch;
     /// then `times` (set explicitly while the piece was being written), which the key's commit
     /// would otherwise stamp over. Waits while the queue is full (at most [`WAIT_MAX`], then
@@ -904,11 +904,11 @@ impl<T: MetaTransport> MetaFs<T> {
     pub(crate) async fn append_extents_behind(
         &self,
         ino: Ino,
-        key: ExtentKey,
+        keys: Vec<ExtentKey>,
         times: Option<SetAttr>,
     ) -> FsResult<()> {
         let Some(b) = self.behind().cloned() else {
-            self.append_extents(ino, vec![key]).await?;
+            self.append_extents(ino, keys).await?;
             if let Some(set) = times {
                 self.setattr(ino, set).await?;
             }
@@ -924,7 +924,10 @@ impl<T: MetaTransport> MetaFs<T> {
         let mut st = b.lock();
         if let Some(m) = st.made.get_mut(&ino) {
             let now = file_time(now_ns());
-            m.attr.size = m.attr.size.max(key.end());
+            m.attr.size = m
+                .attr
+                .size
+                .max(keys.iter().map(ExtentKey::end).max().unwrap_or(0));
             m.attr.mtime = now;
             m.attr.ctime = m.attr.ctime.max(now);
             if let Some(t) = &times {
@@ -932,11 +935,8 @@ impl<T: MetaTransport> MetaFs<T> {
                 m.attr.mtime = t.mtime.unwrap_or(m.attr.mtime);
             }
         }
-        let cmds = std::iter::once(Command::AppendExtents {
-            ino,
-            extents: vec![key],
-        })
-        .chain(times.map(|set| Command::SetAttr { ino, set }));
+        let cmds = std::iter::once(Command::AppendExtents { ino, extents: keys })
+            .chain(times.map(|set| Command::SetAttr { ino, set }));
         for cmd in cmds {
             self.enqueue(
                 &b,

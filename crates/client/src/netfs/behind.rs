@@ -1,15 +1,16 @@
 //! Write-behind of small files' data (docs/ARCHITECTURE.md, "Write-behind of small files").
 //!
-//! **What goes behind.** A `close` (`flush`) or `release` of a file whose run fits a tiny
-//! extent (no stream started, at most [`NetFsConfig::tiny_max`](super::NetFsConfig) bytes) does
-//! not commit it: the bytes stay in the file's run, the file joins the *dirty list* and the call
-//! returns. A file with a stream, a hidden (unlinked while open) file and `fsync` take the
-//! synchronous path as before.
+//! **What goes behind.** With write-behind a run stays in memory up to [`BEHIND_RUN_MAX`]
+//! (512 KiB) before it is streamed to a normal extent. A `close` (`flush`) or `release` of a
+//! file whose run was not streamed does not commit it: the bytes stay in the file's run, the
+//! file joins the *dirty list* and the call returns. A file with a stream, a hidden (unlinked
+//! while open) file and `fsync` take the synchronous path.
 //!
 //! **Rounds.** One flusher task per client sends the list in rounds, oldest first. A round
 //! starts when a packet's worth (128 KiB) is dirty, when the oldest dirty file has waited
 //! `flush_delay`, or when someone syncs; it takes up to [`ROUND_MAX`] bytes. It locks the
-//! round's files (their calls wait for it), packs their runs into packets of up to 128 KiB,
+//! round's files (their calls wait for it), cuts their runs into pieces of at most 128 KiB and
+//! packs the pieces into packets of up to 128 KiB,
 //! writes each packet as **one replicated append into a shared tiny extent**, and queues each
 //! file's extent key behind the client's other metadata changes
 //! ([`MetaFs::append_extents_behind`](crate::MetaFs)), so that a partition records many files'
@@ -43,9 +44,15 @@ use nacre_api::meta::ExtentKey;
 use nacre_types::sync::lock;
 use tokio::task::JoinSet;
 
+use nacre_api::data::Written;
+use nacre_types::PartitionId;
+
 use super::{FileState, Inner, OpenFile};
 use crate::meta::{FsError, FsResult};
 
+/// Longest run kept in memory (and written behind at close) before it is streamed to a normal
+/// extent, when small files are written behind.
+pub(super) const BEHIND_RUN_MAX: usize = 4 * MAX_PACKET;
 /// Most bytes one round takes (its packets are written at once).
 pub(super) const ROUND_MAX: usize = 16 * MAX_PACKET;
 /// How long a file's bytes are retried before they are given up.
@@ -64,6 +71,10 @@ pub(super) struct DataBehind {
     /// Woken after every round and whenever dirty bytes are committed.
     progress: tokio::sync::Notify,
 }
+
+/// A piece of a run in a packet: the file's index in its round, the piece's offset in the run,
+/// its length, and its offset in the packet.
+type Piece = (usize, usize, usize, u64);
 
 /// One dirty file: its mark (order of becoming dirty), when it became dirty, the file.
 type Entry = (u64, Instant, Arc<OpenFile>);
@@ -127,6 +138,16 @@ impl DataBehind {
 }
 
 impl Inner {
+    /// How long a run grows in memory before it is streamed: one packet, or [`BEHIND_RUN_MAX`]
+    /// with write-behind (such a run goes behind at close, in packet-sized pieces).
+    pub(super) fn stream_after(&self) -> usize {
+        if self.behind.is_some() {
+            BEHIND_RUN_MAX.max(self.cfg.tiny_max)
+        } else {
+            self.cfg.tiny_max
+        }
+    }
+
     /// Leaves `f`'s run to the flusher when it can go behind (see the module docs); `false`
     /// when the caller must commit it now.
     pub(super) fn defer(&self, f: &Arc<OpenFile>, st: &FileState) -> bool {
@@ -139,7 +160,7 @@ impl Inner {
         if run.stream.is_some()
             || run.sent > 0
             || run.buf.is_empty()
-            || run.buf.len() > self.cfg.tiny_max
+            || run.buf.len() > self.stream_after()
             || st.error.is_some()
             || lock(&f.hidden).is_some()
         {
@@ -226,13 +247,14 @@ impl Inner {
             guards.push(f.state.lock().await);
         }
         // Runs that grew a stream since they were deferred are committed as usual.
+        let limit = self.stream_after();
         let mut small = Vec::new();
         for (i, st) in guards.iter_mut().enumerate() {
             let f = &round[i].2;
             let fits = st
                 .run
                 .as_ref()
-                .map(|r| r.stream.is_none() && r.sent == 0 && r.buf.len() <= self.cfg.tiny_max);
+                .map(|r| r.stream.is_none() && r.sent == 0 && r.buf.len() <= limit);
             match fits {
                 None => {}
                 Some(true) if st.run.as_ref().is_some_and(|r| !r.buf.is_empty()) => small.push(i),
@@ -243,22 +265,27 @@ impl Inner {
                 }
             }
         }
-        // Packed in list order: (packet bytes, members as (file index, offset in packet)).
-        let mut packets: Vec<(BytesMut, Vec<(usize, u64)>)> = Vec::new();
+        // Each run cut into pieces of at most a packet, packed in list order: (packet bytes,
+        // members as (file index, offset in the run, length, offset in the packet)).
+        let mut packets: Vec<(BytesMut, Vec<Piece>)> = Vec::new();
         for &i in &small {
             let Some(run) = guards[i].run.as_ref() else {
                 continue;
             };
-            let len = run.buf.len();
-            if packets
-                .last()
-                .is_none_or(|(p, _)| p.len() + len > MAX_PACKET)
-            {
-                packets.push((BytesMut::with_capacity(MAX_PACKET), Vec::new()));
-            }
-            if let Some((p, members)) = packets.last_mut() {
-                members.push((i, p.len() as u64));
-                p.extend_from_slice(&run.buf);
+            let mut at = 0;
+            while at < run.buf.len() {
+                let len = (run.buf.len() - at).min(MAX_PACKET);
+                if packets
+                    .last()
+                    .is_none_or(|(p, _)| p.len() + len > MAX_PACKET)
+                {
+                    packets.push((BytesMut::with_capacity(MAX_PACKET), Vec::new()));
+                }
+                if let Some((p, members)) = packets.last_mut() {
+                    members.push((i, at, len, p.len() as u64));
+                    p.extend_from_slice(&run.buf[at..at + len]);
+                }
+                at += len;
             }
         }
         let mut writes = JoinSet::new();
@@ -267,60 +294,72 @@ impl Inner {
             let (me, data) = (self.clone(), bytes.split().freeze());
             writes.spawn(async move { (k, me.place_tiny(spread + k, data).await) });
         }
-        let mut placed = vec![None; packets.len()];
+        let mut placed: Vec<Option<FsResult<(PartitionId, Written)>>> =
+            (0..packets.len()).map(|_| None).collect();
         while let Some(r) = writes.join_next().await {
             match r {
                 Ok((k, r)) => placed[k] = Some(r),
                 Err(e) => tracing::warn!(error = %e, "a packet write ended without an answer"),
             }
         }
+        // Every file's keys, or the first failure of one of its packets.
+        let mut keys: Vec<Result<Vec<ExtentKey>, String>> =
+            (0..round.len()).map(|_| Ok(Vec::new())).collect();
+        for ((_, members), placed) in packets.iter().zip(&placed) {
+            for &(i, at, len, pos) in members {
+                let Some(run) = guards[i].run.as_ref() else {
+                    continue;
+                };
+                let piece = &run.buf[at..at + len];
+                match (placed, &mut keys[i]) {
+                    (Some(Ok((partition, w))), Ok(ks)) => ks.push(ExtentKey {
+                        file_offset: run.start + at as u64,
+                        partition: *partition,
+                        extent: w.extent,
+                        extent_offset: w.offset + pos,
+                        size: len as u32,
+                        crc: nacre_types::crc32c(piece),
+                    }),
+                    (Some(Err(e)), k @ Ok(_)) => *k = Err(e.to_string()),
+                    (None, k @ Ok(_)) => *k = Err("the packet's write task failed".into()),
+                    (_, Err(_)) => {}
+                }
+            }
+        }
         let mut retry = Vec::new();
         let mut done = vec![true; round.len()];
-        for ((_, members), placed) in packets.iter().zip(placed) {
-            let written = match placed {
-                Some(Ok(w)) => Ok(w),
-                Some(Err(e)) => Err(e.to_string()),
-                None => Err("the packet's write task failed".to_string()),
-            };
-            for &(i, pos) in members {
-                let f = &round[i].2;
-                let st = &mut *guards[i];
-                match &written {
-                    Ok((partition, w)) => {
-                        let Some(run) = st.run.take() else { continue };
-                        let key = ExtentKey {
-                            file_offset: run.start,
-                            partition: *partition,
-                            extent: w.extent,
-                            extent_offset: w.offset + pos,
-                            size: run.buf.len() as u32,
-                            crc: nacre_types::crc32c(&run.buf),
-                        };
-                        super::files::record_keys(st, vec![key]);
-                        st.ahead = None;
-                        st.failing = None;
-                        // The keys' commit stamps mtime and ctime.
-                        st.times_stale = false;
-                        let times = st.times.take();
-                        if let Err(e) = self.meta.append_extents_behind(f.ino, key, times).await {
-                            tracing::warn!(ino = %f.ino, error = %e, "a file's extent key was not queued");
-                            st.error = Some(e.to_string());
-                        }
-                        b.uncount(f);
+        for &i in &small {
+            let f = &round[i].2;
+            let st = &mut *guards[i];
+            match std::mem::replace(&mut keys[i], Ok(Vec::new())) {
+                Ok(ks) => {
+                    if st.run.take().is_none() || ks.is_empty() {
+                        continue;
                     }
-                    Err(e) => {
-                        let since = *st.failing.get_or_insert_with(Instant::now);
-                        if since.elapsed() < RETRY_FOR {
-                            tracing::debug!(ino = %f.ino, error = %e, "a packet written behind failed; retrying");
-                            done[i] = false;
-                            continue;
-                        }
-                        tracing::error!(ino = %f.ino, error = %e, "bytes written behind were given up");
-                        let msg = format!("bytes of inode {} written behind were lost: {e}", f.ino);
-                        st.error = Some(msg.clone());
-                        lock(&b.st).failed.get_or_insert(msg);
-                        self.discard(f, st);
+                    super::files::record_keys(st, ks.clone());
+                    st.ahead = None;
+                    st.failing = None;
+                    // The keys' commit stamps mtime and ctime.
+                    st.times_stale = false;
+                    let times = st.times.take();
+                    if let Err(e) = self.meta.append_extents_behind(f.ino, ks, times).await {
+                        tracing::warn!(ino = %f.ino, error = %e, "a file's extent keys were not queued");
+                        st.error = Some(e.to_string());
                     }
+                    b.uncount(f);
+                }
+                Err(e) => {
+                    let since = *st.failing.get_or_insert_with(Instant::now);
+                    if since.elapsed() < RETRY_FOR {
+                        tracing::debug!(ino = %f.ino, error = %e, "a packet written behind failed; retrying");
+                        done[i] = false;
+                        continue;
+                    }
+                    tracing::error!(ino = %f.ino, error = %e, "bytes written behind were given up");
+                    let msg = format!("bytes of inode {} written behind were lost: {e}", f.ino);
+                    st.error = Some(msg.clone());
+                    lock(&b.st).failed.get_or_insert(msg);
+                    self.discard(f, st);
                 }
             }
         }

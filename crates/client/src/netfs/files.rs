@@ -452,7 +452,7 @@ impl Inner {
         let end = run.end();
         st.size = st.size.max(end);
         if run.buf.len() >= MAX_PACKET
-            && (run.stream.is_some() || run.end() - run.start > self.cfg.tiny_max as u64)
+            && (run.stream.is_some() || run.end() - run.start > self.stream_after() as u64)
         {
             let whole = run.buf.len() / MAX_PACKET * MAX_PACKET;
             let out = run.buf.split_to(whole).freeze();
