@@ -240,6 +240,21 @@ fn now_ns() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
+/// `attr` after `set` (not a size), as the partition's `SetAttr` will make it.
+fn set_attr(attr: &mut Attr, set: &SetAttr) {
+    if let Some(mode) = set.mode {
+        attr.mode = mode & 0o7777;
+    }
+    if set.kill_suidgid && attr.kind != FileType::Dir {
+        attr.mode = nacre_api::meta::without_suidgid(attr.mode);
+    }
+    attr.uid = set.uid.unwrap_or(attr.uid);
+    attr.gid = set.gid.unwrap_or(attr.gid);
+    attr.atime = set.atime.unwrap_or(attr.atime);
+    attr.mtime = set.mtime.unwrap_or(attr.mtime);
+    attr.ctime = attr.ctime.max(file_time(now_ns()));
+}
+
 /// A directory's attributes after a change of its entries, as the partition will make them.
 fn touched(attr: &mut Attr, subdirs: i32) {
     attr.nlink = attr.nlink.saturating_add_signed(subdirs);
@@ -824,16 +839,8 @@ impl<T: MetaTransport> MetaFs<T> {
                 return None;
             }
             let o = st.owned.get_mut(&ino)?;
-            let a = &mut o.attr;
-            if let Some(mode) = set.mode {
-                a.mode = mode & 0o7777;
-            }
-            a.uid = set.uid.unwrap_or(a.uid);
-            a.gid = set.gid.unwrap_or(a.gid);
-            a.atime = set.atime.unwrap_or(a.atime);
-            a.mtime = set.mtime.unwrap_or(a.mtime);
-            a.ctime = a.ctime.max(file_time(now_ns()));
-            let attr = a.clone();
+            set_attr(&mut o.attr, set);
+            let attr = o.attr.clone();
             let cmd = Command::SetAttr {
                 ino,
                 set: set.clone(),
@@ -857,19 +864,8 @@ impl<T: MetaTransport> MetaFs<T> {
             return None;
         }
         let m = st.made.get_mut(&ino)?;
-        let a = &mut m.attr;
-        if let Some(mode) = set.mode {
-            a.mode = mode & 0o7777;
-        }
-        if set.kill_suidgid && a.kind != FileType::Dir {
-            a.mode = nacre_api::meta::without_suidgid(a.mode);
-        }
-        a.uid = set.uid.unwrap_or(a.uid);
-        a.gid = set.gid.unwrap_or(a.gid);
-        a.atime = set.atime.unwrap_or(a.atime);
-        a.mtime = set.mtime.unwrap_or(a.mtime);
-        a.ctime = a.ctime.max(file_time(now_ns()));
-        let attr = a.clone();
+        set_attr(&mut m.attr, set);
+        let attr = m.attr.clone();
         let cmd = if set.kill_suidgid {
             Command::SetAttrKillSuid {
                 ino,
@@ -881,16 +877,7 @@ impl<T: MetaTransport> MetaFs<T> {
                 set: set.clone(),
             }
         };
-        self.enqueue(
-            &b,
-            &mut st,
-            p,
-            Queued {
-                cmd,
-                dir: None,
-                born: None,
-            },
-        );
+        self.enqueue_file(&b, &mut st, p, cmd);
         Some(Ok(attr))
     }
 
@@ -938,18 +925,19 @@ impl<T: MetaTransport> MetaFs<T> {
         let cmds = std::iter::once(Command::AppendExtents { ino, extents: keys })
             .chain(times.map(|set| Command::SetAttr { ino, set }));
         for cmd in cmds {
-            self.enqueue(
-                &b,
-                &mut st,
-                p,
-                Queued {
-                    cmd,
-                    dir: None,
-                    born: None,
-                },
-            );
+            self.enqueue_file(&b, &mut st, p, cmd);
         }
         Ok(())
+    }
+
+    /// Queues a command about a file (no directory's delegation needed for it).
+    fn enqueue_file(&self, b: &Arc<Behind>, st: &mut State, p: PartitionId, cmd: Command) {
+        let q = Queued {
+            cmd,
+            dir: None,
+            born: None,
+        };
+        self.enqueue(b, st, p, q);
     }
 
     fn enqueue(&self, b: &Arc<Behind>, st: &mut State, p: PartitionId, q: Queued) {
