@@ -38,3 +38,57 @@ pub fn overlay(keys: &mut Vec<ExtentKey>, new: ExtentKey, dropped: &mut Vec<Exte
     }
     keys.splice(first..last, left.into_iter().chain([new]).chain(right));
 }
+
+/// [`overlay`] of every key of `new` in turn, in one pass over `keys` when `new` is sorted and
+/// disjoint (a client's batch of written pieces): O(keys + new) instead of a splice per key.
+/// The result, and what goes to `dropped`, are exactly those of the keys overlaid one by one.
+pub fn overlay_all(keys: &mut Vec<ExtentKey>, new: &[ExtentKey], dropped: &mut Vec<ExtentKey>) {
+    let sorted = new.windows(2).all(|w| w[0].end() <= w[1].file_offset);
+    if new.len() < 8 || !sorted {
+        for k in new {
+            overlay(keys, *k, dropped);
+        }
+        return;
+    }
+    // What is left of the old keys: each old key meets the new keys over it in order, as the
+    // one-by-one overlay would (a remainder wholly inside one new key is dropped).
+    let mut rest = Vec::with_capacity(keys.len() + 2);
+    for k in keys.iter() {
+        let first = new.partition_point(|n| n.end() <= k.file_offset);
+        let mut cur = Some(*k);
+        for n in &new[first..] {
+            let Some(c) = cur else { break };
+            if n.file_offset >= c.end() {
+                break;
+            }
+            let (start, end) = (n.file_offset, n.end());
+            if c.file_offset >= start && c.end() <= end {
+                dropped.push(c);
+                cur = None;
+                break;
+            }
+            if c.file_offset < start {
+                rest.push(cut(&c, c.file_offset, start));
+            }
+            cur = (c.end() > end).then(|| cut(&c, end, c.end()));
+        }
+        if let Some(c) = cur {
+            rest.push(c);
+        }
+    }
+    // Both sorted and all disjoint: merged by offset.
+    let mut out = Vec::with_capacity(rest.len() + new.len());
+    let (mut i, mut j) = (0, 0);
+    while i < rest.len() || j < new.len() {
+        let take_new =
+            j < new.len() && (i == rest.len() || new[j].file_offset < rest[i].file_offset);
+        if take_new {
+            out.push(new[j]);
+            j += 1;
+        } else {
+            out.push(rest[i]);
+            i += 1;
+        }
+    }
+    *keys = out;
+}

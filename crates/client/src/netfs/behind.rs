@@ -162,6 +162,7 @@ impl Inner {
             || run.buf.is_empty()
             || run.buf.len() > self.stream_after()
             || st.error.is_some()
+            || !st.pieces.is_empty()
             || lock(&f.hidden).is_some()
         {
             return false;

@@ -2,7 +2,7 @@
 //! writes and how they are committed (tiny extent or [`SeqWriter`] stream, then the extent keys),
 //! writes and reads of committed bytes, and hiding open files that are unlinked.
 
-use nacre_api::meta::extents::overlay;
+use nacre_api::meta::extents::overlay_all;
 
 use super::*;
 
@@ -75,6 +75,8 @@ impl Inner {
                         times: None,
                         failing: None,
                         times_stale: false,
+                        pieces: Default::default(),
+                        pieces_bytes: 0,
                     }),
                 })
             });
@@ -121,6 +123,7 @@ impl Inner {
     }
 
     pub(super) async fn commit_run(&self, f: &OpenFile, st: &mut FileState) -> FsResult<()> {
+        self.commit_pieces(f, st).await?;
         let Some(mut run) = st.run.take() else {
             return Ok(());
         };
@@ -481,11 +484,9 @@ pub(super) fn overlapping(keys: &[ExtentKey], from: u64, to: u64) -> &[ExtentKey
 }
 
 /// Keeps the cached keys of a file in step with keys just committed, as the meta partition
-/// records them ([`overlay`]), rather than fetching them all again.
+/// records them ([`overlay_all`]), rather than fetching them all again.
 pub(super) fn record_keys(st: &mut FileState, keys: Vec<ExtentKey>) {
     if let Some(cached) = st.extents.as_mut() {
-        for k in keys {
-            overlay(cached, k, &mut Vec::new());
-        }
+        overlay_all(cached, &keys, &mut Vec::new());
     }
 }

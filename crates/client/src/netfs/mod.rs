@@ -12,11 +12,13 @@
 //! extents); otherwise the stream is drained. Either way the new extent keys are committed to the
 //! meta node (`AppendExtents`), which makes the bytes visible and sets the size. A write inside
 //! the committed file goes **in place through Raft** (`Overwrite`) where a normal extent holds
-//! the range; holes and tiny-extent ranges are rewritten copy-on-write (new data, a new key that
-//! replaces the old range). A write into bytes of the run that are still in memory patches them.
+//! the range; tiny-extent ranges are rewritten copy-on-write (new data, a new key that replaces
+//! the old range); a write wholly into a hole stays in memory as a *piece* until the next commit
+//! (`pieces` module). A write into bytes of the run that are still in memory patches them.
 //!
 //! **Reads** flush an overlapping run first (so a reader sees its own writes), then read every
-//! extent piece of the range in parallel; holes read as zeros. Sequential reads fetch ahead.
+//! extent piece of the range in parallel, holes as zeros, with the pieces over them. Sequential
+//! reads fetch ahead.
 //!
 //! **Unlinking an open file.** POSIX lets a process keep using a file after its last name is gone
 //! (SQLite and many tools rely on it). When this client has the file open, `unlink` renames it to
@@ -49,6 +51,7 @@ use crate::net::NetVolume;
 mod alloc;
 mod behind;
 mod files;
+mod pieces;
 
 /// Tuning of the network file system.
 #[derive(Clone, Debug)]
@@ -247,6 +250,9 @@ struct FileState {
     /// Bytes were overwritten in place since keys were last committed: the next flush moves the
     /// file's mtime and ctime (an `AppendExtents` without keys), unless a time is set first.
     times_stale: bool,
+    /// Writes into holes not committed yet, by file offset (`pieces` module), and their bytes.
+    pieces: std::collections::BTreeMap<u64, BytesMut>,
+    pieces_bytes: usize,
 }
 
 fn fs_err(e: DataCallError) -> FsError {
@@ -594,9 +600,12 @@ impl Inner {
             }
             fetch_end = fetch_end.max(end);
         }
-        let bytes = self
+        let mut bytes = self
             .read_committed(&f, &mut st, offset, fetch_end - offset)
             .await?;
+        if pieces::overlap(&st, offset, fetch_end) {
+            bytes = pieces::over(&st, offset, bytes);
+        }
         let out = bytes.slice(0..(end - offset) as usize);
         if fetch_end > end {
             st.ahead = Some((offset, bytes));
@@ -643,6 +652,16 @@ impl Inner {
                 self.extents(&f, &mut st).await?;
             }
             if off < st.size {
+                // Into a hole: kept in memory until the next commit.
+                if end <= st.size && self.buffer_hole(&mut st, off, &data) {
+                    if st.pieces_bytes > pieces::PIECES_MAX {
+                        self.flush_file(&f, &mut st).await?;
+                    }
+                    return Ok(n);
+                }
+                if pieces::overlap(&st, off, end) {
+                    self.flush_file(&f, &mut st).await?;
+                }
                 // Inside the committed file: in place up to the end, then a run for the rest.
                 let inside = (st.size - off).min(data.len() as u64) as usize;
                 self.write_committed(&f, &mut st, off, data.slice(..inside))
@@ -854,6 +873,7 @@ impl FileSystem for NetFs {
             && h.file.next_turn.load(Ordering::Relaxed) == *h.file.serving.borrow()
             && let Ok(st) = h.file.state.try_lock()
             && st.run.is_none()
+            && st.pieces.is_empty()
             && st.error.is_none()
             && !st.times_stale
         {

@@ -10,7 +10,7 @@ use nacre_api::meta::{
     SetAttr, XattrMode, without_suidgid,
 };
 
-use super::extents::{key_is_valid, overlay, punch, truncate, unreferenced};
+use super::extents::{key_is_valid, punch, truncate, unreferenced};
 use super::inodes::Inode;
 use super::keys::{DentryVal, Key, owned_by};
 use super::{EXTENT_BYTES, MAX_LINKS, MODE_MASK, MetaPartition};
@@ -432,9 +432,7 @@ impl MetaPartition {
         let old_keys = node.extents.len() as u64;
         let mut keys = std::mem::take(&mut node.extents).into_vec();
         let mut dropped = Vec::new();
-        for key in extents {
-            overlay(&mut keys, *key, &mut dropped);
-        }
+        nacre_api::meta::extents::overlay_all(&mut keys, extents, &mut dropped);
         let freed = unreferenced(dropped, &keys);
         node.size = node.size.max(keys.last().map_or(0, ExtentKey::end));
         node.extents = keys.into_boxed_slice();

@@ -6,7 +6,7 @@
 use nacre_types::{ExtentId, PartitionId};
 
 use nacre_api::meta::ExtentKey;
-pub(super) use nacre_api::meta::extents::{cut, overlay};
+pub(super) use nacre_api::meta::extents::cut;
 
 /// A key can be stored: it covers at least one byte, and neither its file range nor its extent
 /// range overflows.
@@ -271,6 +271,30 @@ mod tests {
                 before.iter().filter(|(b, _)| inside(b)).map(|(b, p)| (*b, *p)).collect();
             prop_assert_eq!(bytes(&kept), want_kept);
             prop_assert_eq!(bytes(&punched), want_punched);
+        }
+
+        /// `overlay_all` of a sorted batch gives the keys and the dropped keys of overlaying
+        /// them one by one.
+        #[test]
+        fn overlay_all_is_overlay_one_by_one(
+            old in proptest::collection::vec((0..8u8, 0..8u8), 0..12),
+            new in proptest::collection::vec((0..6u8, 0..6u8), 0..16),
+        ) {
+            let keys = keys_from(&old);
+            let batch: Vec<ExtentKey> = keys_from(&new)
+                .into_iter()
+                .map(|k| ExtentKey { extent: nacre_types::ExtentId(100 + k.extent.0), ..k })
+                .collect();
+            let (mut one, mut one_dropped) = (keys.clone(), Vec::new());
+            for k in &batch {
+                nacre_api::meta::extents::overlay(&mut one, *k, &mut one_dropped);
+            }
+            let (mut all, mut all_dropped) = (keys, Vec::new());
+            nacre_api::meta::extents::overlay_all(&mut all, &batch, &mut all_dropped);
+            prop_assert_eq!(all, one);
+            one_dropped.sort_by_key(|k| (k.file_offset, k.extent));
+            all_dropped.sort_by_key(|k| (k.file_offset, k.extent));
+            prop_assert_eq!(all_dropped, one_dropped);
         }
     }
 }
