@@ -32,6 +32,13 @@ impl Proc {
             .env("NACRE_LOG", "info")
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
+        // The tests' own knobs (NACRE_TEST_SEED, …) are not server settings: a server refuses
+        // unknown NACRE_* variables.
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("NACRE_TEST_") {
+                cmd.env_remove(k);
+            }
+        }
         for (k, v) in envs {
             cmd.env(k, v);
         }
