@@ -39,7 +39,7 @@ pub struct MountFlags {
     /// "Write-behind under directory delegations").
     #[arg(long)]
     pub sync_meta: bool,
-    /// Milliseconds a closed small file's data (up to 128 KiB) may wait in the client before it
+    /// Milliseconds a closed small file's data (up to 512 KiB) may wait in the client before it
     /// is sent, packed with other files' into shared tiny extents; sent sooner once 128 KiB are
     /// waiting. `fsync` of the file or of any directory, and unmount, wait for it
     /// (docs/ARCHITECTURE.md, "Write-behind of small files"). 0, or `--sync-meta`: every close
