@@ -636,3 +636,70 @@ fn small_files_written_behind_are_packed_read_back_and_synced() {
         shut_down(&msgr).await;
     });
 }
+
+/// A file written behind, then truncated on open and written again at once (a shell's
+/// `echo a > f; echo b > f`), under the attribute cache as a mount stacks them: its size and
+/// bytes are the second write's at every moment.
+#[test]
+fn a_file_rewritten_at_once_is_never_seen_empty() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = start_cluster(dir.path());
+    runtime().block_on(async {
+        let (msgr, mc) = client_with_volume(&cluster.master_addr).await;
+        let cfg = NetFsConfig {
+            write_behind: true,
+            flush_delay: Some(std::time::Duration::from_millis(1)),
+            ..NetFsConfig::default()
+        };
+        // Under the attribute cache, as a mount stacks them; the kernel asks for the attributes
+        // between the truncating open and the write.
+        let fs =
+            nacre_client::MetaCache::new(NetFs::with_config(open_volume(&msgr, &mc).await, cfg));
+        let me = Caller { uid: 0, gid: 0 };
+        let d = fs.mkdir(ROOT_INO, b"q", 0o755, me).await.unwrap().attr.ino;
+        for i in 0..300 {
+            let name = format!("f{i}");
+            let (a, h) = fs
+                .create(d, name.as_bytes(), 0o644, me, OpenFlags::WRITE)
+                .await
+                .unwrap();
+            fs.write(h, 0, Bytes::from_static(b"hello\n"))
+                .await
+                .unwrap();
+            fs.flush(h).await.unwrap();
+            fs.release(h).await.unwrap();
+            let trunc = OpenFlags {
+                truncate: true,
+                ..OpenFlags::WRITE
+            };
+            let h = fs.open(a.attr.ino, trunc).await.unwrap();
+            assert_eq!(
+                fs.getattr(a.attr.ino).await.unwrap().size,
+                0,
+                "{name}: truncated"
+            );
+            fs.write(h, 0, Bytes::from_static(b"hello again\n"))
+                .await
+                .unwrap();
+            fs.flush(h).await.unwrap();
+            fs.release(h).await.unwrap();
+            let size = fs.getattr(a.attr.ino).await.unwrap().size;
+            assert_eq!(size, 12, "{name}: size");
+            let looked = fs.lookup(d, name.as_bytes()).await.unwrap().size;
+            assert_eq!(looked, 12, "{name}: looked up");
+            let r = fs.open(a.attr.ino, OpenFlags::READ).await.unwrap();
+            let mut got = Vec::new();
+            loop {
+                let b = fs.read(r, got.len() as u64, 64).await.unwrap();
+                if b.is_empty() {
+                    break;
+                }
+                got.extend_from_slice(&b);
+            }
+            assert_eq!(&got[..], b"hello again\n", "{name}");
+            fs.release(r).await.unwrap();
+        }
+        shut_down(&msgr).await;
+    });
+}

@@ -229,6 +229,10 @@ fn changes_inode(cmd: &Command) -> Option<Ino> {
     }
 }
 
+/// A queued command's place: its partition and its number in that partition's queue.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Applied(PartitionId, u64);
+
 /// How long a delegation granted or renewed by a command sent at `sent` can be relied on.
 fn lease_end(sent: Instant) -> Instant {
     sent + Duration::from_nanos(DELEGATION_NS - DELEGATION_MARGIN_NS)
@@ -893,13 +897,13 @@ impl<T: MetaTransport> MetaFs<T> {
         ino: Ino,
         keys: Vec<ExtentKey>,
         times: Option<SetAttr>,
-    ) -> FsResult<()> {
+    ) -> FsResult<Option<Applied>> {
         let Some(b) = self.behind().cloned() else {
             self.append_extents(ino, keys).await?;
             if let Some(set) = times {
                 self.setattr(ino, set).await?;
             }
-            return Ok(());
+            return Ok(None);
         };
         let p = self.partition_of(ino)?;
         b.wait_until(WAIT_MAX, |st| {
@@ -927,7 +931,29 @@ impl<T: MetaTransport> MetaFs<T> {
         for cmd in cmds {
             self.enqueue_file(&b, &mut st, p, cmd);
         }
-        Ok(())
+        let queued = st.parts.get(&p).map_or(0, |part| part.queued);
+        Ok(Some(Applied(p, queued)))
+    }
+
+    /// Waits until the commands `marks` name are applied (or given up), at most as long as a
+    /// batch is retried.
+    pub(crate) async fn applied(&self, marks: &[Applied]) {
+        let Some(b) = self.behind() else { return };
+        {
+            let mut st = b.lock();
+            for Applied(p, _) in marks {
+                if let Some(part) = st.parts.get_mut(p) {
+                    part.urgent |= part.done < part.queued;
+                }
+            }
+        }
+        b.progress.notify_waiters();
+        b.wait_until(RETRY_FOR + WAIT_MAX, |st| {
+            marks
+                .iter()
+                .all(|Applied(p, n)| st.parts.get(p).is_none_or(|part| part.done >= *n))
+        })
+        .await;
     }
 
     /// Queues a command about a file (no directory's delegation needed for it).

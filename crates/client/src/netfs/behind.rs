@@ -329,6 +329,7 @@ impl Inner {
         }
         let mut retry = Vec::new();
         let mut done = vec![true; round.len()];
+        let mut marks = Vec::new();
         for &i in &small {
             let f = &round[i].2;
             let st = &mut *guards[i];
@@ -343,9 +344,12 @@ impl Inner {
                     // The keys' commit stamps mtime and ctime.
                     st.times_stale = false;
                     let times = st.times.take();
-                    if let Err(e) = self.meta.append_extents_behind(f.ino, ks, times).await {
-                        tracing::warn!(ino = %f.ino, error = %e, "a file's extent keys were not queued");
-                        st.error = Some(e.to_string());
+                    match self.meta.append_extents_behind(f.ino, ks, times).await {
+                        Ok(mark) => marks.extend(mark),
+                        Err(e) => {
+                            tracing::warn!(ino = %f.ino, error = %e, "a file's extent keys were not queued");
+                            st.error = Some(e.to_string());
+                        }
                     }
                     b.uncount(f);
                 }
@@ -364,13 +368,25 @@ impl Inner {
                 }
             }
         }
-        for (i, (entry, st)) in round.iter().zip(guards).enumerate() {
+        drop(guards);
+        // A file stays known (and its size with it) until its keys are applied: a getattr that
+        // read the partition before they were queued still finds the file here afterwards.
+        self.meta.applied(&marks).await;
+        for (i, entry) in round.iter().enumerate() {
             if !done[i] {
-                drop(st);
                 retry.push(entry.clone());
                 continue;
             }
             let f = &entry.2;
+            let st = f.state.lock().await;
+            if st.run.is_some() && f.behind_bytes.load(Ordering::SeqCst) > 0 {
+                // Closed again with new bytes while its keys went out: still dirty.
+                let mut d = lock(&b.st);
+                d.marks += 1;
+                let mark = d.marks;
+                d.files.push_back((mark, Instant::now(), f.clone()));
+                continue;
+            }
             f.dirty.store(false, Ordering::SeqCst);
             drop(st);
             self.forget_if_closed(f);
