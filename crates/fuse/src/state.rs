@@ -55,8 +55,8 @@ pub(crate) struct Inner<F> {
     /// metadata read per write.
     pub(crate) no_caps: Mutex<HashMap<u64, std::time::Instant>>,
     /// The kernel granted `FUSE_HANDLE_KILLPRIV_V2`: it leaves clearing set-user-ID and
-    /// set-group-ID bits on write, truncate and chown to this file system, and no longer reads
-    /// `security.capability` before every write (only once after each attribute refresh).
+    /// set-group-ID bits on write, truncate and chown to this file system, and reads
+    /// `security.capability` only once after each attribute refresh, not before every write.
     pub(crate) killpriv: AtomicBool,
     /// Inodes whose attributes, as last handed to the kernel, have set-user-ID or an executable
     /// set-group-ID bit: a write the kernel flags `FUSE_WRITE_KILL_SUIDGID` (its caller lacks

@@ -67,8 +67,9 @@ impl ExtentKey {
 
 /// An inode's attributes as clients see them. Times are signed nanoseconds since the Unix epoch
 /// (negative before 1970; 1677 to 2262), encoded as the two's-complement bit pattern of the
-/// `i64` in a `u64` ([`time::nanos`]): a time at or after 1970 is encoded exactly as the `u64` it
-/// once was, so log entries and snapshots written with unsigned times decode unchanged.
+/// `i64` in a `u64` ([`time::nanos`]): a time at or after 1970 has the same encoding as that
+/// number of nanoseconds as a `u64`, so log entries and snapshots that hold times as `u64` decode
+/// to the same times.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Attr {
     pub ino: Ino,
