@@ -1,5 +1,5 @@
 //! `nacre bench fs`: the work people do on a mounted file system, timed on any directory, so a
-//! nacre mount, a ceph-fuse mount and a local disk are measured the same way in one sitting.
+//! nacre mount, a ceph-fuse mount and a local disk are measured the same way, one after another.
 //!
 //! Everything runs in a fresh subdirectory of `--dir`, removed at the end. Each timed phase ends
 //! with its data durable: an `fsync` of the phase's directory (on a nacre mount this waits for every
