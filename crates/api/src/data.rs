@@ -89,7 +89,7 @@ impl Rpc for Append {
     type Response = Result<Written, DataError>;
 }
 
-/// Stores a small file (the data segment, at most [`MAX_PACKET`] bytes) in one of the partition's
+/// Stores small files (the data segment, at most [`MAX_TINY_WRITE`] bytes) in one of the partition's
 /// tiny extents; the leader picks the extent and offset (op `0x0303`).
 #[derive(Debug)]
 pub struct WriteTiny;
@@ -266,5 +266,8 @@ impl Rpc for FetchBlocks {
     type Response = Result<u64, DataError>;
 }
 
-/// Largest data segment of an append, tiny write or overwrite.
+/// Largest data segment of an append or overwrite.
 pub const MAX_PACKET: usize = 128 * 1024;
+/// Largest data segment of a tiny write: a packet of many small files written behind, synced
+/// once on every replica.
+pub const MAX_TINY_WRITE: usize = 512 * 1024;

@@ -246,7 +246,7 @@ impl DataSm {
                         }
                     }
                 }
-                for (extent, offset, len) in ranges {
+                for (extent, offset, len) in merge_tiny_ranges(ranges) {
                     // A normal extent released from its start to (at least) its end is deleted;
                     // any other range is punched out. Never past the end: the range may not have
                     // reached this replica.
@@ -266,6 +266,25 @@ impl DataSm {
             }
         }
     }
+}
+
+/// The ranges of a release with those of each tiny extent sorted and joined where they touch or
+/// overlap: small files packed side by side and removed together cost one punch, not one each.
+/// Normal extents' ranges stay as they are (one released from its start to its end is deleted).
+fn merge_tiny_ranges(ranges: Vec<(ExtentId, u64, u64)>) -> Vec<(ExtentId, u64, u64)> {
+    let (mut tiny, mut out): (Vec<_>, Vec<_>) =
+        ranges.into_iter().partition(|r| ExtentStore::is_tiny(r.0));
+    tiny.sort_unstable();
+    for (extent, offset, len) in tiny.into_iter().filter(|r| r.2 > 0) {
+        let end = offset.saturating_add(len);
+        match out.last_mut() {
+            Some((e, o, l)) if *e == extent && ExtentStore::is_tiny(*e) && *o + *l >= offset => {
+                *l = (*o + *l).max(end) - *o;
+            }
+            _ => out.push((extent, offset, end - offset)),
+        }
+    }
+    out
 }
 
 /// Maps a store error onto what a client is told.
@@ -369,6 +388,35 @@ mod tests {
     use crate::io::MemDisk;
     use crate::store::StoreOptions;
     use nacre_raft::StateMachine;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Merged ranges punch exactly the bytes the ranges did, each tiny extent's once and in
+        /// order, and leave normal extents' ranges alone.
+        #[test]
+        fn merged_ranges_cover_what_the_ranges_did(
+            ranges in proptest::collection::vec((prop_oneof![1u64..4, 1024u64..1026], 0u64..300, 0u64..60), 0..40),
+        ) {
+            let ranges: Vec<_> = ranges.into_iter().map(|(e, o, l)| (ExtentId(e), o, l)).collect();
+            let merged = super::merge_tiny_ranges(ranges.clone());
+            let normal = |v: &[(ExtentId, u64, u64)]| -> Vec<(ExtentId, u64, u64)> {
+                v.iter().copied().filter(|r| !ExtentStore::is_tiny(r.0)).collect()
+            };
+            prop_assert_eq!(normal(&merged), normal(&ranges));
+            let bytes = |v: &[(ExtentId, u64, u64)]| -> BTreeSet<(u64, u64)> {
+                v.iter()
+                    .filter(|r| ExtentStore::is_tiny(r.0))
+                    .flat_map(|&(e, o, l)| (o..o + l).map(move |b| (e.0, b)))
+                    .collect()
+            };
+            prop_assert_eq!(bytes(&merged), bytes(&ranges));
+            let tiny: Vec<_> = merged.iter().filter(|r| ExtentStore::is_tiny(r.0)).collect();
+            for w in tiny.windows(2) {
+                prop_assert!(w[0].2 > 0);
+                prop_assert!((w[0].0, w[0].1 + w[0].2) < (w[1].0, w[1].1), "{:?}", w);
+            }
+        }
+    }
 
     fn store(disk: &MemDisk) -> Arc<ExtentStore> {
         Arc::new(ExtentStore::open(Arc::new(disk.clone()), StoreOptions::default()).unwrap())

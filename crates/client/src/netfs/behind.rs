@@ -6,11 +6,11 @@
 //! file joins the *dirty list* and the call returns. A file with a stream, a hidden (unlinked
 //! while open) file and `fsync` take the synchronous path.
 //!
-//! **Rounds.** One flusher task per client sends the list in rounds, oldest first. A round
-//! starts when a packet's worth (128 KiB) is dirty, when the oldest dirty file has waited
-//! `flush_delay`, or when someone syncs; it takes up to [`ROUND_MAX`] bytes. It locks the
-//! round's files (their calls wait for it), cuts their runs into pieces of at most 128 KiB and
-//! packs the pieces into packets of up to 128 KiB,
+//! **Rounds.** One flusher task per client sends the list in rounds, oldest first, with up to
+//! [`ROUNDS_MAX`] rounds in flight. A round starts when 128 KiB is dirty, when the oldest dirty
+//! file has waited `flush_delay`, or when someone syncs; it takes up to [`ROUND_MAX`] bytes. It
+//! locks the round's files (their calls wait for it), cuts their runs into pieces of at most
+//! 128 KiB and packs the pieces into packets of up to [`MAX_TINY_WRITE`] bytes,
 //! writes each packet as **one replicated append into a shared tiny extent**, and queues each
 //! file's extent key behind the client's other metadata changes
 //! ([`MetaFs::append_extents_behind`](crate::MetaFs)), so that a partition records many files'
@@ -33,13 +33,13 @@
 //! removed file's range is punched exactly (neighbours' bytes in a shared block are kept), so
 //! no file ever reads another's bytes.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use nacre_api::data::MAX_PACKET;
+use nacre_api::data::{MAX_PACKET, MAX_TINY_WRITE};
 use nacre_api::meta::ExtentKey;
 use nacre_types::sync::lock;
 use tokio::task::JoinSet;
@@ -55,6 +55,8 @@ use crate::meta::{FsError, FsResult};
 pub(super) const BEHIND_RUN_MAX: usize = 4 * MAX_PACKET;
 /// Most bytes one round takes (its packets are written at once).
 pub(super) const ROUND_MAX: usize = 16 * MAX_PACKET;
+/// Most rounds in flight at once: while one round's keys commit, the next one's packets go out.
+pub(super) const ROUNDS_MAX: usize = 4;
 /// How long a file's bytes are retried before they are given up.
 pub(super) const RETRY_FOR: Duration = Duration::from_secs(30);
 /// The pause after a round in which a packet failed.
@@ -86,8 +88,8 @@ struct Dirty {
     bytes: u64,
     /// The last mark handed out.
     marks: u64,
-    /// The lowest mark of the round being written.
-    flying: Option<u64>,
+    /// The lowest mark of each round being written.
+    flying: Vec<u64>,
     /// Someone waits for every file marked up to this: no lingering.
     urgent_to: u64,
     /// The flusher task is alive.
@@ -227,7 +229,7 @@ impl Inner {
         };
         b.wake.notify_one();
         b.wait_until(|d| {
-            d.flying.is_none_or(|m| m > target) && d.files.front().is_none_or(|e| e.0 > target)
+            d.flying.iter().all(|&m| m > target) && d.files.front().is_none_or(|e| e.0 > target)
         })
         .await;
         match lock(&b.st).failed.take() {
@@ -278,9 +280,9 @@ impl Inner {
                 let len = (run.buf.len() - at).min(MAX_PACKET);
                 if packets
                     .last()
-                    .is_none_or(|(p, _)| p.len() + len > MAX_PACKET)
+                    .is_none_or(|(p, _)| p.len() + len > MAX_TINY_WRITE)
                 {
-                    packets.push((BytesMut::with_capacity(MAX_PACKET), Vec::new()));
+                    packets.push((BytesMut::with_capacity(MAX_TINY_WRITE), Vec::new()));
                 }
                 if let Some((p, members)) = packets.last_mut() {
                     members.push((i, at, len, p.len() as u64));
@@ -395,53 +397,103 @@ impl Inner {
     }
 }
 
-/// Sends the dirty list round after round until it is empty.
+/// Sends the dirty list in rounds, up to [`ROUNDS_MAX`] at once, until it is empty.
 async fn flusher(inner: Arc<Inner>) {
     let Some(b) = &inner.behind else { return };
+    let mut rounds: JoinSet<Vec<Entry>> = JoinSet::new();
+    // The lowest mark of each round, by task.
+    let mut lows: HashMap<tokio::task::Id, u64> = HashMap::new();
     loop {
+        // Start a round when one is due and there is room for it.
         let due = {
             let mut d = lock(&b.st);
-            let Some(&(mark, at, _)) = d.files.front() else {
-                d.running = false;
-                return;
-            };
-            let due = at + b.delay;
-            let go = d.bytes >= b.full() || d.urgent_to >= mark || Instant::now() >= due;
-            (!go).then_some(due)
-        };
-        if let Some(due) = due {
-            let _ = tokio::time::timeout_at(due.into(), b.wake.notified()).await;
-            continue;
-        }
-        let round = {
-            let mut d = lock(&b.st);
-            let mut taken = 0usize;
-            let mut round = Vec::new();
-            while let Some(e) = d.files.front() {
-                let n = e.2.behind_bytes.load(Ordering::SeqCst) as usize;
-                if !round.is_empty() && taken + n > ROUND_MAX {
-                    break;
+            match d.files.front() {
+                None if rounds.is_empty() => {
+                    d.running = false;
+                    return;
                 }
-                taken += n;
-                if let Some(e) = d.files.pop_front() {
-                    round.push(e);
+                None => None,
+                Some(&(mark, at, _)) => {
+                    let due = at + b.delay;
+                    let go = d.bytes >= b.full() || d.urgent_to >= mark || Instant::now() >= due;
+                    if go && rounds.len() < ROUNDS_MAX {
+                        let round = take_round(&mut d);
+                        let low = round.first().map_or(0, |e| e.0);
+                        d.flying.push(low);
+                        drop(d);
+                        let me = inner.clone();
+                        let task = rounds.spawn(async move { me.flush_round(round).await });
+                        lows.insert(task.id(), low);
+                        continue;
+                    }
+                    (!go).then_some(due)
                 }
             }
-            d.flying = round.first().map(|e| e.0);
-            round
         };
-        let retry = inner.flush_round(round).await;
-        let failed = !retry.is_empty();
+        let done = if rounds.is_empty() {
+            if let Some(due) = due {
+                let _ = tokio::time::timeout_at(due.into(), b.wake.notified()).await;
+            }
+            continue;
+        } else if rounds.len() < ROUNDS_MAX {
+            // Room for a round: wait for the next one to come due or a round to end.
+            let wait = async {
+                match due {
+                    Some(due) => {
+                        let _ = tokio::time::timeout_at(due.into(), b.wake.notified()).await;
+                    }
+                    None => b.wake.notified().await,
+                }
+            };
+            tokio::select! {
+                r = rounds.join_next_with_id() => r,
+                () = wait => continue,
+            }
+        } else {
+            rounds.join_next_with_id().await
+        };
+        let Some(done) = done else { continue };
+        let id = match &done {
+            Ok((id, _)) => *id,
+            Err(e) => e.id(),
+        };
+        let retry = done.unwrap_or_else(|e| {
+            // Its files stay marked dirty and off the list; the flusher goes on with the rest.
+            tracing::error!(error = %e, "a write-behind round ended without an answer");
+            (id, Vec::new())
+        });
+        let failed = !retry.1.is_empty();
         {
             let mut d = lock(&b.st);
-            for e in retry.into_iter().rev() {
+            for e in retry.1.into_iter().rev() {
                 d.files.push_front(e);
             }
-            d.flying = None;
+            let low = lows.remove(&id);
+            if let Some(k) = d.flying.iter().position(|&m| Some(m) == low) {
+                d.flying.swap_remove(k);
+            }
         }
         b.progress.notify_waiters();
         if failed {
             tokio::time::sleep(RETRY_PAUSE).await;
         }
     }
+}
+
+/// Takes the next round off the dirty list: files oldest first, up to [`ROUND_MAX`] bytes (at
+/// least one file).
+fn take_round(d: &mut Dirty) -> Vec<Entry> {
+    let mut taken = 0usize;
+    let mut round = Vec::new();
+    while let Some(e) = d.files.front() {
+        let n = e.2.behind_bytes.load(Ordering::SeqCst) as usize;
+        if !round.is_empty() && taken + n > ROUND_MAX {
+            break;
+        }
+        taken += n;
+        if let Some(e) = d.files.pop_front() {
+            round.push(e);
+        }
+    }
+    round
 }

@@ -344,7 +344,7 @@ impl DataNode {
         part: &Part,
         data: Payload,
     ) -> Result<Written, DataError> {
-        check_packet(&data)?;
+        check_size(&data, MAX_TINY_WRITE)?;
         if let Some(why) = part.degraded() {
             return Err(DataError::ReadOnly(why));
         }
@@ -472,12 +472,17 @@ pub(super) fn join_packets(batch: &[Arrived]) -> Payload {
 }
 
 pub(super) fn check_packet(data: &Payload) -> Result<(), DataError> {
+    check_size(data, MAX_PACKET)
+}
+
+/// Refuses an empty data segment or one over `max` bytes.
+pub(super) fn check_size(data: &Payload, max: usize) -> Result<(), DataError> {
     if data.bytes.is_empty() {
         return Err(DataError::Invalid("empty packet".into()));
     }
-    if data.bytes.len() > MAX_PACKET {
+    if data.bytes.len() > max {
         return Err(DataError::Invalid(format!(
-            "packet of {} bytes; at most {MAX_PACKET}",
+            "packet of {} bytes; at most {max}",
             data.bytes.len()
         )));
     }
