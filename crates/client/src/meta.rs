@@ -1012,6 +1012,17 @@ impl<T: MetaTransport> MetaFs<T> {
         Self::attr(self.write_ino(ino, cmd).await?)
     }
 
+    /// The attributes of `ino` and, unless this client answers for them itself (a file it made
+    /// or one in a directory it owns, whose keys may still be on their way), its extent keys:
+    /// what an open for reading needs before its first read, in one round trip.
+    pub async fn open_read(&self, ino: Ino) -> FsResult<(Attr, Option<Vec<ExtentKey>>)> {
+        if let Some(a) = self.made_attr(ino).or_else(|| self.owned_attr(ino)) {
+            return Ok((a, None));
+        }
+        let (attr, keys) = self.extents(ino).await?;
+        Ok((attr, Some(keys)))
+    }
+
     pub async fn extents(&self, ino: Ino) -> FsResult<(Attr, Vec<ExtentKey>)> {
         match self.read_ino(ino, Query::GetExtents { ino }).await? {
             Reply::Extents(a, e) => Ok((a, e)),

@@ -51,8 +51,14 @@ impl Inner {
             .filter(|f| f.opens.load(Ordering::SeqCst) == 0))
     }
 
-    /// Opens a handle on `attr`'s inode.
-    pub(super) async fn open_attr(&self, attr: &Attr, flags: OpenFlags) -> FsResult<Fh> {
+    /// Opens a handle on the file `attr` describes; `keys`, when the caller read them with
+    /// `attr`, are its committed extent keys.
+    pub(super) async fn open_attr(
+        &self,
+        attr: &Attr,
+        flags: OpenFlags,
+        keys: Option<Vec<ExtentKey>>,
+    ) -> FsResult<Fh> {
         let file = {
             let mut files = lock(&self.files);
             let f = files.entry(attr.ino).or_insert_with(|| {
@@ -88,7 +94,7 @@ impl Inner {
             let mut st = file.state.lock().await;
             if st.run.is_none() {
                 st.size = attr.size;
-                st.extents = None;
+                st.extents = keys;
                 st.ahead = None;
             }
         }

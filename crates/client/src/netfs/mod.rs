@@ -399,7 +399,7 @@ impl Inner {
             .meta
             .create(parent, name, &NewInode::file(mode, caller.uid, caller.gid))
             .await?;
-        let fh = self.open_attr(&e.attr, flags).await?;
+        let fh = self.open_attr(&e.attr, flags, None).await?;
         // A new inode has no extent keys: its first write need not ask for them.
         if let Some(f) = self.open_file(e.attr.ino) {
             let mut st = f.state.lock().await;
@@ -530,7 +530,12 @@ impl Inner {
     }
 
     async fn open(&self, ino: Ino, flags: OpenFlags) -> FsResult<Fh> {
-        let mut attr = self.meta.getattr(ino).await?;
+        // An open for reading takes the keys with the attributes: the first read needs them.
+        let (mut attr, keys) = if flags.read && !flags.write {
+            self.meta.open_read(ino).await?
+        } else {
+            (self.meta.getattr(ino).await?, None)
+        };
         match attr.kind {
             FileType::Dir if flags.write => return Err(FsError::Meta(MetaError::IsDir)),
             _ => {}
@@ -562,7 +567,7 @@ impl Inner {
                 )
                 .await?;
         }
-        self.open_attr(&attr, flags).await
+        self.open_attr(&attr, flags, keys).await
     }
 
     async fn read(&self, fh: Fh, offset: u64, len: u32) -> FsResult<Bytes> {

@@ -266,8 +266,10 @@ impl ExtentStore {
     /// After an extent's files were synced: drops the synced pages (`drop_synced`), lets go of the
     /// files, marks the header durable.
     fn synced(&self, ext: &Arc<Extent>, p: Prepared, again: &mut Vec<Arc<Extent>>) {
-        if self.opts.drop_synced {
-            // Best effort: failing to drop costs memory, not data.
+        if self.opts.drop_synced && !Self::is_tiny(ext.id) {
+            // Best effort: failing to drop costs memory, not data. Tiny extents keep their pages:
+            // small files are read back soon after they are written (`cp -r`, a checkout, a
+            // build).
             let _ = p.files.data.drop_range(p.synced.0, p.synced.1);
         }
         drop(p.files);
