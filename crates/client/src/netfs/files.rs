@@ -92,7 +92,9 @@ impl Inner {
         {
             // Refreshed on open: another client may have changed the file.
             let mut st = file.state.lock().await;
-            if st.run.is_none() {
+            // A file whose bytes are written behind keeps this client's view: its keys may not
+            // have reached its partition yet.
+            if st.run.is_none() && !file.dirty.load(Ordering::SeqCst) {
                 st.size = attr.size;
                 st.extents = keys;
                 st.ahead = None;
@@ -218,6 +220,10 @@ impl Inner {
         st: &'a mut FileState,
     ) -> FsResult<&'a [ExtentKey]> {
         if st.extents.is_none() {
+            if f.dirty.load(Ordering::SeqCst) {
+                // Its keys may still be queued: they reach the partition first.
+                self.meta.settle().await?;
+            }
             let (attr, keys) = self.meta.extents(f.ino).await?;
             let run_end = st.run.as_ref().map_or(0, Run::end);
             st.size = attr.size.max(run_end);
