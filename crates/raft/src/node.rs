@@ -187,9 +187,6 @@ pub struct NodeConfig {
     pub max_inflight_msgs: usize,
     /// Entries kept in the log beyond the applied index before it is compacted behind a snapshot.
     pub compact_after: u64,
-    /// Serve reads on the leader's lease (no round trip, relies on bounded clock drift) instead of
-    /// confirming leadership with a quorum first (ReadIndex).
-    pub lease_reads: bool,
     /// Ticks a group must be idle (nothing to replicate, everyone caught up) before it hibernates:
     /// it stops ticking, so its leader sends no heartbeats and its followers start no elections.
     /// Followers hibernate after this many ticks, leaders after twice as many. A follower wakes on
@@ -199,9 +196,9 @@ pub struct NodeConfig {
     /// How long after a ReadIndex round it **sent** was confirmed by a quorum a leader may answer
     /// reads without another round ([`RaftNode::read`]). No other leader can exist before the
     /// followers' election timeout runs out after that round, so this must stay well under the
-    /// minimum election timeout in real time (`election_tick` ticks), minus clock drift. Unlike
-    /// raft-rs's lease (`lease_reads`), it survives hibernation: a leader that stopped ticking has
-    /// no lease until a new round confirms it. Zero disables it.
+    /// minimum election timeout in real time (`election_tick` ticks), minus clock drift. It survives
+    /// hibernation: a leader that stopped ticking has no lease until a new round confirms it. Zero
+    /// disables it.
     pub read_lease: std::time::Duration,
     /// A leader tells its followers a new commit index only with its next append or heartbeat,
     /// not with a message of its own (raft-rs's `skip_bcast_commit`). Each commit otherwise costs
@@ -220,7 +217,6 @@ impl Default for NodeConfig {
             max_size_per_msg: 1 << 20,
             max_inflight_msgs: 256,
             compact_after: 10_000,
-            lease_reads: false,
             hibernate_after: 20,
             read_lease: std::time::Duration::ZERO,
             skip_bcast_commit: true,
@@ -526,11 +522,9 @@ impl<S: StateMachine> RaftNode<S> {
             pre_vote: true,
             skip_bcast_commit: self.config.skip_bcast_commit,
             applied,
-            read_only_option: if self.config.lease_reads {
-                raft::ReadOnlyOption::LeaseBased
-            } else {
-                raft::ReadOnlyOption::Safe
-            },
+            // Every read confirms leadership with a quorum (ReadIndex); raft-rs's lease-based
+            // reads trust a leader that may not have stepped down yet (see `read_lease`).
+            read_only_option: raft::ReadOnlyOption::Safe,
             ..Config::default()
         };
         cfg.validate()?;

@@ -111,24 +111,17 @@ fn the_checker_rejects_a_stale_read() {
 
 /// One seeded run. With `read_index == false`, reads are served at once from the state machine of a
 /// random live node (possibly isolated or behind): the unsafe shortcut the checker must catch.
-fn run(seed: u64, read_index: bool, lease: bool) -> Vec<Op> {
-    run_with(seed, read_index, lease, std::time::Duration::ZERO, false)
+fn run(seed: u64, read_index: bool) -> Vec<Op> {
+    run_with(seed, read_index, std::time::Duration::ZERO, false)
 }
 
 /// [`run`] with nacre's own read lease (`read_lease`); the cluster's clock advances 100 ms per tick.
 /// With `direct`, every other read first tries a random live node's [`ReadGate`]: if it is open, the
 /// node's state machine is read at once, as a meta node's messenger thread does.
-fn run_with(
-    seed: u64,
-    read_index: bool,
-    lease: bool,
-    read_lease: std::time::Duration,
-    direct: bool,
-) -> Vec<Op> {
+fn run_with(seed: u64, read_index: bool, read_lease: std::time::Duration, direct: bool) -> Vec<Op> {
     // Deterministic per seed.
     let mut rng = fastrand::Rng::with_seed(seed);
     let config = NodeConfig {
-        lease_reads: lease,
         read_lease,
         ..NodeConfig::default()
     };
@@ -266,7 +259,7 @@ fn a_register_stays_linearizable_under_partitions_and_crashes() {
     let mut reads = 0;
     let mut writes = 0;
     for seed in 0..40 {
-        let history = run(seed, true, false);
+        let history = run(seed, true);
         reads += history
             .iter()
             .filter(|o| matches!(o.kind, Kind::Read(_)))
@@ -284,7 +277,7 @@ fn a_register_stays_linearizable_under_partitions_and_crashes() {
 #[test]
 fn the_check_catches_stale_reads_served_without_read_index() {
     let violations = (0..40)
-        .filter(|&seed| !linearizable(&run(seed, false, false)))
+        .filter(|&seed| !linearizable(&run(seed, false)))
         .count();
     assert!(
         violations > 0,
@@ -292,28 +285,12 @@ fn the_check_catches_stale_reads_served_without_read_index() {
     );
 }
 
-/// Lease reads skip the quorum round trip and rely on bounded clock drift; in this harness every node
-/// ticks together, so leases must never be stale.
-#[test]
-fn lease_reads_stay_linearizable_when_clocks_agree() {
-    for seed in 100..130 {
-        let history = run(seed, true, true);
-        assert!(linearizable(&history), "seed {seed}: {history:#?}");
-    }
-}
-
 /// nacre's read lease (a third of the election timeout, counted from a confirmed round's send
 /// time) under the same faults: crashes, isolations and elections.
 #[test]
 fn read_leases_stay_linearizable_under_faults() {
     for seed in 200..240 {
-        let history = run_with(
-            seed,
-            true,
-            false,
-            std::time::Duration::from_millis(333),
-            false,
-        );
+        let history = run_with(seed, true, std::time::Duration::from_millis(333), false);
         assert!(linearizable(&history), "seed {seed}: {history:#?}");
     }
 }
@@ -329,13 +306,7 @@ fn reads_through_an_open_read_gate_stay_linearizable_under_faults() {
     // to mean something: how often they open varies with raft-rs's random election timeouts.
     let mut seed = 300;
     while seed < 360 || (direct() <= 30 && seed < 600) {
-        let history = run_with(
-            seed,
-            true,
-            false,
-            std::time::Duration::from_millis(333),
-            true,
-        );
+        let history = run_with(seed, true, std::time::Duration::from_millis(333), true);
         assert!(linearizable(&history), "seed {seed}: {history:#?}");
         seed += 1;
     }
