@@ -703,3 +703,52 @@ fn a_file_rewritten_at_once_is_never_seen_empty() {
         shut_down(&msgr).await;
     });
 }
+
+/// A file allocated ahead (`fallocate`, as fio and downloaders do) and then written in 128 KiB
+/// chunks that arrive out of order (FUSE sends the chunks of one large `O_DIRECT` write in
+/// parallel): the bytes read back right, and they land in a few normal extents, so later
+/// overwrites go in place, not in many small copy-on-write pieces.
+#[test]
+fn chunks_past_the_end_of_an_allocated_file_land_in_normal_extents() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = start_cluster(dir.path());
+    runtime().block_on(async {
+        let (msgr, mc) = client_with_volume(&cluster.master_addr).await;
+        let fs = NetFs::new(open_volume(&msgr, &mc).await);
+        let me = Caller { uid: 0, gid: 0 };
+        let (attr, fh) = fs
+            .create(ROOT_INO, b"alloc", 0o644, me, OpenFlags::READ_WRITE)
+            .await
+            .unwrap();
+        let ino = attr.attr.ino;
+        const CHUNK: usize = 128 << 10;
+        const CHUNKS: usize = 64; // 8 MiB
+        fs.fallocate(fh, Falloc::Allocate, 0, (CHUNK * CHUNKS) as u64)
+            .await
+            .unwrap();
+        let mut rng = Rng::with_seed(0xa110c);
+        let data = random_bytes(&mut rng, CHUNK * CHUNKS);
+        // Groups of 8 chunks (one 1 MiB write), each group's chunks in a shuffled order.
+        for group in (0..CHUNKS).collect::<Vec<_>>().chunks(8) {
+            let mut order = group.to_vec();
+            rng.shuffle(&mut order);
+            for k in order {
+                let off = k * CHUNK;
+                let n = fs
+                    .write(fh, off as u64, data.slice(off..off + CHUNK))
+                    .await
+                    .unwrap();
+                assert_eq!(n as usize, CHUNK);
+            }
+        }
+        fs.fsync(fh).await.unwrap();
+        let got = read_all(&fs, fh, data.len()).await;
+        assert!(got[..] == data[..], "{}", first_diff(&got, &data));
+        let (_, keys) = fs.meta().extents(ino).await.unwrap();
+        let tiny = keys.iter().filter(|k| k.extent.is_tiny()).count();
+        assert_eq!(tiny, 0, "keys in tiny extents: {keys:?}");
+        assert!(keys.len() <= 8, "{} keys: {keys:?}", keys.len());
+        fs.release(fh).await.unwrap();
+    });
+}

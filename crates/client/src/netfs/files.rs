@@ -464,6 +464,13 @@ impl Inner {
             return Ok(());
         };
         run.buf.extend_from_slice(&data);
+        if !st.pieces.is_empty() {
+            st.pieces_bytes -= pieces::cut(&mut st.pieces, off, off + data.len() as u64);
+            for b in pieces::take_following(&mut st.pieces, run.end()) {
+                st.pieces_bytes -= b.len();
+                run.buf.extend_from_slice(&b);
+            }
+        }
         let end = run.end();
         st.size = st.size.max(end);
         if run.buf.len() >= MAX_PACKET

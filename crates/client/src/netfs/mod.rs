@@ -648,8 +648,15 @@ impl Inner {
                 return Ok(n);
             }
         }
-        // Anywhere but the end of the run: the run is committed first.
+        // Anywhere but the end of the run: a piece if into a hole past it, else the run is
+        // committed first.
         if st.run.as_ref().is_some_and(|r| r.end() != off) {
+            if end <= st.size && self.buffer_hole(&mut st, off, &data) {
+                if st.pieces_bytes > pieces::PIECES_MAX {
+                    self.flush_file(&f, &mut st).await?;
+                }
+                return Ok(n);
+            }
             self.flush_file(&f, &mut st).await?;
         }
         if st.run.is_none() {
@@ -657,6 +664,17 @@ impl Inner {
                 self.extents(&f, &mut st).await?;
             }
             if off < st.size {
+                // Where the committed bytes end, inside the size (a file `fallocate`d or
+                // `ftruncate`d ahead of its writes): a run, streamed like appends, so sequential
+                // writes there land in normal extents.
+                let keys_end = st
+                    .extents
+                    .as_deref()
+                    .and_then(<[ExtentKey]>::last)
+                    .map_or(0, ExtentKey::end);
+                if off == keys_end {
+                    return self.extend_run(&mut st, off, data).await.map(|()| n);
+                }
                 // Into a hole: kept in memory until the next commit.
                 if end <= st.size && self.buffer_hole(&mut st, off, &data) {
                     if st.pieces_bytes > pieces::PIECES_MAX {

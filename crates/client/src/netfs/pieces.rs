@@ -6,6 +6,10 @@
 //! replicated write and a key commit, and its cost does not grow with the file's keys.
 //!
 //! Pieces never overlap each other, a key or the run; neighbours merge up to a packet (128 KiB).
+//! A run that grows onto pieces takes them over: its bytes replace the parts of pieces they
+//! cover, and the pieces that continue it without a gap join it. So the chunks of a large
+//! `O_DIRECT` write, which FUSE sends in parallel and which may arrive out of order past the end
+//! of a file allocated ahead, still end up in one normal extent.
 //! A file's pieces are bounded by [`PIECES_MAX`]: past that the write commits them first.
 
 use std::collections::BTreeMap;
@@ -29,13 +33,17 @@ const KEYS_PER_COMMIT: usize = 1024;
 
 impl Inner {
     /// Keeps `data` at `off` as a piece when `[off, off + len)` is a hole of the committed file
-    /// (no key there, inside its size, no run); `false` when it is not one.
+    /// (no key there, inside its size, outside the run); `false` when it is not one.
     pub(super) fn buffer_hole(&self, st: &mut FileState, off: u64, data: &[u8]) -> bool {
         let end = off + data.len() as u64;
         let Some(keys) = st.extents.as_deref() else {
             return false;
         };
-        if st.run.is_some() || end > st.size || !overlapping(keys, off, end).is_empty() {
+        let in_run = st
+            .run
+            .as_ref()
+            .is_some_and(|r| off < r.end() && r.start < end);
+        if in_run || end > st.size || !overlapping(keys, off, end).is_empty() {
             return false;
         }
         st.pieces_bytes += insert(&mut st.pieces, off, data);
@@ -149,6 +157,44 @@ pub(super) fn overlap(st: &FileState, from: u64, to: u64) -> bool {
         .is_some_and(|(s, b)| *s + b.len() as u64 > from)
 }
 
+/// Drops the bytes of `pieces` inside `[from, to)` (written over since, outside the pieces),
+/// keeping what lies on either side. Returns the bytes dropped.
+pub(super) fn cut(pieces: &mut BTreeMap<u64, BytesMut>, from: u64, to: u64) -> usize {
+    let first = pieces
+        .range(..=from)
+        .next_back()
+        .filter(|(s, b)| **s + b.len() as u64 > from)
+        .map_or(from, |(s, _)| *s);
+    let hit: Vec<u64> = pieces.range(first..to).map(|(s, _)| *s).collect();
+    let mut dropped = 0;
+    for s in hit {
+        let Some(mut b) = pieces.remove(&s) else {
+            continue;
+        };
+        let e = s + b.len() as u64;
+        let (lo, hi) = (s.max(from), e.min(to));
+        dropped += (hi - lo) as usize;
+        if hi < e {
+            pieces.insert(hi, b.split_off((hi - s) as usize));
+        }
+        if s < lo {
+            b.truncate((lo - s) as usize);
+            pieces.insert(s, b);
+        }
+    }
+    dropped
+}
+
+/// Takes the pieces that continue `at` without a gap, in order: the bytes from `at` on.
+pub(super) fn take_following(pieces: &mut BTreeMap<u64, BytesMut>, mut at: u64) -> Vec<BytesMut> {
+    let mut out = Vec::new();
+    while let Some(b) = pieces.remove(&at) {
+        at += b.len() as u64;
+        out.push(b);
+    }
+    out
+}
+
 /// Puts `data` at `off` into `pieces` (disjoint): over the parts of pieces it overlaps, into
 /// neighbours it touches while they stay within a packet, as new pieces elsewhere. Returns the
 /// bytes added.
@@ -229,6 +275,40 @@ mod tests {
             }
             proptest::prop_assert_eq!(flat(&pieces), want.clone());
             proptest::prop_assert_eq!(total, want.len());
+        }
+
+        /// A cut removes exactly the bytes in its range, and the pieces that follow a point
+        /// without a gap come out in order.
+        #[test]
+        fn cut_and_take_following_match_a_byte_map(
+            writes in proptest::collection::vec((0..300u64, 1..200usize, 0..255u8), 1..30),
+            from in 0..400u64,
+            len in 0..200u64,
+            at in 0..400u64,
+        ) {
+            let mut pieces = BTreeMap::new();
+            for (off, n, fill) in writes {
+                insert(&mut pieces, off, &vec![fill; n]);
+            }
+            let mut want = flat(&pieces);
+            let before = want.len();
+            want.retain(|o, _| *o < from || *o >= from + len);
+            let dropped = cut(&mut pieces, from, from + len);
+            proptest::prop_assert_eq!(dropped, before - want.len());
+            proptest::prop_assert_eq!(flat(&pieces), want.clone());
+            let mut end = 0;
+            for (s, b) in &pieces {
+                proptest::prop_assert!(*s >= end && !b.is_empty());
+                end = s + b.len() as u64;
+            }
+            let taken: Vec<u8> = take_following(&mut pieces, at).concat();
+            let mut o = at;
+            for x in &taken {
+                proptest::prop_assert_eq!(want.remove(&o), Some(*x));
+                o += 1;
+            }
+            proptest::prop_assert!(!pieces.contains_key(&o));
+            proptest::prop_assert_eq!(flat(&pieces), want);
         }
     }
 }
