@@ -190,7 +190,7 @@ struct BenchFsArgs {
     #[arg(long, default_value = "fs")]
     label: String,
     /// Workloads, comma-separated: create, create-parallel, untar, cp, rm, git-clone,
-    /// git-checkout, rename, unlink, or all.
+    /// git-checkout, rename, unlink, holes, holes-mmap, overwrite, or all.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     workloads: Vec<String>,
     /// File sizes of `create` (comma-separated; units k, m).
@@ -223,6 +223,12 @@ struct BenchFsArgs {
     /// 4 KiB files created, synced and removed before the first phase, not timed.
     #[arg(long, default_value_t = 100)]
     warmup_files: usize,
+    /// File size of `holes`, `holes-mmap` and `overwrite` (units k, m, g).
+    #[arg(long, value_parser = parse_size, default_value = "256m")]
+    sparse_size: usize,
+    /// 4 KiB writes of `overwrite`.
+    #[arg(long, default_value_t = 8192)]
+    overwrites: u64,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
@@ -965,6 +971,8 @@ fn bench_fs(a: BenchFsArgs) -> anyhow::Result<()> {
         git_repo: a.git_repo,
         git_back: a.git_back,
         warmup_files: a.warmup_files,
+        sparse_size: a.sparse_size as u64,
+        overwrites: a.overwrites,
     };
     let json = a.json;
     let rows = bench::fs::run(&p, |r| {

@@ -19,6 +19,13 @@
 //! | `git-checkout` | `git checkout` to the commit `--git-back` before HEAD and back, per changed file |
 //! | `rename` | rename of one of `--storm` files within one directory |
 //! | `unlink` | unlink of one of `--storm` 4 KiB files |
+//! | `holes` | 4 KiB `pwrite` into a sparse `--sparse-size` file, every block once, seeded random order |
+//! | `holes-mmap` | the same through a shared `mmap`, `msync` every 256 writes |
+//! | `overwrite` | 4 KiB `pwrite` over allocated blocks of a `--sparse-size` file, random order |
+//!
+//! `holes` and `holes-mmap` also report the rates of the first and the last tenth of the writes
+//! (`first_tenth_writes_per_s`, `last_tenth_writes_per_s`); the last tenth includes the final
+//! `fsync`. Every block is read back and compared afterwards (not timed).
 //!
 //! The unpacked tree is compared with its source, and the copy with the unpacked tree, by
 //! `diff -r --no-dereference` (not timed); any difference fails the benchmark.
@@ -49,10 +56,13 @@ pub enum Workload {
     GitCheckout,
     Rename,
     Unlink,
+    Holes,
+    HolesMmap,
+    Overwrite,
 }
 
 impl Workload {
-    pub const ALL: [Workload; 9] = [
+    pub const ALL: [Workload; 12] = [
         Workload::Create,
         Workload::CreateParallel,
         Workload::Untar,
@@ -62,6 +72,9 @@ impl Workload {
         Workload::GitCheckout,
         Workload::Rename,
         Workload::Unlink,
+        Workload::Holes,
+        Workload::HolesMmap,
+        Workload::Overwrite,
     ];
 
     pub fn name(self) -> &'static str {
@@ -75,6 +88,9 @@ impl Workload {
             Workload::GitCheckout => "git-checkout",
             Workload::Rename => "rename",
             Workload::Unlink => "unlink",
+            Workload::Holes => "holes",
+            Workload::HolesMmap => "holes-mmap",
+            Workload::Overwrite => "overwrite",
         }
     }
 
@@ -146,6 +162,10 @@ pub struct Params {
     /// 4 KiB files created, synced and removed before the first phase, not timed (a fresh mount's
     /// first writes open extents and connections).
     pub warmup_files: usize,
+    /// Size of the files of `holes`, `holes-mmap` and `overwrite` (a multiple of 4 KiB).
+    pub sparse_size: u64,
+    /// Writes of `overwrite` (at most one per block).
+    pub overwrites: u64,
 }
 
 /// One measured phase.
@@ -252,6 +272,10 @@ pub fn run(p: &Params, mut on_row: impl FnMut(&FsRow)) -> anyhow::Result<Vec<FsR
     ensure!(
         p.files > 0 && p.storm > 0 && p.writers > 0,
         "--files, --storm and --writers must be at least 1"
+    );
+    ensure!(
+        p.sparse_size >= 10 * BLOCK && p.sparse_size.is_multiple_of(BLOCK),
+        "--sparse-size must be a multiple of 4 KiB and at least 40 KiB"
     );
     for w in &p.workloads {
         for tool in w.tools() {
@@ -360,6 +384,11 @@ impl<F: FnMut(&FsRow)> Bench<'_, F> {
         }
         if self.wants(Workload::Unlink) {
             self.unlink()?;
+        }
+        for w in [Workload::Holes, Workload::HolesMmap, Workload::Overwrite] {
+            if self.wants(w) {
+                self.sparse(w)?;
+            }
         }
         Ok(())
     }
@@ -620,6 +649,213 @@ impl<F: FnMut(&FsRow)> Bench<'_, F> {
     }
 }
 
+/// The block of `holes`, `holes-mmap` and `overwrite`.
+const BLOCK: u64 = 4096;
+/// `holes-mmap` calls `msync` after this many writes.
+const MSYNC_EVERY: u64 = 256;
+
+impl<F: FnMut(&FsRow)> Bench<'_, F> {
+    /// 4 KiB writes in a seeded random order into one file: into its holes (`holes`, by `pwrite`;
+    /// `holes-mmap`, through a shared mapping) or over its allocated blocks (`overwrite`). Ends
+    /// with `fsync` of the file and the directory sync, inside the timing.
+    fn sparse(&mut self, w: Workload) -> anyhow::Result<()> {
+        use std::os::unix::fs::FileExt as _;
+        let path = self.root.join(w.name());
+        let size = self.p.sparse_size;
+        let blocks = size / BLOCK;
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .with_context(|| format!("create {}", path.display()))?;
+        if w == Workload::Overwrite {
+            let chunk = vec![0x3cu8; 1 << 20];
+            let mut off = 0;
+            while off < size {
+                let n = chunk.len().min((size - off) as usize);
+                f.write_all_at(&chunk[..n], off)
+                    .with_context(|| format!("write {}", path.display()))?;
+                off += n as u64;
+            }
+            f.sync_all()
+                .with_context(|| format!("fsync {}", path.display()))?;
+        } else {
+            f.set_len(size)
+                .with_context(|| format!("truncate {}", path.display()))?;
+        }
+        sync(self.root)?;
+        let mut order: Vec<u64> = (0..blocks).collect();
+        fastrand::Rng::with_seed(0x5eed).shuffle(&mut order);
+        if w == Workload::Overwrite {
+            order.truncate(self.p.overwrites.clamp(1, blocks) as usize);
+        }
+        let writes = order.len() as u64;
+        let tenth = writes / 10;
+        let map = match w {
+            Workload::HolesMmap => Some(Mapping::new(&f, size as usize)?),
+            _ => None,
+        };
+        let mut block = [0u8; BLOCK as usize];
+        let mut marks = Vec::with_capacity(2);
+        let t = Instant::now();
+        for (i, &b) in order.iter().enumerate() {
+            let i = i as u64;
+            // When the first tenth ends and the last begins.
+            if i == tenth || i == 9 * tenth {
+                marks.push(t.elapsed().as_secs_f64());
+            }
+            stamp(&mut block, b);
+            let off = b * BLOCK;
+            match &map {
+                Some(m) => {
+                    m.write(off as usize, &block);
+                    if (i + 1).is_multiple_of(MSYNC_EVERY) {
+                        m.sync().context("msync")?;
+                    }
+                }
+                None => f
+                    .write_all_at(&block, off)
+                    .with_context(|| format!("write {}", path.display()))?,
+            }
+        }
+        if let Some(m) = &map {
+            m.sync().context("msync")?;
+        }
+        f.sync_all()
+            .with_context(|| format!("fsync {}", path.display()))?;
+        sync(self.root)?;
+        let secs = t.elapsed().as_secs_f64();
+        drop(map);
+        let (first_end, last_start) = match marks[..] {
+            [a, b] => (a, b),
+            _ => (secs, 0.0),
+        };
+        let first = tenth as f64 / first_end.max(1e-9);
+        let last = (writes - 9 * tenth) as f64 / (secs - last_start).max(1e-9);
+        verify_blocks(&f, &path, blocks, w == Workload::Overwrite, &order)?;
+        let mut params = vec![("file_size", json!(size)), ("block_size", json!(BLOCK))];
+        if w != Workload::Overwrite {
+            params.push(("first_tenth_writes_per_s", json!(round3(first))));
+            params.push(("last_tenth_writes_per_s", json!(round3(last))));
+        }
+        self.push(w, "writes", writes, Some(writes * BLOCK), secs, params);
+        drop(f);
+        fs::remove_file(&path).with_context(|| format!("remove {}", path.display()))?;
+        sync(self.root)
+    }
+}
+
+/// Writes block `b`'s number into every 512 bytes of `block`, so a block in the wrong place or
+/// missing shows.
+fn stamp(block: &mut [u8; BLOCK as usize], b: u64) {
+    for (i, sector) in block.chunks_mut(512).enumerate() {
+        sector[..8].copy_from_slice(&b.to_le_bytes());
+        sector[8] = i as u8;
+        sector[9..].fill(b as u8);
+    }
+}
+
+/// Reads the file back: each written block carries its stamp; the rest of an overwritten file
+/// its first contents.
+fn verify_blocks(
+    f: &File,
+    path: &Path,
+    blocks: u64,
+    overwrite: bool,
+    written: &[u64],
+) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    let mut is_written = vec![false; blocks as usize];
+    for &b in written {
+        is_written[b as usize] = true;
+    }
+    let (mut want, mut got) = ([0u8; BLOCK as usize], vec![0u8; 1 << 20]);
+    let per = got.len() as u64 / BLOCK;
+    for first in (0..blocks).step_by(per as usize) {
+        let n = per.min(blocks - first);
+        let buf = &mut got[..(n * BLOCK) as usize];
+        f.read_exact_at(buf, first * BLOCK)
+            .with_context(|| format!("read {}", path.display()))?;
+        for (k, have) in buf.chunks(BLOCK as usize).enumerate() {
+            let b = first + k as u64;
+            if is_written[b as usize] {
+                stamp(&mut want, b);
+            } else {
+                want.fill(if overwrite { 0x3c } else { 0 });
+            }
+            ensure!(
+                have == want,
+                "{}: block {b} reads back wrong",
+                path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A shared, writable mapping of a whole file.
+struct Mapping {
+    ptr: std::ptr::NonNull<libc::c_void>,
+    len: usize,
+}
+
+#[allow(unsafe_code)]
+impl Mapping {
+    fn new(f: &File, len: usize) -> anyhow::Result<Self> {
+        use std::os::fd::AsRawFd as _;
+        // SAFETY: a fresh mapping of an open file descriptor; the kernel picks the address.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error()).context("mmap");
+        }
+        let ptr = std::ptr::NonNull::new(ptr).context("mmap returned null")?;
+        Ok(Self { ptr, len })
+    }
+
+    /// Copies `data` to `off` of the mapping.
+    fn write(&self, off: usize, data: &[u8]) {
+        assert!(off + data.len() <= self.len, "write past the mapping");
+        // SAFETY: in bounds (checked above) of a live mapping that only this thread writes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.ptr.as_ptr().cast::<u8>().add(off),
+                data.len(),
+            );
+        }
+    }
+
+    /// `msync(MS_SYNC)` of the whole mapping.
+    fn sync(&self) -> std::io::Result<()> {
+        // SAFETY: the whole live mapping.
+        if unsafe { libc::msync(self.ptr.as_ptr(), self.len, libc::MS_SYNC) } == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    }
+}
+
+#[allow(unsafe_code)]
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr(), self.len);
+        }
+    }
+}
+
 fn file_name(i: usize) -> String {
     format!("f{i:07}")
 }
@@ -816,6 +1052,8 @@ mod tests {
             git_repo: repo.path().to_path_buf(),
             git_back: 200,
             warmup_files: 3,
+            sparse_size: 64 << 10,
+            overwrites: 8,
         };
         let rows = run(&p, |_| {})?;
         for w in Workload::ALL {
