@@ -18,11 +18,12 @@
 //! - `follower-take have=H committed=C offset=O [tiny]`
 //! - `plan-batch next=N max=M waiting=OFFSET:LEN,…`
 //! - `track-from-disk len=L leading=BOOL`
+//! - `tiny-offset next=N committed=C held=H align=A`
 //! - `repair have=H committed=C suspect=BOOL block=B`
 
 use std::collections::{BTreeSet, HashMap};
 
-use nacre_data::repl::extent::{Take, follower_take, plan_batch, track_from_disk};
+use nacre_data::repl::extent::{Take, follower_take, plan_batch, tiny_offset, track_from_disk};
 use nacre_data::repl::{
     Action, Event, RepairStep, Replication, Round, TransferReason, repair_steps,
 };
@@ -148,6 +149,15 @@ fn command(r: &mut Replication, line: &str) -> Vec<String> {
                 join(b.stale.iter()),
                 join(b.take.iter())
             )];
+        }
+        "tiny-offset" => {
+            let at = tiny_offset(
+                args.num("next"),
+                args.num("committed"),
+                args.num("held"),
+                args.num("align"),
+            );
+            return vec![format!("offset={at}")];
         }
         "track-from-disk" => {
             let (next, committed) = track_from_disk(args.num("len"), args.get("leading") == "true");
@@ -401,6 +411,17 @@ fn scenario_aware_replication_a_leader_change_mid_append_cuts_the_unacknowledged
         > write
         follower-take have=100 committed=100 offset=4096 tiny
         > write
+        # The new leader's tiny writes go past its track, the committed offset and its own copy,
+        # on page boundaries: a track made from a length listed before a replica's write ended
+        # is behind that write.
+        tiny-offset next=4096 committed=4096 held=4096 align=4096
+        > offset=4096
+        tiny-offset next=4096 committed=8192 held=4096 align=4096
+        > offset=8192
+        tiny-offset next=4096 committed=4096 held=135168 align=4096
+        > offset=135168
+        tiny-offset next=100 committed=0 held=50 align=4096
+        > offset=4096
 
         # The same election with a write to 1024 still in flight here: no cut, and appends
         # continue after the tail.

@@ -62,6 +62,15 @@ pub enum Refused {
     PastEnd { offset: u64, have: u64 },
 }
 
+/// Where the primary puts a tiny write (tiny extents take their writes on `align` boundaries,
+/// past everything): past where its track says the next write goes, past the committed offset and
+/// past the `held` bytes of its own copy. The track alone is not enough: one made at a leader
+/// change from lengths read earlier can be behind a replica's write that ended since, and a tiny
+/// write there would overwrite acknowledged bytes of other files.
+pub fn tiny_offset(next: u64, committed: u64, held: u64, align: u64) -> u64 {
+    next.max(committed).max(held).next_multiple_of(align)
+}
+
 /// How a backup holding `have` bytes of an extent, whose committed offset is `committed`, takes a
 /// batch at `offset`. A tiny extent's writes land where the primary put them (their offsets are
 /// aligned, so they may leave a gap).

@@ -146,7 +146,21 @@ impl DataNode {
                     len,
                     cut,
                 } => {
-                    let mut have = len;
+                    // A write in flight here keeps its track (and so its lock): a fresh one
+                    // would let the next write start where that one is still writing.
+                    if let Some(t) = held.get(&extent).filter(|t| Arc::strong_count(t) > 1) {
+                        t.commit(committed);
+                        t.next.send_if_modified(|n| {
+                            let grew = committed > *n;
+                            *n = (*n).max(committed);
+                            grew
+                        });
+                        tracks.insert(extent, t.clone());
+                        continue;
+                    }
+                    // The length now, not the one listed when the round began: a replica's
+                    // write may have ended since.
+                    let mut have = part.store.len(extent).unwrap_or(len).max(len);
                     if cut && part.store.truncate(extent, committed).is_ok() {
                         have = committed;
                     }

@@ -14,6 +14,7 @@ use super::TINY_ALIGN;
 use super::{DataNode, Part, off_worker};
 use crate::repl::Event;
 use crate::repl::extent::plan_batch;
+use crate::repl::extent::tiny_offset;
 use crate::sm::store_error;
 use crate::store::{ExtentStore, StoreError};
 use nacre_api::data::*;
@@ -381,7 +382,8 @@ impl DataNode {
             let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
             off_worker(move || {
                 let _w = track.lock_write();
-                let offset = (*track.next.borrow()).next_multiple_of(TINY_ALIGN);
+                let held = store.len(extent).map_err(store_error)?;
+                let offset = tiny_offset(*track.next.borrow(), track.committed(), held, TINY_ALIGN);
                 store.write(extent, offset, &bytes).map_err(write_error)?;
                 track.next.send_replace(offset + len);
                 Ok((offset, track.committed()))
