@@ -277,7 +277,7 @@ mod tests {
         /// them one by one.
         #[test]
         fn overlay_all_is_overlay_one_by_one(
-            old in proptest::collection::vec((0..8u8, 0..8u8), 0..12),
+            old in proptest::collection::vec((0..8u8, 0..8u8), 0..40),
             new in proptest::collection::vec((0..6u8, 0..6u8), 0..16),
         ) {
             let keys = keys_from(&old);
