@@ -39,6 +39,29 @@ pub fn overlay(keys: &mut Vec<ExtentKey>, new: ExtentKey, dropped: &mut Vec<Exte
     keys.splice(first..last, left.into_iter().chain([new]).chain(right));
 }
 
+/// Whether no key of `keys` (sorted, disjoint) overlaps `n`.
+fn in_hole(keys: &[ExtentKey], n: &ExtentKey) -> bool {
+    let first = keys.partition_point(|k| k.end() <= n.file_offset);
+    keys.get(first).is_none_or(|k| k.file_offset >= n.end())
+}
+
+/// Merges `new` (sorted, disjoint, each in a hole of `keys`) into `keys` in place, from the back:
+/// one exact growth of the vector and each old key moved at most once, in runs.
+fn insert_into_holes(keys: &mut Vec<ExtentKey>, new: &[ExtentKey]) {
+    let old = keys.len();
+    keys.reserve_exact(new.len());
+    keys.extend_from_slice(new);
+    let (mut i, mut w) = (old, keys.len());
+    for n in new.iter().rev() {
+        let p = keys[..i].partition_point(|k| k.file_offset < n.file_offset);
+        keys.copy_within(p..i, w - (i - p));
+        w -= i - p;
+        i = p;
+        w -= 1;
+        keys[w] = *n;
+    }
+}
+
 /// [`overlay`] of every key of `new` in turn, in one pass over `keys` when `new` is sorted and
 /// disjoint (a client's batch of written pieces): the runs of old keys no new key touches are
 /// copied whole, so a batch of k keys into a file of n costs O(k log n) searches and one copy of
@@ -50,6 +73,10 @@ pub fn overlay_all(keys: &mut Vec<ExtentKey>, new: &[ExtentKey], dropped: &mut V
         for k in new {
             overlay(keys, *k, dropped);
         }
+        return;
+    }
+    if new.iter().all(|n| in_hole(keys, n)) {
+        insert_into_holes(keys, new);
         return;
     }
     // What is left of the old keys: each old key meets the new keys over it in order, as the

@@ -273,6 +273,27 @@ mod tests {
             prop_assert_eq!(bytes(&punched), want_punched);
         }
 
+        /// A sorted batch wholly in holes (a client's pieces) is merged in place, as overlaying
+        /// the keys one by one would, and drops nothing.
+        #[test]
+        fn overlay_all_into_holes_is_overlay_one_by_one(
+            spec in proptest::collection::vec((0..4u8, 0..6u8, proptest::bool::ANY), 0..60),
+        ) {
+            let all = keys_from(&spec.iter().map(|(g, z, _)| (*g, *z)).collect::<Vec<_>>());
+            let (mut keys, mut batch) = (Vec::new(), Vec::new());
+            for (k, (_, _, is_new)) in all.into_iter().zip(&spec) {
+                if *is_new { batch.push(k) } else { keys.push(k) }
+            }
+            let (mut one, mut one_dropped) = (keys.clone(), Vec::new());
+            for k in &batch {
+                nacre_api::meta::extents::overlay(&mut one, *k, &mut one_dropped);
+            }
+            let (mut merged, mut dropped) = (keys, Vec::new());
+            nacre_api::meta::extents::overlay_all(&mut merged, &batch, &mut dropped);
+            prop_assert_eq!(merged, one);
+            prop_assert!(dropped.is_empty() && one_dropped.is_empty());
+        }
+
         /// `overlay_all` of a sorted batch gives the keys and the dropped keys of overlaying
         /// them one by one.
         #[test]
