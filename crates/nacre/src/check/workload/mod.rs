@@ -29,8 +29,10 @@ mod client;
 mod content;
 mod model;
 #[cfg(test)]
-mod tests;
+pub(in crate::check) mod tests;
 mod verify;
+
+pub(in crate::check) use verify::{list_all, resolve, retry};
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -265,18 +267,18 @@ fn unknown(why: &str) -> FsError {
     FsError::Unavailable(CallError::Unknown(why.into()))
 }
 
-fn not_found(e: &FsError) -> bool {
+pub(in crate::check) fn not_found(e: &FsError) -> bool {
     matches!(e, FsError::Meta(MetaError::NotFound))
 }
 
-async fn timed<T>(fut: impl Future<Output = FsResult<T>>) -> FsResult<T> {
+pub(in crate::check) async fn timed<T>(fut: impl Future<Output = FsResult<T>>) -> FsResult<T> {
     tokio::time::timeout(CALL_TIMEOUT, fut)
         .await
         .unwrap_or_else(|_| Err(unknown("timed out")))
 }
 
 /// Resolves when `stop` turns true (never if its sender is gone without saying so).
-async fn until_stopped(stop: &mut watch::Receiver<bool>) {
+pub(in crate::check) async fn until_stopped(stop: &mut watch::Receiver<bool>) {
     if stop.wait_for(|s| *s).await.is_err() {
         std::future::pending::<()>().await;
     }
@@ -401,7 +403,11 @@ impl Drop for Workload {
 }
 
 /// File `ino` (at most `cap` bytes): open, read until a short read, release.
-async fn read_file<F: FileSystem>(fs: &F, ino: Ino, cap: u64) -> FsResult<Vec<u8>> {
+pub(in crate::check) async fn read_file<F: FileSystem>(
+    fs: &F,
+    ino: Ino,
+    cap: u64,
+) -> FsResult<Vec<u8>> {
     let fh = timed(fs.open(ino, OpenFlags::READ)).await?;
     let mut out = Vec::new();
     let r = async {
