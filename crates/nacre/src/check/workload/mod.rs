@@ -166,6 +166,9 @@ pub enum Finding {
     /// A rename that failed left the file under both names (nothing is lost, but rename is not
     /// atomic under failure).
     RenameNotAtomic { from: String, to: String },
+    /// After a kill of the client process (`kill-client`), a file holds none of the states its
+    /// journal allows.
+    Crash(crate::check::kill_client::judge::Violation),
 }
 
 impl Finding {
@@ -177,6 +180,7 @@ impl Finding {
             | Self::Unexpected { path, .. }
             | Self::Unreadable { path, .. } => path,
             Self::RenameNotAtomic { from, .. } => from,
+            Self::Crash(v) => &v.path,
         }
     }
 }
@@ -211,6 +215,7 @@ impl fmt::Display for Finding {
                     "rename not atomic: both {from} and {to} exist after a failed rename"
                 )
             }
+            Self::Crash(v) => write!(f, "{v}"),
         }
     }
 }
