@@ -20,6 +20,10 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::content::{self, Found, RECORD, VersionId};
+
+/// The longest version a journal may name: the checker holds versions in memory (the client
+/// writes at most 256 KiB).
+pub const MAX_LEN: u64 = 16 << 20;
 use super::journal::{JournalError, Op, Record};
 
 /// A file's state.
@@ -121,6 +125,11 @@ impl Expectations {
         self.stats.started += 1;
         match *op {
             Op::Write { file, version, len } => {
+                if len > MAX_LEN {
+                    return Err(format!(
+                        "f{file} v{version} has {len} bytes (at most {MAX_LEN})"
+                    ));
+                }
                 self.stats.writes += 1;
                 self.stats.bytes_written += len;
                 let h = match self.files.get_mut(&file) {

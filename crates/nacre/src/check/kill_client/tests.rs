@@ -256,6 +256,7 @@ fn a_journal_that_contradicts_itself_is_refused() {
     bad("journal 1 inc 1\nstart write 1 2 10\n");
     bad("journal 1 inc 1\nstart write 1 1 10\ndone write 1 1 10\nstart write 1 3 10\n");
     bad("journal 1 inc 1\nstart unlink 1\n");
+    bad("journal 1 inc 1\nstart write 1 1 1099511627776\n");
     bad("journal 1 inc 1\nstart sync\nfail sync: timed out\nstart sync\n");
     assert!(matches!(
         journal::parse("journal 1 inc 1\nstart frobnicate 1\n"),
