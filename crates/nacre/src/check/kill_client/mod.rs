@@ -389,24 +389,41 @@ fn add_stats(to: &mut JournalStats, s: &JournalStats) {
     to.syncs += s.syncs;
 }
 
-/// The journal's lines about `file` and its syncs (the last [`EXCERPT_LINES`]), numbered.
+/// The journal's lines about `file`, each followed by the first `done sync` after it (the one
+/// that covered it), and the journal's last line (the call in progress at the kill); the last
+/// [`EXCERPT_LINES`] of them, numbered.
 fn excerpt(journal: &str, file: Option<u32>) -> Vec<String> {
-    let about = |l: &str| match journal::parse(&format!("{l}\n")) {
-        Ok(r) => match r.first().map(|(_, r)| r) {
-            Some(Record::Start(op) | Record::Done(op)) => {
-                *op == Op::Sync || (file.is_some() && op.file() == file)
-            }
-            _ => true,
-        },
-        Err(_) => true,
+    let parsed = |l: &str| {
+        journal::parse(&format!("{l}\n"))
+            .ok()
+            .and_then(|r| r.into_iter().next())
+            .map(|(_, r)| r)
     };
-    let lines: Vec<String> = journal
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| about(l))
-        .map(|(i, l)| format!("{}: {l}", i + 1))
+    let lines: Vec<&str> = journal.lines().collect();
+    let mut keep = BTreeSet::new();
+    let mut want_sync = false;
+    for (i, l) in lines.iter().enumerate() {
+        match parsed(l) {
+            Some(Record::Done(Op::Sync)) if want_sync => {
+                keep.insert(i);
+                want_sync = false;
+            }
+            Some(Record::Start(op) | Record::Done(op)) if file.is_some() && op.file() == file => {
+                keep.insert(i);
+                want_sync = true;
+            }
+            Some(Record::Header { .. } | Record::Fail(_)) | None => {
+                keep.insert(i);
+            }
+            _ => {}
+        }
+    }
+    keep.insert(lines.len().saturating_sub(1));
+    let out: Vec<String> = keep
+        .into_iter()
+        .filter_map(|i| lines.get(i).map(|l| format!("{}: {l}", i + 1)))
         .collect();
-    lines[lines.len().saturating_sub(EXCERPT_LINES)..].to_vec()
+    out[out.len().saturating_sub(EXCERPT_LINES)..].to_vec()
 }
 
 /// Makes `/kill-client` (retried: the cluster may be between faults).

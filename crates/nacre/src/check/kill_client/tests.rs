@@ -336,9 +336,22 @@ fn an_excerpt_has_the_file_and_the_syncs() {
             "1: journal 1 inc 4",
             "4: start write 2 1 40000",
             "5: done write 2 1 40000",
-            "10: start sync",
             "11: done sync",
             "16: start write 2 2 100",
+        ]
+    );
+    // Many syncs after the file's write: its lines stay, with the sync that covered it.
+    let mut j = String::from("journal 1 inc 1\nstart write 1 1 10\ndone write 1 1 10\n");
+    j.push_str(&"start sync\ndone sync\n".repeat(100));
+    j.push_str("start write 2 1 10\n");
+    assert_eq!(
+        excerpt(&j, Some(1)),
+        vec![
+            "1: journal 1 inc 1",
+            "2: start write 1 1 10",
+            "3: done write 1 1 10",
+            "5: done sync",
+            "204: start write 2 1 10",
         ]
     );
 }
