@@ -75,7 +75,7 @@ pub struct Report {
     pub journal: JournalStats,
     /// Checks of a directory right after its client died.
     pub checks: u64,
-    /// Files judged by those checks (absent ones included), and bytes read.
+    /// Files those checks looked for (absent and deferred ones included), and bytes read.
     pub files_checked: u64,
     pub bytes_read: u64,
     /// In which allowed state the checks found the files.
