@@ -57,10 +57,6 @@ pub struct MountFlags {
 
 impl MountFlags {
     fn options(&self, volume: &str) -> anyhow::Result<MountOptions> {
-        let secs = |s: f64, what: &str| {
-            Duration::try_from_secs_f64(s)
-                .map_err(|_| anyhow::anyhow!("--{what}: {s} is not a valid number of seconds"))
-        };
         Ok(MountOptions {
             volume: volume.to_string(),
             attr_ttl: secs(self.attr_ttl, "attr-ttl")?,
@@ -70,6 +66,54 @@ impl MountFlags {
             ..MountOptions::default()
         })
     }
+
+    /// The client's configuration: write-behind unless `--sync-meta`, with the flush delay
+    /// and dirty bytes of the flags. `nacre check`'s killed client uses it too.
+    pub fn netfs_config(&self) -> NetFsConfig {
+        NetFsConfig {
+            write_behind: !self.sync_meta,
+            flush_delay: (self.flush_delay_ms > 0)
+                .then(|| Duration::from_millis(self.flush_delay_ms)),
+            dirty_max: self.dirty_max as u64,
+            ..NetFsConfig::default()
+        }
+    }
+
+    /// The client's cache: names and attributes kept as long as the kernel keeps them.
+    pub fn cache_config(&self) -> anyhow::Result<MetaCacheConfig> {
+        Ok(MetaCacheConfig {
+            attr_ttl: secs(self.attr_ttl, "attr-ttl")?,
+            entry_ttl: secs(self.entry_ttl, "entry-ttl")?,
+            ..MetaCacheConfig::default()
+        })
+    }
+}
+
+fn secs(s: f64, what: &str) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| anyhow::anyhow!("--{what}: {s} is not a valid number of seconds"))
+}
+
+/// The client a mount serves the kernel from, on `msgr`: `NetFs` configured by `flags`, over a
+/// connection to `volume`. The messenger's workers go on with the calls they wake
+/// (`nacre_client::task`); the messenger must outlive the client.
+pub async fn connect_netfs(
+    msgr: &Messenger,
+    masters: Vec<String>,
+    volume: &str,
+    flags: &MountFlags,
+) -> anyhow::Result<NetFs> {
+    for i in 0..msgr.workers().len() {
+        msgr.workers()
+            .get(i)
+            .spawn(async { nacre_client::task::resume_calls_here() })
+            .await?;
+    }
+    let mc = MasterClient::new(msgr.client(), masters);
+    let vol = NetVolume::connect(msgr.client(), mc, volume)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot open volume {volume}: {e}"))?;
+    Ok(NetFs::with_config(Arc::new(vol), flags.netfs_config()))
 }
 
 #[derive(Debug, Args)]
@@ -135,38 +179,12 @@ impl VolumeMount {
             Arc::new(TcpTransport),
         )?;
         let r = async {
-            // The mount's calls go on on the worker that read their reply instead of waking a
-            // thread of this runtime for it (`nacre_client::task`); the messenger is the mount's
-            // own and stops after it.
-            for i in 0..msgr.workers().len() {
-                msgr.workers()
-                    .get(i)
-                    .spawn(async { nacre_client::task::resume_calls_here() })
-                    .await?;
-            }
-            let mc = MasterClient::new(msgr.client(), masters);
+            let mc = MasterClient::new(msgr.client(), masters.clone());
             wait_volume_ready(&mc, volume).await?;
-            let vol = NetVolume::connect(msgr.client(), mc, volume)
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot open volume {volume}: {e}"))?;
+            let netfs = connect_netfs(&msgr, masters, volume, flags).await?;
             let mut registry = prometheus_client::registry::Registry::default();
             msgr.register_metrics(&mut registry);
-            // The client's cache keeps names and attributes as long as the kernel does.
-            let cache = MetaCacheConfig {
-                attr_ttl: opts.attr_ttl,
-                entry_ttl: opts.entry_ttl,
-                ..MetaCacheConfig::default()
-            };
-            let netfs = NetFs::with_config(
-                Arc::new(vol),
-                NetFsConfig {
-                    write_behind: !flags.sync_meta,
-                    flush_delay: (flags.flush_delay_ms > 0)
-                        .then(|| Duration::from_millis(flags.flush_delay_ms)),
-                    dirty_max: flags.dirty_max as u64,
-                    ..NetFsConfig::default()
-                },
-            );
+            let cache = flags.cache_config()?;
             netfs.meta().register_metrics(&mut registry);
             let fs = Arc::new(Metrics::new(
                 MetaCache::with_config(netfs, cache),

@@ -120,6 +120,32 @@ fn kill_data_and_meta_nodes_under_write_behind() {
     assert!(faults(&s, "kill-meta") >= 2, "{s}");
 }
 
+/// A client process writing small files behind as a mount does, killed with -9 every second or
+/// two while a data and a meta node die too: what an fsync or a directory fsync acknowledged is
+/// there after each kill and at the end, and no file shows another's bytes or bytes nobody wrote
+/// (`src/check/kill_client/`).
+#[test]
+fn kill_the_client() {
+    let s = schedule("kill-client", 16);
+    assert!(faults(&s, "kill-client") >= 5, "{s}");
+    assert!(faults(&s, "kill-data") >= 1, "{s}");
+    assert!(faults(&s, "kill-meta") >= 1, "{s}");
+    let k = &s["kill_client"];
+    assert_eq!(k["violations"].as_array().unwrap().len(), 0, "{s}");
+    assert_eq!(k["checks"], k["incarnations"], "{s}");
+    let n = |v: &serde_json::Value| v.as_u64().unwrap();
+    assert!(
+        n(&k["journal"]["fsyncs"]) + n(&k["journal"]["syncs"]) >= 10,
+        "{s}"
+    );
+    // Synced files were there to lose, and were checked again at the end.
+    assert!(n(&k["outcomes"]["synced"]) >= 20, "{s}");
+    assert!(
+        n(&k["rechecked_files"]) >= n(&k["outcomes"]["synced"]),
+        "{s}"
+    );
+}
+
 #[test]
 fn kill_meta_nodes() {
     let s = schedule("kill-meta", 16);

@@ -549,6 +549,11 @@ impl Harness {
         &self.cfg.dir
     }
 
+    /// The `nacre` binary the nodes run.
+    pub fn exe(&self) -> &Path {
+        &self.cfg.exe
+    }
+
     /// Whether data node 0 runs on a small disk that [`Self::fill_disk`] can fill.
     pub fn has_small_disk(&self) -> bool {
         self.loop_mount.is_some()

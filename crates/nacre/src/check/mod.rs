@@ -6,6 +6,7 @@
 
 pub mod garbage;
 pub mod harness;
+pub mod kill_client;
 pub mod port;
 #[cfg(test)]
 mod port_tests;
@@ -51,6 +52,9 @@ enum CheckCmd {
     /// Send malformed frames, oversized lengths and random bytes to nodes' messenger ports (and
     /// HTTP ports with --http), and check each answers cleanly and keeps serving.
     Garbage(GarbageArgs),
+    /// The client the `kill-client` schedule starts and kills (not for direct use).
+    #[command(hide = true)]
+    Client(kill_client::client::ClientArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -64,6 +68,9 @@ pub enum Schedule {
     KillMeta,
     /// kill -9 the master leader every interval, restart it.
     KillMaster,
+    /// kill -9 a client process writing small files behind, every tenth to half interval, and
+    /// check what it had synced; a data or meta node is killed every other interval too.
+    KillClient,
     /// Cut one node (data, meta or the master leader, in turn) off the network, heal it.
     Partition,
     /// Fill data node 0's (small, loop-mounted) disk to the last byte; free it late in the run.
@@ -72,7 +79,8 @@ pub enum Schedule {
     Corrupt,
     /// Malformed frames and random bytes to every node's ports, every interval.
     Garbage,
-    /// A random one of the above every interval (the soak).
+    /// A random node fault of the above every interval (the soak), with kill-client's client
+    /// killed all along.
     All,
 }
 
@@ -163,6 +171,7 @@ pub fn run(a: CheckArgs) -> anyhow::Result<()> {
     match a.cmd {
         CheckCmd::Run(r) => run_check(r),
         CheckCmd::Garbage(g) => run_garbage(g),
+        CheckCmd::Client(c) => kill_client::client::run(c),
     }
 }
 
@@ -243,6 +252,8 @@ struct Summary {
     not_healed: Option<String>,
     /// Normal extents after the run: on the data nodes' disks, and used by the volume's files.
     extents: Option<ExtentUse>,
+    /// The killed clients (`kill-client`, `all`): their violations are in `report` too.
+    kill_client: Option<kill_client::Report>,
 }
 
 /// How many normal extents (one file each on every replica) the data nodes hold after the run,
@@ -388,9 +399,12 @@ fn print_summary(s: &Summary) {
             e.on_disk, e.referenced, e.files, e.keys, e.unreferenced, e.missing
         );
     }
+    if let Some(k) = &s.kill_client {
+        print_kill_client(k);
+    }
     println!("{}", s.report);
     for (path, lines) in &s.history {
-        println!("acknowledged operations on {path}:");
+        println!("acknowledged operations (or journal lines) on {path}:");
         for l in lines {
             println!("  {l}");
         }
@@ -512,12 +526,30 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     }
 
     let start = Instant::now();
+    let crash_loop = matches!(a.schedule, Schedule::KillClient | Schedule::All).then(|| {
+        let mut c = kill_client::Crashes::new(kill_client::Ctx {
+            exe: h.exe().to_path_buf(),
+            masters: masters.clone(),
+            dir: h.dir().to_path_buf(),
+            log: a.node_log.clone(),
+            interval: a.interval,
+            seed,
+            start,
+            client: msgr.client(),
+        });
+        let stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let r = c.run(stop).await;
+            (c, r)
+        })
+    });
     let mut faults = Vec::new();
     let mut probes = tokio::task::JoinSet::new();
     let mut garbage_problems = Vec::new();
     // The fault schedule's randomness, reproducible from the seed.
     let mut rng = fastrand::Rng::with_seed(seed ^ 0x5EED_F00D);
     let mut turn = 0usize;
+    let mut client_turn = 0usize;
     let kinds = [
         Schedule::KillData,
         Schedule::KillMeta,
@@ -556,6 +588,15 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         }
         let kind = match a.schedule {
             Schedule::All => kinds[rng.usize(..kinds.len())],
+            // Every other interval a node: a data node, then a meta node.
+            Schedule::KillClient => {
+                client_turn += 1;
+                match client_turn % 4 {
+                    2 => Schedule::KillData,
+                    0 => Schedule::KillMeta,
+                    _ => Schedule::None,
+                }
+            }
             s => s,
         };
         let half = a.interval / 2;
@@ -649,7 +690,9 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
                 faults.push(fault(start, "garbage", "all nodes", detail));
                 tokio::time::sleep(half).await;
             }
-            Schedule::All => unreachable!("All is resolved to a kind above"),
+            Schedule::All | Schedule::KillClient => {
+                unreachable!("All and KillClient are resolved to a kind above")
+            }
         }
     }
     // Heal: every node running and connected, the disk freed.
@@ -670,12 +713,30 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     tokio::time::sleep(Duration::from_secs(2)).await;
     let _ = stop_tx.send(true);
     while clients.join_next().await.is_some() {}
+    let mut crashes = match crash_loop {
+        Some(t) => {
+            let (c, r) = t.await?;
+            r.context("the kill-client loop failed")?;
+            Some(c)
+        }
+        None => None,
+    };
     let mut failovers: Vec<Failover> = Vec::new();
     while let Some(Ok(f)) = probes.join_next().await {
         failovers.push(f);
     }
     let verify_vol = connect(msgr.client(), &masters).await?;
-    let report = wl.verify(&NetFs::new(verify_vol.clone())).await;
+    let mut report = wl.verify(&NetFs::new(verify_vol.clone())).await;
+    if let Some(c) = &mut crashes {
+        c.recheck(&NetFs::new(verify_vol.clone())).await;
+        let v = &c.report.violations;
+        report.lost_ops += v.iter().filter(|v| v.what.loses_synced()).count() as u64;
+        report
+            .findings
+            .extend(v.iter().cloned().map(workload::Finding::Crash));
+        faults.append(&mut c.faults);
+        faults.sort_by_key(|f| f.at_ms);
+    }
     let extents = match extent_use(h, &verify_vol).await {
         Ok(e) => Some(e),
         Err(e) => {
@@ -684,7 +745,10 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         }
     };
     let stats = wl.stats().snapshot();
-    let history = history(&h.dir().join("acks.jsonl"), &report);
+    let mut history = history(&h.dir().join("acks.jsonl"), &report);
+    if let Some(c) = &crashes {
+        history.extend(c.report.journals.clone());
+    }
     let mut ms: Vec<u64> = failovers.iter().filter_map(|f| f.ms).collect();
     ms.sort_unstable();
     let detected = (0..h.nodes.len())
@@ -711,6 +775,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         healed_within_ms,
         not_healed,
         extents,
+        kill_client: crashes.map(|c| c.report),
     };
     let m = msgr.clone();
     tokio::task::spawn_blocking(move || m.shutdown()).await?;
@@ -810,6 +875,48 @@ fn history(
         out.insert(f.path().to_string(), lines);
     }
     out
+}
+
+fn print_kill_client(k: &kill_client::Report) {
+    let j = &k.journal;
+    println!(
+        "killed clients: {} incarnations, {} killed, {} ended by themselves, {} not ready; \
+         {} calls ({} writes of {} bytes, {} unlinks, {} fsyncs, {} directory syncs acknowledged)",
+        k.incarnations,
+        k.kills,
+        k.exited,
+        k.not_ready,
+        j.started,
+        j.writes,
+        j.bytes_written,
+        j.unlinks,
+        j.fsyncs,
+        j.syncs
+    );
+    let o = &k.outcomes;
+    println!(
+        "  {} checks, {} files ({} bytes): {} as synced, {} as last written, {} with unsynced \
+         changes lost, {} empty, {} cut to a prefix; {} deferred; {} rechecked at the end \
+         ({} changed); {} violations",
+        k.checks,
+        k.files_checked,
+        k.bytes_read,
+        o.synced,
+        o.newest,
+        o.lost,
+        o.empty,
+        o.partial,
+        k.deferred,
+        k.rechecked_files,
+        k.changed_since_check,
+        k.violations.len()
+    );
+    for f in &k.failures {
+        println!("  ended by a failed call: {f}");
+    }
+    for c in &k.changes {
+        println!("  changed after its check: {c}");
+    }
 }
 
 fn fault(start: Instant, kind: &'static str, node: &str, detail: String) -> Fault {

@@ -29,8 +29,10 @@ mod client;
 mod content;
 mod model;
 #[cfg(test)]
-mod tests;
+pub(in crate::check) mod tests;
 mod verify;
+
+pub(in crate::check) use verify::{list_all, resolve, retry};
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -164,6 +166,9 @@ pub enum Finding {
     /// A rename that failed left the file under both names (nothing is lost, but rename is not
     /// atomic under failure).
     RenameNotAtomic { from: String, to: String },
+    /// After a kill of the client process (`kill-client`), a file holds none of the states its
+    /// journal allows.
+    Crash(crate::check::kill_client::judge::Violation),
 }
 
 impl Finding {
@@ -175,6 +180,7 @@ impl Finding {
             | Self::Unexpected { path, .. }
             | Self::Unreadable { path, .. } => path,
             Self::RenameNotAtomic { from, .. } => from,
+            Self::Crash(v) => &v.path,
         }
     }
 }
@@ -209,6 +215,7 @@ impl fmt::Display for Finding {
                     "rename not atomic: both {from} and {to} exist after a failed rename"
                 )
             }
+            Self::Crash(v) => write!(f, "{v}"),
         }
     }
 }
@@ -265,18 +272,18 @@ fn unknown(why: &str) -> FsError {
     FsError::Unavailable(CallError::Unknown(why.into()))
 }
 
-fn not_found(e: &FsError) -> bool {
+pub(in crate::check) fn not_found(e: &FsError) -> bool {
     matches!(e, FsError::Meta(MetaError::NotFound))
 }
 
-async fn timed<T>(fut: impl Future<Output = FsResult<T>>) -> FsResult<T> {
+pub(in crate::check) async fn timed<T>(fut: impl Future<Output = FsResult<T>>) -> FsResult<T> {
     tokio::time::timeout(CALL_TIMEOUT, fut)
         .await
         .unwrap_or_else(|_| Err(unknown("timed out")))
 }
 
 /// Resolves when `stop` turns true (never if its sender is gone without saying so).
-async fn until_stopped(stop: &mut watch::Receiver<bool>) {
+pub(in crate::check) async fn until_stopped(stop: &mut watch::Receiver<bool>) {
     if stop.wait_for(|s| *s).await.is_err() {
         std::future::pending::<()>().await;
     }
@@ -401,7 +408,11 @@ impl Drop for Workload {
 }
 
 /// File `ino` (at most `cap` bytes): open, read until a short read, release.
-async fn read_file<F: FileSystem>(fs: &F, ino: Ino, cap: u64) -> FsResult<Vec<u8>> {
+pub(in crate::check) async fn read_file<F: FileSystem>(
+    fs: &F,
+    ino: Ino,
+    cap: u64,
+) -> FsResult<Vec<u8>> {
     let fh = timed(fs.open(ino, OpenFlags::READ)).await?;
     let mut out = Vec::new();
     let r = async {

@@ -26,11 +26,12 @@ struct Mem {
     rng: Rng,
 }
 
-/// A small, correct in-memory file system (writes apply at once). With `fault_permille` set,
+/// A small, correct in-memory file system (writes apply at once; an open with `truncate` and
+/// `write` empties the file). With `fault_permille` set,
 /// that share of calls fail: half before applying, half after (a write then applies a
 /// random prefix), and a tenth of those never answer (the caller's timeout or stop ends them).
 #[derive(Debug)]
-struct MemFs {
+pub(in crate::check) struct MemFs {
     m: Mutex<Mem>,
     fault_permille: AtomicU32,
 }
@@ -124,7 +125,7 @@ impl Mem {
 }
 
 impl MemFs {
-    fn new(seed: u64) -> Arc<Self> {
+    pub(in crate::check) fn new(seed: u64) -> Arc<Self> {
         let root = (ROOT_INO.0, Node::Dir(BTreeMap::new()));
         Arc::new(Self {
             m: Mutex::new(Mem {
@@ -135,6 +136,18 @@ impl MemFs {
             }),
             fault_permille: AtomicU32::new(0),
         })
+    }
+
+    /// Changes the bytes of the file at volume path `path` (a test's damage).
+    pub(in crate::check) fn edit(&self, path: &str, f: impl FnOnce(&mut Vec<u8>)) {
+        f(lock(&self.m).data(path));
+    }
+
+    /// Removes the name `path` (a test's damage).
+    pub(in crate::check) fn remove(&self, path: &str) {
+        let mut m = lock(&self.m);
+        let (dir, name, _) = m.at(path);
+        m.dir(dir).unwrap().remove(&name);
     }
 
     /// Applies `f` (told whether the call is going to fail anyway) under the fault plan.
@@ -264,8 +277,16 @@ impl FileSystem for MemFs {
     }
 
     async fn open(&self, ino: Ino, flags: OpenFlags) -> FsResult<Fh> {
-        self.op(|m, _| m.attr(ino.0).map(|_| m.open(ino.0, flags)))
-            .await
+        self.op(|m, _| {
+            m.attr(ino.0)?;
+            if let (true, Some(Node::File(d))) =
+                (flags.truncate && flags.write, m.nodes.get_mut(&ino.0))
+            {
+                d.clear();
+            }
+            Ok(m.open(ino.0, flags))
+        })
+        .await
     }
 
     async fn read(&self, fh: Fh, offset: u64, len: u32) -> FsResult<Bytes> {

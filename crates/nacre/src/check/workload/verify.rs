@@ -45,7 +45,9 @@ pub(super) fn judge(path: &str, want: Option<&Expect>, seen: &Seen) -> Option<Fi
 }
 
 /// Retries transient errors; "not found" is an answer.
-async fn retry<T, Fut: Future<Output = FsResult<T>>>(mut f: impl FnMut() -> Fut) -> FsResult<T> {
+pub(in crate::check) async fn retry<T, Fut: Future<Output = FsResult<T>>>(
+    mut f: impl FnMut() -> Fut,
+) -> FsResult<T> {
     let mut last = unknown("not tried");
     for i in 0..VERIFY_TRIES {
         if i > 0 {
@@ -60,7 +62,7 @@ async fn retry<T, Fut: Future<Output = FsResult<T>>>(mut f: impl FnMut() -> Fut)
     Err(last)
 }
 
-async fn resolve<F: FileSystem>(fs: &F, names: &[String]) -> FsResult<Attr> {
+pub(in crate::check) async fn resolve<F: FileSystem>(fs: &F, names: &[String]) -> FsResult<Attr> {
     let mut cur = timed(fs.getattr(ROOT_INO)).await?;
     for n in names {
         cur = timed(fs.lookup(cur.ino, n.as_bytes())).await?;
@@ -68,7 +70,10 @@ async fn resolve<F: FileSystem>(fs: &F, names: &[String]) -> FsResult<Attr> {
     Ok(cur)
 }
 
-async fn list_all<F: FileSystem>(fs: &F, dir: Ino) -> FsResult<Vec<DirEntryPlus>> {
+pub(in crate::check) async fn list_all<F: FileSystem>(
+    fs: &F,
+    dir: Ino,
+) -> FsResult<Vec<DirEntryPlus>> {
     let mut all: Vec<DirEntryPlus> = Vec::new();
     loop {
         let after = all.last().map(|e| e.entry.name.clone());
