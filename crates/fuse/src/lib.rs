@@ -27,9 +27,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use fuser::{
-    AccessFlags, Errno, FileHandle, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
-    LockOwner, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
+    AccessFlags, Errno, FileHandle, FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags,
+    KernelConfig, LockOwner, PollEvents, PollFlags, PollNotifier, RenameFlags, ReplyAttr,
+    ReplyBmap, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
+    ReplyIoctl, ReplyOpen, ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
     WriteFlags,
 };
 use nacre_api::meta::{Attr, FileType, MetaError, SetAttr, XattrMode};
@@ -126,10 +127,55 @@ fn time_or_now(t: TimeOrNow) -> i64 {
 fn err(e: &FsError) -> Errno {
     let n = errno(e);
     if n == libc::EIO {
-        // The application sees only the errno; the cause goes to the log.
-        tracing::warn!(error = %e, "a call failed with EIO");
+        // The application sees only the errno; the cause goes to the log, one line a second at
+        // most (during a fault every call may fail the same way).
+        if let Some(suppressed) = EIO_LOG.admit(seconds_since_start()) {
+            tracing::warn!(error = %e, suppressed, "a call failed with EIO");
+        }
     }
     Errno::from_i32(n)
+}
+
+static EIO_LOG: OncePerSecond = OncePerSecond::new();
+
+/// Whole seconds since the first call (a monotonic clock).
+fn seconds_since_start() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_secs()
+}
+
+/// Admits one log line per second and counts the lines it turned away meanwhile.
+pub(crate) struct OncePerSecond {
+    /// The second of the last line admitted, plus one (0: none yet).
+    last: AtomicU64,
+    dropped: AtomicU64,
+}
+
+impl OncePerSecond {
+    pub(crate) const fn new() -> Self {
+        Self {
+            last: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+        }
+    }
+
+    /// At second `now`: `Some(lines turned away since the last one)` when a line may be written.
+    pub(crate) fn admit(&self, now: u64) -> Option<u64> {
+        let last = self.last.load(Ordering::Relaxed);
+        if last != now + 1
+            && self
+                .last
+                .compare_exchange(last, now + 1, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return Some(self.dropped.swap(0, Ordering::Relaxed));
+        }
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+        None
+    }
 }
 
 /// How the adapter talks to the kernel.
@@ -901,6 +947,42 @@ impl<F: FileSystem> fuser::Filesystem for FuseFs<F> {
 
     /// The modes [`falloc_mode`] accepts; the kernel clears its cached pages of a punched range
     /// and takes the new size itself.
+    /// No ioctl is known here: `ENOTTY`, as a local file system answers an ioctl it does not
+    /// know (Python and others ask every file they open whether it is a terminal).
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        reply.error(Errno::from_i32(libc::ENOTTY));
+    }
+
+    /// `ENOSYS`: the kernel then answers `poll` itself (a regular file is always ready) and
+    /// stops asking.
+    fn poll(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _ph: PollNotifier,
+        _events: PollEvents,
+        _flags: PollFlags,
+        reply: ReplyPoll,
+    ) {
+        reply.error(Errno::ENOSYS);
+    }
+
+    /// No block device underneath: `ENOSYS` (`FIBMAP` fails as on a network file system).
+    fn bmap(&self, _req: &Request, _ino: INodeNo, _blocksize: u32, _idx: u64, reply: ReplyBmap) {
+        reply.error(Errno::ENOSYS);
+    }
+
     fn fallocate(
         &self,
         _req: &Request,

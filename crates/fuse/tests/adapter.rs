@@ -652,6 +652,15 @@ print("ok")
     .unwrap();
     assert_eq!(fs::read(mnt.join("g")).unwrap(), b"ab");
 
+    // An ioctl the file system does not know (a terminal check): ENOTTY, as on a local disk.
+    let file = fs::File::open(mnt.join("g")).unwrap();
+    assert!(!rustix::termios::isatty(&file));
+    assert_eq!(
+        rustix::termios::tcgetattr(&file).err(),
+        Some(rustix::io::Errno::NOTTY)
+    );
+    drop(file);
+
     // statfs.
     let st = rustix::fs::statvfs(mnt).unwrap();
     assert_eq!(
