@@ -9,4 +9,4 @@ pub mod service;
 pub mod sm;
 pub mod store;
 
-pub use service::{DataMetrics, DataNode, DataNodeConfig};
+pub use service::{DataMetrics, DataNode, DataNodeConfig, ScrubReport};

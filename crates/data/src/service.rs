@@ -67,6 +67,7 @@ mod metrics;
 mod ops;
 mod repair;
 mod router;
+mod scrub;
 #[cfg(test)]
 mod tests;
 
@@ -77,6 +78,7 @@ pub use metrics::DataMetrics;
 use crate::repl::extent::track_from_disk;
 use crate::repl::{Action, Event, Replication};
 use append::{Streams, Track};
+pub use scrub::ScrubReport;
 
 /// Tiny writes start on this boundary so a release can punch whole pages.
 const TINY_ALIGN: u64 = 4096;
@@ -375,13 +377,17 @@ impl DataNode {
     }
 
     /// Runs until `shutdown`: adopts the id the agent publishes on `id`; every `report_interval`
-    /// refreshes reports, re-checks read-only partitions and repairs what this node lacks.
+    /// refreshes reports, re-checks read-only partitions and repairs what this node lacks; every
+    /// `scrub_period` scrubs its replicas (`scrub`).
     pub async fn run(
         &self,
         id: watch::Receiver<Option<NodeId>>,
         shutdown: impl std::future::Future<Output = ()>,
     ) {
-        run_node(self, id, self.inner.config.report_interval, shutdown).await;
+        tokio::select! {
+            () = run_node(self, id, self.inner.config.report_interval, shutdown) => {}
+            () = self.scrub_forever() => {}
+        }
     }
 
     /// `Some(term)` if this node leads the partition's group.

@@ -571,6 +571,54 @@ async fn flipped_bit_repaired(seed: u64, packet: usize, tweak: fn(&mut DataNodeC
     c.shutdown().await;
 }
 
+/// Bit rot on a follower that nobody reads: the scrub finds it and repairs the block from
+/// another replica; a second pass finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scrub_repairs_a_flipped_bit_on_a_follower() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::start_with(21, |_| {}).await;
+    let api = c.api.clone();
+    let e = api.create().await.unwrap().unwrap();
+    let mut model = Vec::new();
+    fill(&api, e, &mut model, 90, 4, 10_000).await;
+    let ow = pattern(91, 3000);
+    api.overwrite(e, 20_000, &ow).await.unwrap().unwrap();
+    model[20_000..23_000].copy_from_slice(&ow);
+    let l = api.leader().await;
+    let applied = api.list(l).await.unwrap().applied;
+    for i in 0..3 {
+        c.wait_replica(i, e, &model, true).await;
+        until_applied(
+            c.node(i),
+            "the followers to apply the overwrite",
+            || async { (api.list(i).await.ok()?.applied >= applied).then_some(()) },
+        )
+        .await;
+    }
+    let f = (l + 1) % 3;
+    let file = c.data_file(f, e);
+    let at = 2 * u64::from(BS) + 77;
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[at as usize] ^= 0x04;
+    std::fs::write(&file, &bytes).unwrap();
+
+    let r = c.node(f).scrub(u64::MAX).await;
+    assert_eq!((r.bad_blocks, r.repaired), (1, 1), "{r:?}");
+    assert!(r.bytes >= model.len() as u64, "{r:?}");
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        model,
+        "the follower's copy is fixed on disk"
+    );
+    let again = c.node(f).scrub(u64::MAX).await;
+    assert_eq!((again.bad_blocks, again.repaired), (0, 0), "{again:?}");
+    // The other replicas had nothing to find.
+    for i in (0..3).filter(|i| *i != f) {
+        assert_eq!(c.node(i).scrub(u64::MAX).await.bad_blocks, 0);
+    }
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_appends_survive_a_leader_crash_in_the_middle_of_a_pipeline() {
     leader_crash_mid_pipeline(5, 6000, 400, |_| {}).await;

@@ -76,6 +76,11 @@ pub struct NodeConfig {
     /// go to the disk past the page cache (less CPU per byte with many streams; a lone stream is
     /// quicker through the cache); 0: never.
     pub direct_streams: u32,
+    /// Data nodes: bytes per second the background scrub reads and checks against the block
+    /// CRCs, repairing bad blocks from another replica; 0: no scrub.
+    pub scrub_rate: u64,
+    /// Data nodes: seconds between the starts of two scrub passes.
+    pub scrub_period_secs: u64,
     pub msgr: MsgrSection,
     pub master: MasterSection,
 }
@@ -97,6 +102,8 @@ impl Default for NodeConfig {
             spare_bytes: 1 << 30,
             spare_keep_secs: 60,
             direct_streams: 8,
+            scrub_rate: 16 << 20,
+            scrub_period_secs: 24 * 3600,
             msgr: MsgrSection::default(),
             master: MasterSection::default(),
         }
@@ -416,6 +423,8 @@ impl Node {
                     data_cfg.spare_bytes = cfg.spare_bytes;
                     data_cfg.spare_keep = Duration::from_secs(cfg.spare_keep_secs);
                     data_cfg.direct_streams = cfg.direct_streams;
+                    data_cfg.scrub_rate = cfg.scrub_rate;
+                    data_cfg.scrub_period = Duration::from_secs(cfg.scrub_period_secs);
                     let data = DataNode::open(&data_cfg, msgr.client()).with_context(|| {
                         format!("cannot open the data node in {}", cfg.data_dir.display())
                     })?;

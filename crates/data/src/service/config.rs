@@ -28,6 +28,11 @@ pub struct DataNodeConfig {
     pub replicate_stall_limit: Duration,
     /// Bytes per second a repair may copy (per node), so foreground IO keeps the bandwidth.
     pub repair_rate: u64,
+    /// Bytes per second the background scrub reads (per node; `service::scrub`). 0: no scrub.
+    pub scrub_rate: u64,
+    /// Time between the starts of two scrub passes (the first starts one period after the
+    /// node): every block is read at least once a period while a pass takes less than one.
+    pub scrub_period: Duration,
     /// Most bytes of deleted extents' data files a node keeps for new extents to take
     /// (`StoreOptions::recycle`: their appends then reuse allocated blocks, and no blocks are
     /// freed while writes run), over all its partitions; never more than a quarter of the file
@@ -80,6 +85,9 @@ impl DataNodeConfig {
             replicate_timeout: Duration::from_secs(5),
             replicate_stall_limit: Duration::from_secs(60),
             repair_rate: 64 << 20,
+            // A TiB a day takes 12 MiB/s; this disk reads well over 1 GiB/s.
+            scrub_rate: 16 << 20,
+            scrub_period: Duration::from_secs(24 * 3600),
             // docs/benchmarks.md, "Recycling deleted extents' files".
             spare_bytes: 1 << 30,
             spare_keep: Duration::from_secs(60),

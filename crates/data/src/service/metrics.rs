@@ -12,6 +12,10 @@ pub struct DataMetrics {
     pub(super) recycled: Gauge,
     pub(super) append_batches: Counter,
     pub(super) append_batched: Counter,
+    pub(super) scrub_passes: Counter,
+    pub(super) scrub_bytes: Counter,
+    pub(super) scrub_bad_blocks: Counter,
+    pub(super) scrub_repaired: Counter,
 }
 
 impl DataMetrics {
@@ -44,6 +48,26 @@ impl DataMetrics {
             "nacre_data_append_batched_packets",
             "Append packets in those batches",
             self.append_batched.clone(),
+        );
+        registry.register(
+            "nacre_data_scrub_passes",
+            "Background scrub passes finished over every hosted partition",
+            self.scrub_passes.clone(),
+        );
+        registry.register(
+            "nacre_data_scrub_bytes",
+            "Bytes the background scrub read and verified against their block CRCs",
+            self.scrub_bytes.clone(),
+        );
+        registry.register(
+            "nacre_data_scrub_bad_blocks",
+            "Blocks the background scrub found not matching their CRC",
+            self.scrub_bad_blocks.clone(),
+        );
+        registry.register(
+            "nacre_data_scrub_repaired_blocks",
+            "Of those, blocks replaced by a healthy replica's copy",
+            self.scrub_repaired.clone(),
         );
     }
 
