@@ -19,7 +19,7 @@ use crate::store::StoreError;
 
 /// Bytes read per step of a pass.
 const SCRUB_CHUNK: u32 = 1 << 20;
-/// Repairs tried per chunk before the pass moves on past the block that keeps failing.
+/// Repairs tried on a bad block before the pass moves on past it (to the next pass).
 const REPAIRS_PER_CHUNK: usize = 3;
 
 /// What one pass did.
@@ -61,16 +61,19 @@ impl DataNode {
         report
     }
 
-    /// Runs a pass every `scrub_period` at `scrub_rate` (never with a rate of 0). The first
-    /// starts one period after the node.
+    /// Runs a pass every `scrub_period` (start to start; at once after a pass that took longer)
+    /// at `scrub_rate`, never with a rate or period of 0. The first starts one period after the
+    /// node.
     pub(super) async fn scrub_forever(&self) {
         let (rate, period) = (self.inner.config.scrub_rate, self.inner.config.scrub_period);
         if rate == 0 || period.is_zero() {
             return std::future::pending().await;
         }
+        let mut next = tokio::time::Instant::now() + period;
         loop {
-            tokio::time::sleep(period).await;
+            tokio::time::sleep_until(next).await;
             let started = Instant::now();
+            next = (next + period).max(tokio::time::Instant::now());
             let r = self.scrub(rate).await;
             tracing::info!(
                 extents = r.extents,
@@ -93,7 +96,8 @@ impl DataNode {
         report: &mut ScrubReport,
     ) -> bool {
         let mut off = 0;
-        let mut repairs = 0;
+        // The block being repaired, and the repairs tried on it.
+        let mut failing: Option<(u64, usize)> = None;
         while off < len {
             let n = (len - off).min(u64::from(SCRUB_CHUNK)) as u32;
             pace.take(u64::from(n)).await;
@@ -106,31 +110,39 @@ impl DataNode {
                         m.scrub_bytes.inc_by(u64::from(n));
                     }
                     off += u64::from(n);
-                    repairs = 0;
                 }
                 Ok(Err(StoreError::Corrupt { block, .. })) => {
-                    report.bad_blocks += 1;
-                    if let Some(m) = &self.inner.config.metrics {
-                        m.scrub_bad_blocks.inc();
-                    }
-                    tracing::error!(partition = %part.id, %extent, block, "scrub: checksum mismatch; repairing from a replica");
+                    let tries = match failing {
+                        Some((b, tries)) if b == block => tries,
+                        _ => {
+                            report.bad_blocks += 1;
+                            if let Some(m) = &self.inner.config.metrics {
+                                m.scrub_bad_blocks.inc();
+                            }
+                            tracing::error!(partition = %part.id, %extent, block, "scrub: checksum mismatch; repairing from a replica");
+                            0
+                        }
+                    };
                     match self.repair_block_from_followers(part, extent, block).await {
                         Ok(()) => {
                             report.repaired += 1;
                             if let Some(m) = &self.inner.config.metrics {
                                 m.scrub_repaired.inc();
                             }
+                            failing = None;
+                        }
+                        // Another replica may be catching up on the log: tried again, then
+                        // left to the next pass.
+                        Err(e) if tries + 1 < REPAIRS_PER_CHUNK => {
+                            tracing::debug!(partition = %part.id, %extent, block, error = %e, "scrub: repair failed; trying again");
+                            failing = Some((block, tries + 1));
                         }
                         Err(e) => {
                             tracing::error!(partition = %part.id, %extent, block, error = %e, "scrub: no replica could repair the block");
+                            let bs = u64::from(part.store.block_size());
+                            off = off.max((block + 1) * bs);
+                            failing = None;
                         }
-                    }
-                    repairs += 1;
-                    if repairs >= REPAIRS_PER_CHUNK {
-                        // Past the block that keeps failing.
-                        let bs = u64::from(part.store.block_size());
-                        off = off.max((block + 1) * bs);
-                        repairs = 0;
                     }
                 }
                 // Deleted, shortened or the store failed meanwhile: the next pass sees it anew.

@@ -27,6 +27,10 @@ use serde::Serialize;
 
 use super::port::free_port;
 
+/// Seconds between the starts of the data nodes' scrub passes in a harness cluster (a deployment's
+/// default is a day).
+pub const SCRUB_PERIOD_SECS: u64 = 10;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
@@ -255,6 +259,11 @@ impl Harness {
                 envs.push(("NACRE_MASTER__DEFAULT_TENANT", "false".into()));
             } else {
                 envs.push(("NACRE_MASTERS", masters_list.clone()));
+            }
+            if n.role == Role::Data {
+                // The background scrub runs often enough to meet the blocks the `corrupt`
+                // schedule flips within a run.
+                envs.push(("NACRE_SCRUB_PERIOD_SECS", SCRUB_PERIOD_SECS.to_string()));
             }
             n.envs = envs.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
         }

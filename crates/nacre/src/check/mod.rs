@@ -242,6 +242,10 @@ struct Summary {
     failover_p50_ms: Option<u64>,
     failover_max_ms: Option<u64>,
     corrupt_blocks_detected: usize,
+    /// Bad blocks the data nodes' background scrub found (a pass every `SCRUB_PERIOD_SECS`), and
+    /// of those the ones no replica could repair.
+    scrub_bad_blocks: usize,
+    scrub_unrepaired: usize,
     garbage_problems: Vec<String>,
     report: workload::Report,
     /// For each path with a finding: its lines of the acknowledgement log (what was acknowledged).
@@ -381,6 +385,12 @@ fn print_summary(s: &Summary) {
         println!(
             "corrupt blocks detected and repaired on read: {}",
             s.corrupt_blocks_detected
+        );
+    }
+    if s.scrub_bad_blocks > 0 {
+        println!(
+            "corrupt blocks found by the scrub: {} ({} no replica could repair)",
+            s.scrub_bad_blocks, s.scrub_unrepaired
         );
     }
     for p in &s.garbage_problems {
@@ -751,10 +761,13 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     }
     let mut ms: Vec<u64> = failovers.iter().filter_map(|f| f.ms).collect();
     ms.sort_unstable();
-    let detected = (0..h.nodes.len())
+    let data_nodes: Vec<usize> = (0..h.nodes.len())
         .filter(|&k| h.nodes[k].role == Role::Data)
-        .map(|k| h.log_matches(k, "checksum mismatch on read"))
-        .sum();
+        .collect();
+    let count = |what: &str| -> usize { data_nodes.iter().map(|&k| h.log_matches(k, what)).sum() };
+    let detected = count("checksum mismatch on read");
+    let scrub_bad_blocks = count("scrub: checksum mismatch");
+    let scrub_unrepaired = count("scrub: no replica could repair");
     let summary = Summary {
         schedule: a.schedule,
         seed,
@@ -769,6 +782,8 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         failover_max_ms: ms.last().copied(),
         failovers,
         corrupt_blocks_detected: detected,
+        scrub_bad_blocks,
+        scrub_unrepaired,
         garbage_problems,
         report,
         history,
