@@ -357,9 +357,12 @@ impl DataNode {
         let extent = lock(&part.tiny_pool)
             .pop()
             .ok_or_else(|| DataError::Io("no tiny extent free".into()))?;
-        let out = self.write_tiny_into(part, extent, &data).await;
-        lock(&part.tiny_pool).push(extent);
-        out
+        // Back to the pool however the call ends, also when its caller goes away mid-write.
+        let _lent = Lent {
+            pool: &part.tiny_pool,
+            extent,
+        };
+        self.write_tiny_into(part, extent, &data).await
     }
 
     pub(super) async fn write_tiny_into(
@@ -400,6 +403,18 @@ impl DataNode {
             offset,
             committed: track.committed(),
         })
+    }
+}
+
+/// A tiny extent taken from its partition's pool, returned when dropped.
+pub(super) struct Lent<'a> {
+    pub(super) pool: &'a Mutex<Vec<ExtentId>>,
+    pub(super) extent: ExtentId,
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        lock(self.pool).push(self.extent);
     }
 }
 

@@ -4,7 +4,7 @@ use bytes::Bytes;
 use nacre_msgr::Payload;
 use nacre_types::ExtentId;
 
-use super::append::{Arrived, MAX_BATCH, Track, join_packets, take_batch};
+use super::append::{Arrived, Lent, MAX_BATCH, Track, join_packets, take_batch};
 use crate::repl::{holding_all, holds, merge_lengths};
 use nacre_api::data::{DataError, MAX_PACKET};
 
@@ -132,4 +132,31 @@ fn alignment_skips_extents_this_leader_saw_released() {
     let merged = merge_lengths(&local, &known, &[vec![(gone, 7000, 6000)]], |_| false);
     assert_eq!(merged.get(&gone), Some(&(0, 6000)));
     assert_eq!(merged.get(&kept), Some(&(0, 8000)));
+}
+
+/// A tiny extent lent to a write goes back to the pool when the write ends, however it ends
+/// (a handler dropped mid-write by its caller included).
+#[test]
+fn a_lent_tiny_extent_returns_to_the_pool() {
+    let pool = std::sync::Mutex::new(vec![ExtentId(1), ExtentId(2)]);
+    let taken = pool.lock().unwrap().pop().unwrap();
+    let write = async {
+        let _lent = Lent {
+            pool: &pool,
+            extent: taken,
+        };
+        std::future::pending::<()>().await;
+    };
+    // Polled once, then dropped mid-write.
+    let mut write = Box::pin(write);
+    let waker = std::task::Waker::noop();
+    assert!(
+        write
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(waker))
+            .is_pending()
+    );
+    assert_eq!(pool.lock().unwrap().len(), 1);
+    drop(write);
+    assert_eq!(*pool.lock().unwrap(), vec![ExtentId(1), ExtentId(2)]);
 }
