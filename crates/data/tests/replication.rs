@@ -525,19 +525,27 @@ async fn a_flipped_bit_in_an_uncached_append_is_repaired_at_read_time() {
     flipped_bit_repaired(14, 32 << 10, |cfg| cfg.direct_streams = 1).await;
 }
 
-async fn flipped_bit_repaired(seed: u64, packet: usize, tweak: fn(&mut DataNodeConfig)) {
-    let _serial = SERIAL.lock().await;
-    let c = Cluster::start_with(seed, tweak).await;
+/// An extent of four appends of `packet` bytes (pattern seeds `seeds.0`) with a 3,000-byte
+/// overwrite (`seeds.1`) at `overwrite_at`, on every replica and applied by every follower: a
+/// block is repaired only from a replica that has applied every Raft entry the leader has (else
+/// it could lack an overwrite). Returns the extent, its bytes and the leader.
+async fn settled_extent(
+    c: &Cluster,
+    seeds: (u64, u64),
+    packet: usize,
+    overwrite_at: usize,
+) -> (ExtentId, Vec<u8>, usize) {
     let api = c.api.clone();
     let e = api.create().await.unwrap().unwrap();
     let mut model = Vec::new();
-    fill(&api, e, &mut model, 70, 4, packet).await;
-    let ow = pattern(80, 3000);
-    api.overwrite(e, 12_000, &ow).await.unwrap().unwrap();
-    model[12_000..15_000].copy_from_slice(&ow);
+    fill(&api, e, &mut model, seeds.0, 4, packet).await;
+    let ow = pattern(seeds.1, 3000);
+    api.overwrite(e, overwrite_at as u64, &ow)
+        .await
+        .unwrap()
+        .unwrap();
+    model[overwrite_at..overwrite_at + 3000].copy_from_slice(&ow);
     let l = api.leader().await;
-    // A block is repaired only from a replica that has applied every Raft entry the leader has
-    // (else it could lack an overwrite): let the followers catch up first.
     let applied = api.list(l).await.unwrap().applied;
     for i in 0..3 {
         c.wait_replica(i, e, &model, true).await;
@@ -548,6 +556,14 @@ async fn flipped_bit_repaired(seed: u64, packet: usize, tweak: fn(&mut DataNodeC
         )
         .await;
     }
+    (e, model, l)
+}
+
+async fn flipped_bit_repaired(seed: u64, packet: usize, tweak: fn(&mut DataNodeConfig)) {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::start_with(seed, tweak).await;
+    let api = c.api.clone();
+    let (e, model, l) = settled_extent(&c, (70, 80), packet, 12_000).await;
 
     // Bit rot in block 3 of the leader's copy.
     let file = c.data_file(l, e);
@@ -577,24 +593,7 @@ async fn flipped_bit_repaired(seed: u64, packet: usize, tweak: fn(&mut DataNodeC
 async fn the_scrub_repairs_a_flipped_bit_on_a_follower() {
     let _serial = SERIAL.lock().await;
     let c = Cluster::start_with(21, |_| {}).await;
-    let api = c.api.clone();
-    let e = api.create().await.unwrap().unwrap();
-    let mut model = Vec::new();
-    fill(&api, e, &mut model, 90, 4, 10_000).await;
-    let ow = pattern(91, 3000);
-    api.overwrite(e, 20_000, &ow).await.unwrap().unwrap();
-    model[20_000..23_000].copy_from_slice(&ow);
-    let l = api.leader().await;
-    let applied = api.list(l).await.unwrap().applied;
-    for i in 0..3 {
-        c.wait_replica(i, e, &model, true).await;
-        until_applied(
-            c.node(i),
-            "the followers to apply the overwrite",
-            || async { (api.list(i).await.ok()?.applied >= applied).then_some(()) },
-        )
-        .await;
-    }
+    let (e, model, l) = settled_extent(&c, (90, 91), 10_000, 20_000).await;
     let f = (l + 1) % 3;
     let file = c.data_file(f, e);
     let at = 2 * u64::from(BS) + 77;
