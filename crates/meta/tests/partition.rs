@@ -1659,7 +1659,7 @@ fn snapshots_round_trip_and_reject_garbage() {
     longer.push(0);
     assert!(MetaPartition::restore(&longer).is_err(), "trailing bytes");
     let mut version = bytes.clone();
-    version[0] = 3;
+    version[0] = 4;
     assert!(
         matches!(MetaPartition::restore(&version), Err(MetaError::Invalid(m)) if m.contains("version"))
     );
@@ -2516,6 +2516,7 @@ impl Model {
             }
             // Delegations and batches are not modelled (see the delegation tests below).
             Command::As { .. }
+            | Command::Once { .. }
             | Command::Batch { .. }
             | Command::Recall { .. }
             | Command::Release { .. }
@@ -3932,6 +3933,7 @@ fn a_change_of_a_directorys_entries_always_moves_its_ctime_forward() {
 /// Two clients.
 const A: u64 = 11;
 const B: u64 = 12;
+const C: u64 = 13;
 /// A time well past 0 (ns), and a second.
 const T: u64 = 1_000_000_000_000;
 const SEC: u64 = 1_000_000_000;
@@ -4284,6 +4286,125 @@ fn a_batch_is_applied_once() {
     assert!(results[0].is_ok(), "{results:?}");
 }
 
+fn once(client: u64, seq: u64, done_below: u64, cmd: Command) -> Command {
+    Command::Once {
+        client,
+        seq,
+        done_below,
+        cmd: Box::new(cmd),
+    }
+}
+
+/// The result inside a `Once` call's reply.
+fn outcome(r: Reply) -> Result<Reply, MetaError> {
+    match r {
+        Reply::Outcome(r) => *r,
+        other => panic!("not a call's reply: {other:?}"),
+    }
+}
+
+#[test]
+fn a_call_applies_once_and_every_copy_answers_alike() {
+    let mut p = part();
+    let first = outcome(ok(&mut p, T, once(A, 7, 7, file_in(ROOT, "a"))));
+    let a = made(first.clone().unwrap());
+    // A copy (a retry after an unknown outcome, or a copy a new leader also committed) answers
+    // what the first did, even after other changes, and changes nothing.
+    ok(&mut p, T + 1, rm(ROOT, "a", false));
+    let removed = p.snapshot();
+    assert_eq!(
+        outcome(ok(&mut p, T + 2, once(A, 7, 7, file_in(ROOT, "a")))),
+        first
+    );
+    assert_eq!(p.snapshot(), removed);
+    assert!(lookup(&p, ROOT, "a").is_err(), "the copy made nothing");
+    // A failure is an outcome too: kept, and answered to the copy.
+    ok(&mut p, T + 3, file_in(ROOT, "b"));
+    let failed = outcome(ok(&mut p, T + 4, once(A, 8, 7, file_in(ROOT, "b"))));
+    assert_eq!(failed, Err(MetaError::Exists));
+    ok(&mut p, T + 5, rm(ROOT, "b", false));
+    assert_eq!(
+        outcome(ok(&mut p, T + 6, once(A, 8, 7, file_in(ROOT, "b")))),
+        Err(MetaError::Exists)
+    );
+    assert!(
+        lookup(&p, ROOT, "b").is_err(),
+        "the copy of a failure made nothing"
+    );
+    // Other clients' numbers are their own.
+    let b = outcome(ok(&mut p, T + 7, once(B, 7, 7, file_in(ROOT, "c"))));
+    assert!(b.is_ok(), "{b:?}");
+    assert_ne!(made(b.unwrap()).ino, a.ino);
+    // `done_below` drops the answered calls: a late copy of one is not applied.
+    let c = outcome(ok(&mut p, T + 8, once(A, 9, 9, file_in(ROOT, "d"))));
+    assert!(c.is_ok(), "{c:?}");
+    let before = p.snapshot();
+    let late = outcome(ok(&mut p, T + 9, once(A, 7, 9, file_in(ROOT, "a"))));
+    assert!(matches!(late, Err(MetaError::Invalid(_))), "{late:?}");
+    assert_eq!(p.snapshot(), before);
+    assert!(lookup(&p, ROOT, "a").is_err());
+    // Malformed calls fail as a whole and change nothing.
+    assert!(matches!(
+        err(&mut p, once(0, 1, 1, file_in(ROOT, "x"))),
+        MetaError::Invalid(_)
+    ));
+    let nested = once(A, 10, 9, once(A, 11, 9, file_in(ROOT, "x")));
+    assert!(matches!(err(&mut p, nested), MetaError::Invalid(_)));
+    let inside_as = as_client(A, once(A, 12, 9, file_in(ROOT, "x")));
+    assert!(matches!(err(&mut p, inside_as), MetaError::Invalid(_)));
+}
+
+#[test]
+fn call_sessions_survive_snapshots_and_end_after_session_ns() {
+    let mut p = part();
+    let first = outcome(ok(&mut p, T, once(A, 3, 1, file_in(ROOT, "a"))));
+    assert!(first.is_ok(), "{first:?}");
+    // A batch inside a call: its copy answers the batch's results, not an empty batch.
+    let d = mkdir_as(&mut p, T, B, "d");
+    let batched = outcome(ok(
+        &mut p,
+        T,
+        once(B, 1, 1, batch(B, 1, vec![file_in(d, "f")])),
+    ));
+    let (results, _) = batch_reply(batched.clone().unwrap());
+    assert!(
+        matches!(results[..], [Ok(Reply::Created { .. })]),
+        "{results:?}"
+    );
+    let bytes = p.snapshot();
+    let mut q = MetaPartition::restore(&bytes).unwrap();
+    assert_eq!(q, p);
+    assert_eq!(q.snapshot(), bytes);
+    assert_eq!(
+        outcome(ok(&mut q, T + 1, once(A, 3, 1, file_in(ROOT, "a")))),
+        first
+    );
+    assert_eq!(
+        outcome(ok(
+            &mut q,
+            T + 1,
+            once(B, 1, 1, batch(B, 1, vec![file_in(d, "f")]))
+        )),
+        batched
+    );
+    // Forgotten once the client made no call for `SESSION_NS`: the number applies again.
+    let later = T + 1 + SESSION_NS;
+    ok(&mut q, later - 1, rm(ROOT, "a", false));
+    let again = outcome(ok(&mut q, later, once(A, 3, 1, file_in(ROOT, "a"))));
+    assert_ne!(again, first);
+    assert!(again.is_ok(), "{again:?}");
+    // At most `MAX_KEPT_RESULTS` results per client, however far behind `done_below` stays.
+    for seq in 0..(nacre_meta::partition::MAX_KEPT_RESULTS as u64 + 10) {
+        let name = format!("n{seq}");
+        ok(
+            &mut q,
+            later + 1,
+            once(C, 100 + seq, 0, file_in(ROOT, &name)),
+        );
+    }
+    q.verify().unwrap();
+}
+
 #[test]
 fn a_batch_applies_each_command_on_its_own() {
     let mut p = part();
@@ -4449,15 +4570,19 @@ fn snapshots_keep_delegations_and_sessions() {
     batch_reply(ok(&mut p, T + 2, batch(B, 9, vec![file_in(ROOT, "g")])));
     reserve(&mut p, 3);
     let bytes = p.snapshot();
-    assert_eq!(bytes[0], 2, "version 2");
+    assert_eq!(bytes[0], 3, "version 3");
     // The image ends with the delegations (holder, until, recalled), then the sessions (last
-    // batch number, when).
+    // batch number, when), then the call sessions (none).
     let delegations: Delegations = BTreeMap::from([
         (d.0, (A, T + 1 + DELEGATION_NS, false)),
         (e.0, (A, T + DELEGATION_NS, true)),
     ]);
     let sessions: Sessions = BTreeMap::from([(A, (5, T + 1)), (B, (9, T + 2))]);
-    let tail = postcard::to_allocvec(&(delegations, sessions)).unwrap();
+    let tail = [
+        postcard::to_allocvec(&(delegations, sessions)).unwrap(),
+        vec![0],
+    ]
+    .concat();
     assert!(bytes.ends_with(&tail), "{bytes:?}");
     let mut q = MetaPartition::restore(&bytes).unwrap();
     q.verify().unwrap();
@@ -4481,6 +4606,7 @@ fn snapshots_keep_delegations_and_sessions() {
     for tail_of_bad in bad {
         let mut bad = bytes[..bytes.len() - tail.len()].to_vec();
         bad.extend(postcard::to_allocvec(&tail_of_bad).unwrap());
+        bad.push(0);
         let r = MetaPartition::restore(&bad);
         assert!(
             matches!(&r, Err(MetaError::Invalid(m)) if m.contains("invariant")),
@@ -4523,9 +4649,13 @@ fn version_1_snapshots_still_restore() {
         .collect();
     let p = MetaPartition::restore(&v1).unwrap();
     assert_eq!(p, v1_partition());
-    // Written now: version 2, the same trees, then no delegations and no sessions.
-    let v2 = p.snapshot();
-    assert_eq!(v2, [&[2], &v1[1..], &[0, 0]].concat());
+    // Written now: version 3, the same trees, then no delegations, no sessions and no call
+    // sessions.
+    let v3 = p.snapshot();
+    assert_eq!(v3, [&[3], &v1[1..], &[0, 0, 0]].concat());
+    // Version 2: the trees, then delegations and sessions.
+    let v2 = [&[2], &v1[1..], &[0, 0]].concat();
+    assert_eq!(MetaPartition::restore(&v2).unwrap(), p);
     // Each version is decoded with its own layout.
     let mut v1_longer = v1.clone();
     v1_longer.extend([0, 0]);
@@ -4533,6 +4663,9 @@ fn version_1_snapshots_still_restore() {
     let mut v2_shorter = v1.clone();
     v2_shorter[0] = 2;
     assert!(MetaPartition::restore(&v2_shorter).is_err());
+    let mut v3_shorter = v2.clone();
+    v3_shorter[0] = 3;
+    assert!(MetaPartition::restore(&v3_shorter).is_err());
 }
 
 /// One turn of `only_the_holder_changes_a_directory_it_relies_on`: what one client (0: none)

@@ -391,6 +391,24 @@ pub enum Command {
     Renew {
         dirs: Vec<Ino>,
     },
+    /// `cmd` (anything but `Once`) as call `seq` of `client` (not 0), applied **at most once**:
+    /// a client that does not learn the outcome of a call sends the same call again, with the
+    /// same `seq`, until it does (across resets, leader changes and restarts), and every copy
+    /// after the first replies what the first did. Replies `Outcome` with `cmd`'s result, failure
+    /// included (so a retried `Create` that succeeded is not `Exists`).
+    ///
+    /// The partition keeps, per client (its *call session*), the results of its calls at or above
+    /// `done_below`: the client promises that it holds the answer to every call numbered below
+    /// it (the lowest call it still waits for, on any partition), so those results are dropped.
+    /// A copy of a call below the session's `done_below` is not applied and replies
+    /// `Outcome(Err(Invalid))`: its client was answered already. A session is forgotten when its
+    /// client made no call for `SESSION_NS`, far longer than any client retries a call.
+    Once {
+        client: u64,
+        seq: u64,
+        done_below: u64,
+        cmd: Box<Command>,
+    },
 }
 
 impl Command {
@@ -430,7 +448,8 @@ impl Command {
     }
 }
 
-/// How long a client's last batch number is remembered after its last batch (leader time, ns).
+/// How long a client's last batch number, and its call session (`Command::Once`), are remembered
+/// after its last batch or call (leader time, ns).
 pub const SESSION_NS: u64 = 3_600_000_000_000;
 
 /// A read of a partition (served by the leader, linearizably).
@@ -570,6 +589,8 @@ pub enum Reply {
         start: u64,
         end: u64,
     },
+    /// `Once`: the call's result, the first time it was applied.
+    Outcome(Box<Result<Reply, MetaError>>),
 }
 
 /// Why a meta operation failed. The FUSE layer maps these to errno (only there).

@@ -165,6 +165,6 @@ impl Session {
 }
 
 /// Whether a session whose last batch was applied `at` is remembered at `now`.
-fn session_live(at: u64, now: u64) -> bool {
+pub(super) fn session_live(at: u64, now: u64) -> bool {
     now < at.saturating_add(SESSION_NS)
 }

@@ -72,6 +72,7 @@
 //! - `extents`: the algebra of a file's extent keys (overlay, truncate, punch, what may be
 //!   freed).
 
+mod calls;
 mod commands;
 mod delegations;
 mod extents;
@@ -91,6 +92,8 @@ use nacre_api::meta::{
     ROOT_INO, Reply, time::file_time,
 };
 
+use self::calls::Calls;
+pub use self::calls::MAX_KEPT_RESULTS;
 use self::delegations::{Delegation, Session};
 use self::inodes::{Inode, InodeTable};
 use self::keys::{DentryVal, Key, owned_by};
@@ -131,6 +134,8 @@ pub struct MetaPartition {
     delegations: BTreeMap<u64, Delegation>,
     /// Client → its last batch (some may be forgotten already: see `Session::live`).
     sessions: BTreeMap<u64, Session>,
+    /// Client → its call session (`Command::Once`; some may have ended, likewise).
+    calls: BTreeMap<u64, Calls>,
     /// `(until, dir)` of every delegation, so that the ended ones are found at the front. Derived
     /// from `delegations` (so not in snapshots).
     #[serde(skip)]
@@ -138,6 +143,9 @@ pub struct MetaPartition {
     /// `(at, client)` of every session, likewise.
     #[serde(skip)]
     session_times: BTreeSet<(u64, u64)>,
+    /// `(at, client)` of every call session, likewise.
+    #[serde(skip)]
+    call_times: BTreeSet<(u64, u64)>,
     /// Bytes of the variable-size allocations: dentry and xattr keys and values, symlink targets,
     /// extent keys. Kept up to date so that `stats` does not walk the trees; derived from the rest
     /// (so not in snapshots).
@@ -187,6 +195,30 @@ impl MetaPartition {
     /// the module documentation).
     pub fn apply(&mut self, now: u64, cmd: &Command) -> Result<Reply, MetaError> {
         let reply = match cmd {
+            Command::Once {
+                client,
+                seq,
+                done_below,
+                cmd,
+            } => {
+                if *client == 0 {
+                    return Err(MetaError::Invalid("a call of client 0".into()));
+                }
+                if matches!(**cmd, Command::Once { .. }) {
+                    return Err(MetaError::Invalid("Once inside Once".into()));
+                }
+                self.once(now, *client, *seq, *done_below, cmd)
+            }
+            _ => self.dispatch(now, cmd)?,
+        };
+        self.expire(now);
+        self.expire_calls(now);
+        Ok(reply)
+    }
+
+    /// [`apply`](Self::apply) of anything but `Once`, without forgetting what ended.
+    fn dispatch(&mut self, now: u64, cmd: &Command) -> Result<Reply, MetaError> {
+        match cmd {
             Command::As { client, cmd } => {
                 if *client == 0 {
                     return Err(MetaError::Invalid("a command on behalf of client 0".into()));
@@ -195,9 +227,7 @@ impl MetaPartition {
             }
             Command::Batch { client, seq, ops } => self.batch(now, *client, *seq, ops),
             _ => self.apply_as(now, 0, cmd),
-        }?;
-        self.expire(now);
-        Ok(reply)
+        }
     }
 
     /// `cmd` on behalf of `client` (0: none): refused if it would change a directory delegated to
@@ -426,9 +456,9 @@ impl MetaPartition {
             }
             Command::Release { .. } => Ok(Reply::Done), // done by `apply_as`, which knows who
             Command::Renew { .. } => Ok(Reply::Inos(Vec::new())), // as `Release`
-            Command::As { .. } | Command::Batch { .. } => {
-                Err(MetaError::Invalid("As and Batch do not nest".into()))
-            }
+            Command::As { .. } | Command::Batch { .. } | Command::Once { .. } => Err(
+                MetaError::Invalid("As, Batch and Once do not nest in As or Batch".into()),
+            ),
         }
     }
 
@@ -590,8 +620,14 @@ impl MetaPartition {
                 size_of::<Delegation>(),
             )
             + btree_bytes(self.sessions.len(), size_of::<u64>(), size_of::<Session>())
+            + btree_bytes(self.calls.len(), size_of::<u64>(), size_of::<Calls>())
             + btree_bytes(
-                self.delegation_ends.len() + self.session_times.len(),
+                self.kept_results(),
+                size_of::<u64>(),
+                size_of::<Result<Reply, MetaError>>(),
+            )
+            + btree_bytes(
+                self.delegation_ends.len() + self.session_times.len() + self.call_times.len(),
                 size_of::<(u64, u64)>(),
                 0,
             )
@@ -754,7 +790,10 @@ impl MetaPartition {
 
 /// Whether `cmd` wraps commands (which only the top level may).
 fn nests(cmd: &Command) -> bool {
-    matches!(cmd, Command::As { .. } | Command::Batch { .. })
+    matches!(
+        cmd,
+        Command::As { .. } | Command::Batch { .. } | Command::Once { .. }
+    )
 }
 
 /// `limit` as a count to take, 0 meaning all.

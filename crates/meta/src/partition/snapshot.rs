@@ -10,14 +10,16 @@ use serde::Deserialize;
 use nacre_api::meta::{ExtentKey, MetaError};
 
 use super::MetaPartition;
+use super::calls::Calls;
 use super::delegations::{Delegation, Session};
 use super::inodes::InodeTable;
 use super::keys::DentryVal;
 
 /// Version of the format written by [`MetaPartition::snapshot`]: a postcard `u32` version, then
 /// the partition (a new layout gets a new version and a decoder of its own). Version 2 added the
-/// delegations and the sessions at the end; version 1 snapshots still restore (with none).
-pub const SNAPSHOT_VERSION: u32 = 2;
+/// delegations and the sessions at the end, version 3 the call sessions after them; version 1
+/// and 2 snapshots still restore (with none).
+pub const SNAPSHOT_VERSION: u32 = 3;
 
 impl MetaPartition {
     /// The whole partition as bytes (a Raft snapshot): see [`SNAPSHOT_VERSION`].
@@ -27,13 +29,14 @@ impl MetaPartition {
     }
 
     /// Rebuilds a partition from [`snapshot`](Self::snapshot) bytes, of this version or of
-    /// version 1 (which had no delegations and no sessions); `Invalid` for anything that does not
-    /// decode to a partition satisfying every invariant ([`verify`](Self::verify)).
+    /// versions 1 (no delegations, no sessions) and 2 (no call sessions); `Invalid` for anything
+    /// that does not decode to a partition satisfying every invariant ([`verify`](Self::verify)).
     pub fn restore(bytes: &[u8]) -> Result<Self, MetaError> {
         let (version, rest) = postcard::take_from_bytes::<u32>(bytes).map_err(bad_snapshot)?;
         // Decoded in two steps (not as `Self`) so that a broken invariant keeps its message.
         let image = match version {
-            1 => decode::<Trees>(rest)?.into(),
+            1 => Delegated::from(decode::<Trees>(rest)?).into(),
+            2 => decode::<Delegated>(rest)?.into(),
             SNAPSHOT_VERSION => decode::<Image>(rest)?,
             _ => {
                 return Err(MetaError::Invalid(format!(
@@ -61,18 +64,17 @@ struct Trees {
     to_free: VecDeque<ExtentKey>,
 }
 
-/// A decoded snapshot (version 2) before its invariants are checked: all of [`MetaPartition`]'s
-/// serialized fields. Postcard writes a nested struct as its fields, so this is version 1's
-/// layout followed by the new fields.
+/// Version 2 of the snapshot layout, which version 3 continues: version 1's followed by the
+/// delegations and the batch sessions. Postcard writes a nested struct as its fields.
 #[derive(Deserialize)]
-pub(super) struct Image {
+struct Delegated {
     trees: Trees,
     delegations: BTreeMap<u64, Delegation>,
     sessions: BTreeMap<u64, Session>,
 }
 
 /// A version 1 snapshot: no delegations, no sessions.
-impl From<Trees> for Image {
+impl From<Trees> for Delegated {
     fn from(trees: Trees) -> Self {
         Self {
             trees,
@@ -82,14 +84,36 @@ impl From<Trees> for Image {
     }
 }
 
+/// A decoded snapshot (version 3) before its invariants are checked: all of [`MetaPartition`]'s
+/// serialized fields, version 2's followed by the call sessions.
+#[derive(Deserialize)]
+pub(super) struct Image {
+    delegated: Delegated,
+    calls: BTreeMap<u64, Calls>,
+}
+
+/// A version 2 snapshot: no call sessions.
+impl From<Delegated> for Image {
+    fn from(delegated: Delegated) -> Self {
+        Self {
+            delegated,
+            calls: BTreeMap::new(),
+        }
+    }
+}
+
 impl TryFrom<Image> for MetaPartition {
     type Error = MetaError;
 
     fn try_from(image: Image) -> Result<Self, MetaError> {
         let Image {
-            trees: i,
-            delegations,
-            sessions,
+            delegated:
+                Delegated {
+                    trees: i,
+                    delegations,
+                    sessions,
+                },
+            calls,
         } = image;
         let mut p = Self {
             start: i.start,
@@ -104,8 +128,10 @@ impl TryFrom<Image> for MetaPartition {
             to_free: i.to_free,
             delegation_ends: delegations.iter().map(|(&dir, d)| (d.until, dir)).collect(),
             session_times: sessions.iter().map(|(&c, s)| (s.at, c)).collect(),
+            call_times: calls.iter().map(|(&c, s)| (s.at, c)).collect(),
             delegations,
             sessions,
+            calls,
             heap: 0,
         };
         p.heap = p.count_heap();

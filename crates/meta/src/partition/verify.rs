@@ -117,6 +117,24 @@ impl MetaPartition {
         if !indexes(&self.delegation_ends, ends) || !indexes(&self.session_times, times) {
             return broken("the time indexes of the delegations and sessions".into());
         }
+        if self.calls.contains_key(&0) {
+            return broken("a call session of client 0".into());
+        }
+        for (client, c) in &self.calls {
+            if c.results
+                .first_key_value()
+                .is_some_and(|(&seq, _)| seq < c.done_below)
+            {
+                return broken(format!(
+                    "call session of {client:#x} keeps a result below {}",
+                    c.done_below
+                ));
+            }
+        }
+        let call_times = self.calls.iter().map(|(&client, c)| (c.at, client));
+        if !indexes(&self.call_times, call_times) {
+            return broken("the time index of the call sessions".into());
+        }
         let heap = self.count_heap();
         if heap != self.heap {
             return broken(format!("heap bytes {} counted as {heap}", self.heap));
