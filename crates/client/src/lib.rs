@@ -18,3 +18,16 @@ pub use master::MasterClient;
 pub use meta::{CallError, Entry, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};
 pub use net::{DataPartitionInfo, NetVolume};
 pub use netfs::{HideHook, HideStep, NetFs, NetFsConfig};
+
+/// A client's number for the partitions' sessions (never 0), different in every process and
+/// every call. A random number without a random number crate: the standard library seeds every
+/// `RandomState` from the operating system.
+pub(crate) fn random_client_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    h.write_u128(u128::from(std::process::id()) ^ now);
+    h.finish().max(1)
+}

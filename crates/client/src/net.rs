@@ -6,10 +6,26 @@
 //! once every replica was tried, refreshes the view from the master. Everything is bounded by
 //! `retry_for`. Errors are classified for the workflows: a refused connection or a not-leader answer
 //! means the command was **not applied**; a timeout or reset after sending means **unknown**.
+//!
+//! **Exactly-once metadata writes.** Every meta write is sent as a [`Command::Once`]: call number
+//! `seq` of this volume handle's session (a random client id), with `done_below` the lowest call
+//! still waiting. The partition applies a call once and answers every copy with the first
+//! outcome, so a write whose outcome is unknown (a reset, a timeout, a leader that lost its term
+//! with the entry in flight) is sent again, with the same number, until an answer comes or
+//! `retry_for` runs out. Only then is the outcome reported unknown.
+//!
+//! **Fail-over.** A call that may be sent again (reads, overwrites, meta writes) waits
+//! [`FIRST_ATTEMPT`] for its first answer, doubling on every timeout up to `timeout`, so a leader
+//! that stopped answering costs about one election instead of a whole `timeout`. A node that timed
+//! out or refused a connection is *suspect* for [`SUSPECT_FOR`] (longer than an election), or
+//! until it answers: calls skip it, and hints that point to it, while another replica is not
+//! suspect, so they find the new leader as soon as it is elected.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::master::MasterClient;
 use nacre_api::master::{MasterError, PartitionKind, PartitionStatus, VolumeView};
@@ -52,6 +68,70 @@ pub struct NetVolume {
     pub retry_for: Duration,
     /// Append packets this client has in flight, across all its files (see [`APPEND_WINDOW`]).
     append_slots: Arc<tokio::sync::Semaphore>,
+    /// This handle's call session with the meta partitions (see the module doc).
+    calls: Calls,
+    /// Nodes that timed out or refused a connection, until when they are skipped.
+    suspects: Mutex<HashMap<String, Instant>>,
+}
+
+/// How long a call waits for the first answer of a node when it may send the call again. A
+/// leader that died is replaced by an election that takes 1 to 2 s, so waiting this long first
+/// costs a fail-over nothing, and a leader slow under load is not given up too soon.
+pub const FIRST_ATTEMPT: Duration = Duration::from_secs(1);
+
+/// How long a node that timed out or refused a connection is skipped: longer than a Raft
+/// election (10 to 20 ticks of 100 ms), so a dead leader is not asked again before the others
+/// elected a new one.
+pub const SUSPECT_FOR: Duration = Duration::from_millis(2500);
+
+/// The numbers of one client's meta calls ([`Command::Once`]).
+#[derive(Debug)]
+struct Calls {
+    client: u64,
+    st: Mutex<CallNumbers>,
+}
+
+#[derive(Debug, Default)]
+struct CallNumbers {
+    next: u64,
+    /// Calls sent and not yet answered (nor given up).
+    waiting: BTreeSet<u64>,
+}
+
+impl Calls {
+    fn new() -> Self {
+        Self {
+            client: crate::random_client_id(),
+            st: Mutex::default(),
+        }
+    }
+
+    /// A new call's number, and the lowest call still waiting (this one included).
+    fn begin(&self) -> Waiting<'_> {
+        let mut st = lock(&self.st);
+        let seq = st.next;
+        st.next += 1;
+        st.waiting.insert(seq);
+        let done_below = st.waiting.first().copied().unwrap_or(seq);
+        Waiting {
+            calls: self,
+            seq,
+            done_below,
+        }
+    }
+}
+
+/// A call waiting for its answer; no longer waiting when dropped (answered, given up or cancelled).
+struct Waiting<'a> {
+    calls: &'a Calls,
+    seq: u64,
+    done_below: u64,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        lock(&self.calls.st).waiting.remove(&self.seq);
+    }
 }
 
 /// Most append packets (128 KiB each) one client keeps in flight across all its writers. Beyond
@@ -75,6 +155,8 @@ impl NetVolume {
             timeout: Duration::from_secs(3),
             retry_for: Duration::from_secs(15),
             append_slots: Arc::new(tokio::sync::Semaphore::new(APPEND_WINDOW)),
+            calls: Calls::new(),
+            suspects: Mutex::default(),
         };
         m.refresh().await?;
         Ok(m)
@@ -163,8 +245,33 @@ impl NetVolume {
         &self.client
     }
 
+    fn suspect(&self, addr: &str) {
+        lock(&self.suspects).insert(addr.to_string(), Instant::now() + SUSPECT_FOR);
+    }
+
+    fn cleared(&self, addr: &str) {
+        let mut s = lock(&self.suspects);
+        if !s.is_empty() {
+            s.remove(addr);
+        }
+    }
+
+    /// Whether calls should skip `addr`, given the partition's `replicas`: it is suspect and
+    /// some replica is not.
+    fn skip(&self, addr: &str, replicas: &[String]) -> bool {
+        let mut s = lock(&self.suspects);
+        if s.is_empty() {
+            return false;
+        }
+        let now = Instant::now();
+        s.retain(|_, until| *until > now);
+        s.contains_key(addr) && replicas.iter().any(|r| !s.contains_key(r))
+    }
+
     /// Calls `R` on partition `p`'s leader (see the module doc for the retry rules); `data` is the
-    /// frame's data segment, sent again on every attempt.
+    /// frame's data segment, sent again on every attempt. An `idempotent` call is sent again
+    /// after a timeout or reset; if none of its attempts answered, its outcome is `Unknown` when
+    /// one may have been served.
     pub async fn call<R: Rpc>(
         &self,
         p: PartitionId,
@@ -172,21 +279,34 @@ impl NetVolume {
         data: Payload,
         idempotent: bool,
     ) -> Result<(R::Response, Payload), CallError> {
-        let deadline = tokio::time::Instant::now() + self.retry_for;
+        let deadline = Instant::now() + self.retry_for;
         let mut target = self.cached_leader(p);
         let mut tried = 0usize;
         let mut refreshed = false;
-        let mut last;
+        let mut maybe_served = false;
+        let mut wait = if idempotent {
+            FIRST_ATTEMPT.min(self.timeout)
+        } else {
+            self.timeout
+        };
+        let mut last = String::new();
+        let give_up = |last: String, maybe_served: bool| {
+            if maybe_served {
+                CallError::Unknown(last)
+            } else {
+                CallError::NotApplied(last)
+            }
+        };
         loop {
             let replicas = self.replicas(p);
             let addr = match target.take() {
                 Some(a) => a,
                 None if replicas.is_empty() => {
                     if refreshed {
-                        return Err(CallError::NotApplied(format!(
-                            "partition {p} is not in volume {}",
-                            self.volume
-                        )));
+                        return Err(give_up(
+                            format!("partition {p} is not in volume {}", self.volume),
+                            maybe_served,
+                        ));
                     }
                     refreshed = true;
                     let _ = self.refresh().await;
@@ -194,37 +314,61 @@ impl NetVolume {
                 }
                 None => replicas[tried % replicas.len()].clone(),
             };
-            let opts = CallOptions {
-                timeout: Some(self.timeout),
-                ..Default::default()
-            };
             let mut hinted = false;
-            let payload = Payload {
-                bytes: data.bytes.clone(),
-                crc: data.crc,
-            };
-            match self.client.call_with::<R>(&addr, req, payload, opts).await {
-                Ok(out) => {
-                    self.set_leader(p, &addr);
-                    return Ok(out);
-                }
-                Err(MsgrError::Remote { error, .. }) => match error.code() {
-                    ErrorCode::NotLeader => {
-                        last = format!("{addr}: not the leader of {p}");
-                        if let Some(h) = error.leader_hint.filter(|h| *h != addr) {
-                            target = Some(h);
-                            hinted = true;
+            if !self.skip(&addr, &replicas) {
+                let opts = CallOptions {
+                    timeout: Some(wait.min(deadline.saturating_duration_since(Instant::now()))),
+                    ..Default::default()
+                };
+                let payload = Payload {
+                    bytes: data.bytes.clone(),
+                    crc: data.crc,
+                };
+                match self.client.call_with::<R>(&addr, req, payload, opts).await {
+                    Ok(out) => {
+                        self.cleared(&addr);
+                        self.set_leader(p, &addr);
+                        return Ok(out);
+                    }
+                    Err(MsgrError::Remote { error, .. }) => match error.code() {
+                        ErrorCode::NotLeader => {
+                            self.cleared(&addr);
+                            last = format!("{addr}: not the leader of {p}");
+                            if let Some(h) = error
+                                .leader_hint
+                                .filter(|h| *h != addr && !self.skip(h, &replicas))
+                            {
+                                target = Some(h);
+                                hinted = true;
+                            }
                         }
+                        ErrorCode::DeadlineExceeded if !idempotent => {
+                            return Err(CallError::Unknown(format!("{addr}: {}", error.message)));
+                        }
+                        _ => {
+                            // Served and failed, or (a leader that lost its term) proposed and
+                            // perhaps committed by the next one.
+                            maybe_served = true;
+                            last = format!("{addr}: {}", error.message);
+                        }
+                    },
+                    Err(e @ (MsgrError::Timeout { .. } | MsgrError::Reset { .. }))
+                        if !idempotent =>
+                    {
+                        self.suspect(&addr);
+                        return Err(CallError::Unknown(e.to_string()));
                     }
-                    ErrorCode::DeadlineExceeded if !idempotent => {
-                        return Err(CallError::Unknown(format!("{addr}: {}", error.message)));
+                    Err(e) => {
+                        if matches!(e, MsgrError::Timeout { .. }) {
+                            wait = (wait * 2).min(self.timeout);
+                        }
+                        if matches!(e, MsgrError::Timeout { .. } | MsgrError::Connect { .. }) {
+                            self.suspect(&addr);
+                        }
+                        maybe_served |= !e.not_sent();
+                        last = e.to_string();
                     }
-                    _ => last = format!("{addr}: {}", error.message),
-                },
-                Err(e @ (MsgrError::Timeout { .. } | MsgrError::Reset { .. })) if !idempotent => {
-                    return Err(CallError::Unknown(e.to_string()));
                 }
-                Err(e) => last = e.to_string(),
             }
             if !hinted {
                 tried += 1;
@@ -235,14 +379,14 @@ impl NetVolume {
                         refreshed = true;
                         let _ = self.refresh().await;
                     }
-                    if tokio::time::Instant::now() >= deadline {
-                        return Err(CallError::NotApplied(last));
+                    if Instant::now() >= deadline {
+                        return Err(give_up(last, maybe_served));
                     }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(CallError::NotApplied(last));
+            if Instant::now() >= deadline {
+                return Err(give_up(last, maybe_served));
             }
         }
     }
@@ -267,11 +411,26 @@ impl MetaTransport for NetVolume {
         partition: PartitionId,
         cmd: Command,
     ) -> Result<Result<Reply, MetaError>, CallError> {
+        let call = self.calls.begin();
+        let cmd = Command::Once {
+            client: self.calls.client,
+            seq: call.seq,
+            done_below: call.done_below,
+            cmd: Box::new(cmd),
+        };
         let req = WriteRequest { partition, cmd };
-        Ok(self
-            .call::<MetaWrite>(partition, &req, Payload::none(), false)
+        let reply = self
+            .call::<MetaWrite>(partition, &req, Payload::none(), true)
             .await?
-            .0)
+            .0;
+        drop(call);
+        Ok(match reply {
+            Ok(Reply::Outcome(r)) => *r,
+            Ok(other) => Err(MetaError::Invalid(format!(
+                "a call answered {other:?}, not its outcome"
+            ))),
+            Err(e) => Err(e),
+        })
     }
 
     async fn read(

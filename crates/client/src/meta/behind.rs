@@ -22,7 +22,6 @@
 //! behind the directory's pending commands.
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -274,12 +273,8 @@ impl Behind {
     }
 
     pub(crate) fn new() -> Self {
-        // A random number without a random number crate: the standard library seeds every
-        // `RandomState` from the operating system.
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u128(std::process::id() as u128 ^ u128::from(now_ns()));
         Self {
-            client: h.finish().max(1),
+            client: crate::random_client_id(),
             st: Mutex::default(),
             progress: tokio::sync::Notify::new(),
         }
