@@ -216,6 +216,9 @@ struct Fault {
     detail: String,
 }
 
+/// Fail-overs the summary lists one by one (the slowest).
+const SHOWN_FAILOVERS: usize = 8;
+
 /// Time from a fault to the first successful write on a partition its node led.
 #[derive(Clone, Debug, Serialize)]
 struct Failover {
@@ -235,11 +238,14 @@ struct Summary {
     isolation: &'static str,
     ops_acked: u64,
     ops_failed: u64,
+    /// The workload's failed calls by the errno an application would have seen.
+    errors: std::collections::BTreeMap<String, u64>,
     /// Clients that could not make their directories and did no work.
     clients_gave_up: u64,
     faults: Vec<Fault>,
     failovers: Vec<Failover>,
     failover_p50_ms: Option<u64>,
+    failover_p99_ms: Option<u64>,
     failover_max_ms: Option<u64>,
     corrupt_blocks_detected: usize,
     /// Bad blocks the data nodes' background scrub found (a pass every `SCRUB_PERIOD_SECS`), and
@@ -353,6 +359,10 @@ fn print_summary(s: &Summary) {
         "operations: {} acknowledged, {} failed (during faults)",
         s.ops_acked, s.ops_failed
     );
+    if !s.errors.is_empty() {
+        let errors: Vec<String> = s.errors.iter().map(|(e, n)| format!("{e} ×{n}")).collect();
+        println!("errors the clients saw: {}", errors.join(", "));
+    }
     if s.clients_gave_up > 0 {
         println!(
             "WARNING: {} clients could not make their directories and did no work",
@@ -368,12 +378,26 @@ fn print_summary(s: &Summary) {
         .collect();
     println!("faults injected: {}", counts.join(", "));
     if !s.failovers.is_empty() {
+        let show = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
         println!(
-            "fail-over (fault to first successful write on a partition the node led): {} measured, p50 {} ms, max {} ms",
+            "fail-over (fault to first successful write on a partition the node led): {} measured, p50 {} ms, p99 {} ms, max {} ms",
             s.failovers.len(),
-            s.failover_p50_ms.map_or("-".into(), |v| v.to_string()),
-            s.failover_max_ms.map_or("-".into(), |v| v.to_string()),
+            show(s.failover_p50_ms),
+            show(s.failover_p99_ms),
+            show(s.failover_max_ms),
         );
+        // The slowest, each with its cause.
+        let mut slow: Vec<&Failover> = s.failovers.iter().filter(|f| f.ms.is_some()).collect();
+        slow.sort_by_key(|f| std::cmp::Reverse(f.ms));
+        for f in slow.iter().take(SHOWN_FAILOVERS) {
+            println!(
+                "  {:>6} ms  {} after {} of {}",
+                show(f.ms),
+                f.target,
+                f.kind,
+                f.node
+            );
+        }
         for f in s.failovers.iter().filter(|f| f.ms.is_none()) {
             println!(
                 "  no write on {} within {PROBE_LIMIT:?} after {} of {}",
@@ -776,9 +800,13 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         isolation: h.isolation,
         ops_acked: stats.acked,
         ops_failed: stats.failed,
+        errors: stats.errors.clone(),
         clients_gave_up: stats.gave_up,
         faults,
         failover_p50_ms: ms.get(ms.len() / 2).copied(),
+        failover_p99_ms: ms
+            .get((ms.len() * 99).div_ceil(100).saturating_sub(1))
+            .copied(),
         failover_max_ms: ms.last().copied(),
         failovers,
         corrupt_blocks_detected: detected,

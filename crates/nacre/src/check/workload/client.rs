@@ -184,10 +184,22 @@ impl<F: FileSystem + Sync> Client<'_, F> {
         self.failed = true;
     }
 
-    fn fail(&mut self, op: &str, rel: &str, e: &FsError) {
+    /// Counts a failed operation; what to report if it turns out applied (nothing for a call
+    /// abandoned because the workload stops: no application saw that failure).
+    fn fail(&mut self, op: &str, rel: &str, e: &FsError) -> Option<Finding> {
         self.count_failure();
         let path = self.full(rel);
-        tracing::warn!(client = self.id, op, path, error = %e, "operation failed");
+        if self.stopped() {
+            tracing::debug!(client = self.id, op, path, error = %e, "operation abandoned");
+            return None;
+        }
+        let errno = self.w.stats.error(e);
+        tracing::warn!(client = self.id, op, path, errno, error = %e, "operation failed");
+        Some(Finding::FailedButApplied {
+            op: op.to_string(),
+            path,
+            error: format!("{errno} ({e})"),
+        })
     }
 
     /// The operation's paths now have the outcomes `worlds`; the client forgets them.
@@ -343,10 +355,11 @@ impl<F: FileSystem + Sync> Client<'_, F> {
         let fh = match created.await {
             Ok((_, fh)) => fh,
             Err(e) => {
-                self.fail("create", &rel, &e);
+                let failure = self.fail("create", &rel, &e);
                 // No file, or an empty one.
                 let empty = Expect::exact(&FileModel::default());
-                return self.uncertain(vec![World::at(&rel, None), World::at(&rel, Some(empty))]);
+                let made = World::at(&rel, Some(empty)).applied(&failure);
+                return self.uncertain(vec![World::at(&rel, None), made]);
             }
         };
         if !big {
@@ -416,7 +429,10 @@ impl<F: FileSystem + Sync> Client<'_, F> {
             .await
         {
             Ok(fh) => fh,
-            Err(e) => return self.fail(op, &rel, &e),
+            Err(e) => {
+                self.fail(op, &rel, &e);
+                return;
+            }
         };
         let put = self.put(op, &rel, fh, f, (off, n), false, append).await;
         if put.is_some() && !self.release_quietly(fh).await {
@@ -437,7 +453,10 @@ impl<F: FileSystem + Sync> Client<'_, F> {
         let (dir, name) = self.loc(&rel);
         let ino = match self.call(self.fs.lookup(dir, name)).await {
             Ok(a) => a.ino,
-            Err(e) => return self.fail("truncate", &rel, &e),
+            Err(e) => {
+                self.fail("truncate", &rel, &e);
+                return;
+            }
         };
         let set = SetAttr {
             size: Some(size),
@@ -473,12 +492,12 @@ impl<F: FileSystem + Sync> Client<'_, F> {
         };
         let ((d0, n0), (d1, n1)) = (self.loc(&rel), self.loc(&to));
         if let Err(e) = self.call(self.fs.rename(d0, n0, d1, n1)).await {
-            self.fail("rename", &rel, &e);
+            let failure = self.fail("rename", &rel, &e);
             let x = Some(Expect::exact(&f));
             let t = target.map(|(_, t)| Expect::exact(&t));
             let mut worlds = vec![
                 World::two(&rel, x.clone(), &to, t.clone()),
-                World::two(&rel, None, &to, x.clone()),
+                World::two(&rel, None, &to, x.clone()).applied(&failure),
             ];
             if t.is_some() {
                 worlds.push(World::two(&rel, x.clone(), &to, None));
@@ -506,9 +525,10 @@ impl<F: FileSystem + Sync> Client<'_, F> {
     async fn unlink(&mut self, rel: String, f: FileModel) {
         let (dir, name) = self.loc(&rel);
         if let Err(e) = self.call(self.fs.unlink(dir, name)).await {
-            self.fail("unlink", &rel, &e);
+            let failure = self.fail("unlink", &rel, &e);
             let a = Some(Expect::exact(&f));
-            return self.uncertain(vec![World::at(&rel, a), World::at(&rel, None)]);
+            let gone = World::at(&rel, None).applied(&failure);
+            return self.uncertain(vec![World::at(&rel, a), gone]);
         }
         self.model().files.remove(&rel);
         self.ack("unlink", &rel, None, None, None);
@@ -527,7 +547,10 @@ impl<F: FileSystem + Sync> Client<'_, F> {
         .await;
         let (size, data) = match r {
             Ok(x) => x,
-            Err(e) => return self.fail("read", &rel, &e),
+            Err(e) => {
+                self.fail("read", &rel, &e);
+                return;
+            }
         };
         let path = self.full(&rel);
         match judge(&path, Some(&Expect::exact(&f)), &Seen::File { size, data }) {

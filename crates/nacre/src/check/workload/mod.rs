@@ -112,6 +112,8 @@ pub struct Stats {
     reads_verified: AtomicU64,
     uncertain: AtomicU64,
     gave_up: AtomicU64,
+    /// Failed calls by the errno an application would have seen (through FUSE).
+    errors: Mutex<BTreeMap<String, u64>>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -128,6 +130,8 @@ pub struct StatsSnapshot {
     pub uncertain: u64,
     /// Clients that could not make their directories and did nothing.
     pub gave_up: u64,
+    /// Failed calls by the errno an application would have seen (through FUSE).
+    pub errors: BTreeMap<String, u64>,
 }
 
 impl Stats {
@@ -139,8 +143,37 @@ impl Stats {
             reads_verified: self.reads_verified.load(Relaxed),
             uncertain: self.uncertain.load(Relaxed),
             gave_up: self.gave_up.load(Relaxed),
+            errors: lock(&self.errors).clone(),
         }
     }
+
+    /// Counts a failed call under its errno; the errno's name.
+    pub(super) fn error(&self, e: &FsError) -> String {
+        let name = errno_name(nacre_fuse::errno(e));
+        *lock(&self.errors).entry(name.clone()).or_default() += 1;
+        name
+    }
+}
+
+/// `EIO` for 5, and so on; `errno N` for the rare ones.
+fn errno_name(n: i32) -> String {
+    let names = [
+        (libc::EIO, "EIO"),
+        (libc::ENOSPC, "ENOSPC"),
+        (libc::ENOENT, "ENOENT"),
+        (libc::EEXIST, "EEXIST"),
+        (libc::EINVAL, "EINVAL"),
+        (libc::EAGAIN, "EAGAIN"),
+        (libc::EBADF, "EBADF"),
+        (libc::ENOTDIR, "ENOTDIR"),
+        (libc::EISDIR, "EISDIR"),
+        (libc::ENOTEMPTY, "ENOTEMPTY"),
+        (libc::EOPNOTSUPP, "EOPNOTSUPP"),
+    ];
+    names
+        .iter()
+        .find(|(e, _)| *e == n)
+        .map_or_else(|| format!("errno {n}"), |(_, name)| (*name).to_string())
 }
 
 /// Something the checker found wrong. Paths are volume paths.
@@ -169,6 +202,13 @@ pub enum Finding {
     /// After a kill of the client process (`kill-client`), a file holds none of the states its
     /// journal allows.
     Crash(crate::check::kill_client::judge::Violation),
+    /// A call failed (with `error`, the errno an application would have seen), yet its operation
+    /// was applied: an application was told of a failure that did not happen.
+    FailedButApplied {
+        op: String,
+        path: String,
+        error: String,
+    },
 }
 
 impl Finding {
@@ -178,7 +218,8 @@ impl Finding {
             Self::Missing { path, .. }
             | Self::Wrong { path, .. }
             | Self::Unexpected { path, .. }
-            | Self::Unreadable { path, .. } => path,
+            | Self::Unreadable { path, .. }
+            | Self::FailedButApplied { path, .. } => path,
             Self::RenameNotAtomic { from, .. } => from,
             Self::Crash(v) => &v.path,
         }
@@ -216,6 +257,9 @@ impl fmt::Display for Finding {
                 )
             }
             Self::Crash(v) => write!(f, "{v}"),
+            Self::FailedButApplied { op, path, error } => {
+                write!(f, "failed but applied: {op} {path} returned {error}")
+            }
         }
     }
 }

@@ -86,6 +86,9 @@ pub(super) struct World {
     pub(super) paths: Vec<(String, Option<Expect>)>,
     /// Allowed, but worth reporting when it is what happened.
     pub(super) note: Option<Finding>,
+    /// The failed operation was applied in this world: reported (as the finding) when no world
+    /// in which it was not applied allows what is there.
+    pub(super) applied: Option<Finding>,
 }
 
 impl World {
@@ -93,6 +96,7 @@ impl World {
         Self {
             paths: vec![(path.to_string(), e)],
             note: None,
+            applied: None,
         }
     }
 
@@ -100,7 +104,14 @@ impl World {
         Self {
             paths: vec![(p.to_string(), e), (q.to_string(), f)],
             note: None,
+            applied: None,
         }
+    }
+
+    /// This world, as the one where the failed operation was applied.
+    pub(super) fn applied(mut self, failure: &Option<Finding>) -> Self {
+        self.applied.clone_from(failure);
+        self
     }
 
     pub(super) fn expect(&self, path: &str) -> Option<&Expect> {

@@ -417,9 +417,16 @@ async fn injected_failures_leave_only_allowed_outcomes() {
         run(&w, &fs, None).await;
         fs.fault_permille.store(0, Relaxed);
         let r = w.verify(&*fs).await;
-        assert!(r.findings.is_empty(), "seed {seed}: {r}");
+        // Half the injected failures come after the call applied: the checker tells the creates,
+        // renames and unlinks among them that turned out applied.
+        let (applied, others) = false_failures(&r.findings);
+        assert!(others.is_empty(), "seed {seed}: {r}");
+        assert!(!applied.is_empty(), "seed {seed}: {r}");
         let s = w.stats().snapshot();
         assert!(s.failed > 50 && s.uncertain > 20 && s.acked > 100, "{s:?}");
+        // Injected failures are `Unknown` outcomes, which an application sees as EIO.
+        let eio = s.errors.get("EIO").copied().unwrap_or(0);
+        assert!(eio > 50 && eio <= s.failed && s.errors.len() == 1, "{s:?}");
 
         // A byte that is neither the acknowledged nor the attempted one is found, in an
         // uncertain file too (a zero is not acceptable just because writes failed).
@@ -445,8 +452,9 @@ async fn injected_failures_leave_only_allowed_outcomes() {
             d[at.0 as usize] = at.1;
         }
         let r = w.verify(&*fs).await;
+        let (_, others) = false_failures(&r.findings);
         assert!(
-            matches!(&r.findings[..], [Finding::Wrong { path: p, offset, .. }]
+            matches!(&others[..], [Finding::Wrong { path: p, offset, .. }]
                 if *p == path && *offset == at.0),
             "{r}"
         );
@@ -461,8 +469,16 @@ async fn stopping_abandons_ops_without_losing_any() {
     run(&w, &fs, Some(400)).await;
     fs.fault_permille.store(0, Relaxed);
     let r = w.verify(&*fs).await;
-    assert!(r.findings.is_empty(), "{r}");
+    assert!(false_failures(&r.findings).1.is_empty(), "{r}");
     assert!(r.acked_ops >= 400, "{r}");
+}
+
+/// The findings of failed calls that turned out applied, and the others.
+fn false_failures(findings: &[Finding]) -> (Vec<Finding>, Vec<Finding>) {
+    findings
+        .iter()
+        .cloned()
+        .partition(|f| matches!(f, Finding::FailedButApplied { .. }))
 }
 
 #[tokio::test(start_paused = true)]

@@ -202,8 +202,28 @@ impl<F: FileSystem + Sync> Check<'_, F> {
         }
     }
 
-    /// Accepts `seen` if some world allows it; else reports the world it is closest to.
+    /// Accepts `seen` if some world allows it (reporting a failed operation that only worlds
+    /// where it applied allow); else reports the world it is closest to.
     fn judge_group(&mut self, base: &str, worlds: &[World], seen: &BTreeMap<String, Seen>) {
+        let allows = |w: &World| {
+            seen.iter()
+                .all(|(p, s)| judge(&format!("{base}/{p}"), w.expect(p), s).is_none())
+        };
+        let allowing: Vec<&World> = worlds.iter().filter(|w| allows(w)).collect();
+        if let Some(first) = allowing.first() {
+            if let Some(n) = &first.note {
+                self.push(n.clone(), 0);
+            }
+            if let Some(applied) = allowing
+                .iter()
+                .map(|w| w.applied.as_ref())
+                .collect::<Option<Vec<_>>>()
+                .and_then(|a| a.first().copied())
+            {
+                self.push(applied.clone(), 0);
+            }
+            return;
+        }
         let mut best: Option<Vec<(Finding, u64)>> = None;
         for w in worlds {
             let misses: Vec<(Finding, u64)> = seen
@@ -213,12 +233,6 @@ impl<F: FileSystem + Sync> Check<'_, F> {
                     judge(&format!("{base}/{p}"), e, s).map(|f| (f, e.map_or(0, |e| e.ops)))
                 })
                 .collect();
-            if misses.is_empty() {
-                if let Some(n) = &w.note {
-                    self.push(n.clone(), 0);
-                }
-                return;
-            }
             if best.as_ref().is_none_or(|b| misses.len() < b.len()) {
                 best = Some(misses);
             }
