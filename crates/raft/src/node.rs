@@ -623,18 +623,40 @@ impl<S: StateMachine> RaftNode<S> {
         }
     }
 
-    /// Records node-level liveness of a peer (the driver's per-node heartbeats). Hibernating
-    /// followers whose leader is on a peer that went down wake up, so they can elect a new leader.
+    /// Records node-level liveness of a peer (the driver's per-node heartbeats). Followers whose
+    /// leader is on a peer that went down wake up (if hibernating), and the lowest live voter of
+    /// each such group campaigns at once.
     pub fn set_peer_alive(&mut self, peer: u64, alive: bool) {
         if alive {
             self.dead_peers.remove(&peer);
             return;
         }
         self.dead_peers.insert(peer);
+        let me = self.id;
         for (&gid, g) in self.groups.iter_mut() {
             if g.node.raft.leader_id == peer {
                 g.wake();
                 self.dirty.insert(gid);
+                // The leader's lease on this follower's vote is over: it has not been heard from
+                // for the peer timeout, which is longer than the read lease it may still count
+                // on (`NodeConfig::read_lease`, a third of an election timeout), so granting a
+                // vote now cannot make two leaders serve reads.
+                let r = &mut g.node.raft;
+                r.election_elapsed = r.election_elapsed.max(r.election_timeout());
+                // The lowest live voter campaigns at once instead of after an election timeout
+                // (the others wait theirs, so they do not split the vote).
+                let conf = g.node.raft.prs().conf().to_conf_state();
+                let first_live = conf
+                    .get_voters()
+                    .iter()
+                    .copied()
+                    .filter(|v| *v != peer && !self.dead_peers.contains(v))
+                    .min();
+                if first_live == Some(me)
+                    && let Err(e) = g.node.campaign()
+                {
+                    tracing::debug!(group = gid, error = %e, "campaign after the leader's node went down failed");
+                }
             }
         }
     }

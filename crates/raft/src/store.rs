@@ -5,7 +5,8 @@
 //! drains commands and inbound messages, runs one `Ready` round (one log write for every group), and
 //! sends what every group has for a peer in **one** frame per peer. Each node also sends an empty
 //! batch to every peer every `keepalive_ticks` ticks; a peer not heard from for `peer_timeout_ticks`
-//! is reported down to the `RaftNode`, which wakes the hibernating followers of groups it led.
+//! is reported down to the `RaftNode`, which wakes the followers of groups it led, and the lowest
+//! live voter of each campaigns at once.
 //! With `StoreConfig::async_log` the round's log write goes to a `raft-log-N` thread instead
 //! (see `LogWriter`), and the loop goes on while it syncs.
 //!
@@ -49,7 +50,9 @@ pub struct StoreConfig {
     pub tick_interval: Duration,
     /// Ticks between node-level keepalives to each peer.
     pub keepalive_ticks: u64,
-    /// Ticks without hearing from a peer before it is considered down.
+    /// Ticks without hearing from a peer before it is considered down: the followers of groups
+    /// it led give up its lease and the lowest live voter campaigns at once. Must stay above the
+    /// read lease (a third of the minimum election timeout) plus clock drift.
     pub peer_timeout_ticks: u64,
     /// Ticks after which a proposal or read still unanswered fails with [`RaftError::Timeout`] (its
     /// outcome is then unknown: it may still be applied).
@@ -86,8 +89,8 @@ impl Default for StoreConfig {
         Self {
             node: NodeConfig::default(),
             tick_interval: Duration::from_millis(100),
-            keepalive_ticks: 5,
-            peer_timeout_ticks: 20,
+            keepalive_ticks: 4,
+            peer_timeout_ticks: 12,
             request_timeout_ticks: 100,
             purge_interval: Duration::from_secs(10),
             early_appends: false,

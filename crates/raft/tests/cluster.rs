@@ -287,6 +287,15 @@ fn idle_groups_hibernate_and_wake_on_proposals_and_leader_loss() {
         .collect();
     assert!(!led.is_empty());
     c.crash(l);
+    // Before any tick: the lowest live voter of each group campaigned at once and won.
+    c.pump();
+    let first = c.live().into_iter().min().unwrap();
+    for &g in &led {
+        assert!(
+            c.node(first).is_leader(g),
+            "group {g} waits for an election timeout"
+        );
+    }
     for &g in &led {
         let nl = c.leader(g);
         assert_ne!(nl, l);
