@@ -419,10 +419,12 @@ impl Client {
             .map_err(|_| MsgrError::Connect {
                 peer: addr.to_string(),
                 reason: format!("timed out after {:?}", cfg.connect_timeout),
+                refused: false,
             })?
             .map_err(|e| MsgrError::Connect {
                 peer: addr.to_string(),
                 reason: e.to_string(),
+                refused: e.kind() == std::io::ErrorKind::ConnectionRefused,
             })?;
         // Callers write to the socket through a second descriptor of it (see `Lane`); it is
         // non-blocking from here on, before the driver attaches it.

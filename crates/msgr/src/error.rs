@@ -18,9 +18,14 @@ pub enum MsgrError {
         op: &'static str,
         after: Duration,
     },
-    /// Could not open a connection to the peer.
+    /// Could not open a connection to the peer. `refused`: nothing listens at its address (the
+    /// process is gone), as opposed to a connect that timed out or failed otherwise.
     #[error("cannot connect to {peer}: {reason}")]
-    Connect { peer: String, reason: String },
+    Connect {
+        peer: String,
+        reason: String,
+        refused: bool,
+    },
     /// The connection closed or broke while the request was outstanding. The request may or may not
     /// have been served.
     #[error("connection to {peer} reset: {reason}")]

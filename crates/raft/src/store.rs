@@ -19,7 +19,7 @@ use std::thread;
 use std::time::Duration;
 
 use bytes::Bytes;
-use nacre_msgr::{Client, Payload};
+use nacre_msgr::{Client, MsgrError, Payload};
 use nacre_proto::msg::raft::{RaftBatch, RaftBatchRpc, RaftEnvelope};
 use nacre_proto::msg::{Rpc, encode_body};
 use protobuf::Message as _;
@@ -138,6 +138,10 @@ enum Cmd<S> {
     },
     AddPeers {
         peers: BTreeMap<u64, String>,
+    },
+    /// A connection to `peer` was refused.
+    Refused {
+        peer: u64,
     },
     RemoveGroup {
         group: GroupId,
@@ -669,6 +673,7 @@ impl<S: StateMachine> Loop<S> {
             let (otx, mut orx) = mpsc::unbounded_channel::<Bytes>();
             let queued = Arc::new(AtomicUsize::new(0));
             let (client, to, left) = (self.client.clone(), addr.clone(), queued.clone());
+            let own = self.own.clone();
             tokio::spawn(async move {
                 while let Some(body) = orx.recv().await {
                     // Raft tolerates lost messages; a failed send is retried by raft itself.
@@ -677,6 +682,11 @@ impl<S: StateMachine> Loop<S> {
                         .await
                     {
                         tracing::debug!(addr = %to, error = %e, "raft batch not sent");
+                        if matches!(e, MsgrError::Connect { refused: true, .. })
+                            && let Some(own) = own.upgrade()
+                        {
+                            let _ = own.send(Cmd::Refused { peer });
+                        }
                     }
                     left.fetch_sub(1, Ordering::AcqRel);
                 }
@@ -699,6 +709,16 @@ impl<S: StateMachine> Loop<S> {
                 None => reader(Err(RaftError::UnknownGroup(group))),
             },
             Cmd::AddPeers { peers } => self.add_peers(peers),
+            Cmd::Refused { peer } => {
+                // Nothing listens at the peer's address: its process is gone, and so is any
+                // lease it held. Reported down now rather than after `peer_timeout_ticks`.
+                if let Some(h) = self.heard.get_mut(&peer)
+                    && h.1
+                {
+                    h.1 = false;
+                    self.node.set_peer_alive(peer, false);
+                }
+            }
             Cmd::BarrierDone {
                 group,
                 token,
