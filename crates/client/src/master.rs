@@ -59,10 +59,27 @@ impl MasterClient {
         let mut last;
         // Bounded by time rather than attempts: long enough to ride out a master election.
         let deadline = tokio::time::Instant::now() + self.retry_for;
+        // A leader that stopped answering costs about an election: the first wait is short,
+        // and hints back to a master that timed out are not followed while another has not.
+        let mut wait = crate::net::FIRST_ATTEMPT.min(self.timeout);
+        // When each master timed out, for `SUSPECT_FOR`.
+        let mut suspect: Vec<Option<tokio::time::Instant>> = vec![None; self.masters.len()];
         loop {
+            let now = tokio::time::Instant::now();
+            for s in &mut suspect {
+                if s.is_some_and(|at| now >= at + crate::net::SUSPECT_FOR) {
+                    *s = None;
+                }
+            }
+            let timed_out: Vec<bool> = suspect.iter().map(Option::is_some).collect();
+            if !timed_out.iter().all(|t| *t) {
+                while timed_out[target % self.masters.len()] {
+                    target += 1;
+                }
+            }
             let addr = &self.masters[target % self.masters.len()];
             let opts = CallOptions {
-                timeout: Some(self.timeout),
+                timeout: Some(wait),
                 ..Default::default()
             };
             let followed_hint = match self
@@ -77,6 +94,7 @@ impl MasterClient {
                         .leader_hint
                         .as_ref()
                         .and_then(|h| self.masters.iter().position(|m| m == h))
+                        .filter(|&i| !timed_out[i] || timed_out.iter().all(|t| *t))
                     {
                         Some(i) if i != target % self.masters.len() => {
                             target = i;
@@ -89,6 +107,10 @@ impl MasterClient {
                     }
                 }
                 Err(e) => {
+                    if matches!(e, MsgrError::Timeout { .. }) {
+                        suspect[target % self.masters.len()] = Some(tokio::time::Instant::now());
+                        wait = (wait * 2).min(self.timeout);
+                    }
                     last = format!("{addr}: {e}");
                     target += 1;
                     false
