@@ -7,6 +7,7 @@
 pub mod garbage;
 pub mod harness;
 pub mod kill_client;
+mod mountfs;
 pub mod port;
 #[cfg(test)]
 mod port_tests;
@@ -121,6 +122,11 @@ struct RunArgs {
     /// may be missing).
     #[arg(long)]
     write_behind: bool,
+    /// The workload's clients work through a FUSE mount of the volume (a `nacre mount` process
+    /// with default flags, in `DIR/mnt`): POSIX calls, the kernel's caches and the mount's
+    /// write-behind are in the path, and every error counted is the errno an application saw.
+    #[arg(long)]
+    fuse: bool,
 }
 
 #[derive(Debug, Args)]
@@ -238,6 +244,8 @@ struct Summary {
     isolation: &'static str,
     ops_acked: u64,
     ops_failed: u64,
+    /// With `--fuse`: why the mount could not be unmounted cleanly.
+    mount_error: Option<String>,
     /// The workload's failed calls by the errno an application would have seen.
     errors: std::collections::BTreeMap<String, u64>,
     /// Clients that could not make their directories and did no work.
@@ -344,6 +352,7 @@ fn run_check(a: RunArgs) -> anyhow::Result<()> {
         || !summary.report.findings.is_empty()
         || !summary.garbage_problems.is_empty()
         || summary.failovers.iter().any(|f| f.ms.is_none())
+        || summary.mount_error.is_some()
     {
         bail!("the check failed (see the report above)");
     }
@@ -359,6 +368,9 @@ fn print_summary(s: &Summary) {
         "operations: {} acknowledged, {} failed (during faults)",
         s.ops_acked, s.ops_failed
     );
+    if let Some(e) = &s.mount_error {
+        println!("MOUNT: {e}");
+    }
     if !s.errors.is_empty() {
         let errors: Vec<String> = s.errors.iter().map(|(e, n)| format!("{e} ×{n}")).collect();
         println!("errors the clients saw: {}", errors.join(", "));
@@ -542,7 +554,29 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     )?);
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut clients = tokio::task::JoinSet::new();
-    for id in 0..a.clients {
+    let mount = if a.fuse {
+        let mnt = h.dir().join("mnt");
+        let m = mountfs::Mount::start(
+            h.exe(),
+            VOLUME,
+            &masters,
+            &mnt,
+            &h.dir().join("logs").join("mount.log"),
+            &a.node_log,
+        )
+        .await?;
+        let fs = Arc::new(mountfs::MountFs::new(mnt));
+        for id in 0..a.clients {
+            let (wl, stop, fs) = (wl.clone(), stop_rx.clone(), fs.clone());
+            clients.spawn(async move {
+                wl.run_client(id, &*fs, stop).await;
+            });
+        }
+        Some(m)
+    } else {
+        None
+    };
+    for id in (0..a.clients).filter(|_| !a.fuse) {
         let vol = connect(msgr.client(), &masters).await?;
         let (wl, stop) = (wl.clone(), stop_rx.clone());
         let cfg = NetFsConfig {
@@ -747,6 +781,11 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     tokio::time::sleep(Duration::from_secs(2)).await;
     let _ = stop_tx.send(true);
     while clients.join_next().await.is_some() {}
+    // Unmounting writes out what the mount holds behind; a mount that cannot is a failure.
+    let mount_error = match mount {
+        Some(m) => m.stop().await.err().map(|e| format!("{e:#}")),
+        None => None,
+    };
     let mut crashes = match crash_loop {
         Some(t) => {
             let (c, r) = t.await?;
@@ -801,6 +840,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         ops_acked: stats.acked,
         ops_failed: stats.failed,
         errors: stats.errors.clone(),
+        mount_error,
         clients_gave_up: stats.gave_up,
         faults,
         failover_p50_ms: ms.get(ms.len() / 2).copied(),

@@ -362,6 +362,33 @@ fn config(clients: usize, seed: u64, ops: Option<u64>) -> WorkloadConfig {
     }
 }
 
+/// The workload through `MountFs` on a plain directory (what `--fuse` runs on a mount): every
+/// call the workload makes works through POSIX calls, and the checker, reading back through
+/// them too, finds everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workload_runs_through_posix_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = Arc::new(crate::check::mountfs::MountFs::new(
+        dir.path().to_path_buf(),
+    ));
+    let w = Arc::new(Workload::new(config(2, 3, Some(200)), None).unwrap());
+    let (_tx, rx) = watch::channel(false);
+    let mut set = tokio::task::JoinSet::new();
+    for id in 0..2 {
+        let (w, fs, rx) = (w.clone(), fs.clone(), rx.clone());
+        set.spawn(async move { w.run_client(id, &*fs, rx).await });
+    }
+    while let Some(r) = set.join_next().await {
+        r.unwrap();
+    }
+    let s = w.stats().snapshot();
+    assert_eq!((s.failed, s.gave_up), (0, 0), "{s:?}");
+    assert!(s.acked > 200 && s.reads_verified > 0, "{s:?}");
+    let r = w.verify(&*fs).await;
+    assert!(r.findings.is_empty(), "{r}");
+    assert!(r.files_checked > 5, "{r}");
+}
+
 /// Runs every client of `w` on `fs` as tasks; `stop_after` acknowledged ops, stops them.
 async fn run(w: &Arc<Workload>, fs: &Arc<MemFs>, stop_after: Option<u64>) {
     let (tx, rx) = watch::channel(false);
