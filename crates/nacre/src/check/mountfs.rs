@@ -31,6 +31,8 @@ use nacre_types::sync::lock;
 #[derive(Debug)]
 pub(super) struct MountFs {
     st: Arc<Mutex<State>>,
+    /// The root's `st_ino` (1 on a nacre mount), answered as `ROOT_INO`.
+    root: u64,
 }
 
 #[derive(Debug)]
@@ -44,6 +46,7 @@ struct State {
 impl MountFs {
     /// The volume mounted at `root`.
     pub(super) fn new(root: PathBuf) -> Self {
+        let root_ino = std::fs::metadata(&root).map_or(ROOT_INO.0, |m| m.ino());
         let paths = HashMap::from([(ROOT_INO.0, root)]);
         Self {
             st: Arc::new(Mutex::new(State {
@@ -51,7 +54,16 @@ impl MountFs {
                 files: HashMap::new(),
                 next_fh: 1,
             })),
+            root: root_ino,
         }
+    }
+
+    /// `a` with the root's inode as `ROOT_INO`.
+    fn rooted(&self, mut a: Attr) -> Attr {
+        if a.ino.0 == self.root {
+            a.ino = ROOT_INO;
+        }
+        a
     }
 
     fn path(&self, ino: Ino) -> FsResult<PathBuf> {
@@ -76,7 +88,9 @@ impl MountFs {
 
     /// Remembers where `attr`'s inode is.
     fn found(&self, path: PathBuf, attr: &Attr) {
-        lock(&self.st).paths.insert(attr.ino.0, path);
+        if attr.ino != ROOT_INO {
+            lock(&self.st).paths.insert(attr.ino.0, path);
+        }
     }
 
     fn opened(&self, file: File) -> Fh {
@@ -178,14 +192,14 @@ impl FileSystem for MountFs {
     async fn lookup(&self, parent: Ino, name: &[u8]) -> FsResult<Attr> {
         let p = self.child(parent, name)?;
         let q = p.clone();
-        let a = blocking(move || stat(&q)).await?;
+        let a = self.rooted(blocking(move || stat(&q)).await?);
         self.found(p, &a);
         Ok(a)
     }
 
     async fn getattr(&self, ino: Ino) -> FsResult<Attr> {
         let p = self.path(ino)?;
-        blocking(move || stat(&p)).await
+        Ok(self.rooted(blocking(move || stat(&p)).await?))
     }
 
     async fn setattr(&self, ino: Ino, set: SetAttr) -> FsResult<Attr> {
