@@ -53,6 +53,8 @@
 //! - Every delegation is of a live directory of this partition, to a client other than 0; every
 //!   session is of a client other than 0; the time indexes list exactly the delegations' ends and
 //!   the sessions' last batch times.
+//! - Every call session (`Command::Once`, module `calls`) is of a client other than 0 and keeps no
+//!   result below its `done_below`; its time index lists exactly the sessions' last call times.
 //!
 //! What this partition cannot see is the client's job: dentries pointing to inodes of other
 //! partitions, directory loops through other partitions (a rename checks the ancestry only as far
@@ -65,6 +67,7 @@
 //!   `query`), the figures (`stats`, `memory_estimate`) and the lookups every handler shares;
 //! - `commands`: one handler per command, each validating before it mutates;
 //! - `delegations`: directory delegations and client sessions, and their expiry;
+//! - `calls`: call sessions, which make a client's calls apply once (`Command::Once`);
 //! - `verify`: the invariant checker;
 //! - `snapshot`: the snapshot format and restoring from it;
 //! - `inodes`: the inode and the chunked inode table;
@@ -177,7 +180,8 @@ impl MetaPartition {
         self.start <= ino.0 && ino.0 < self.end
     }
 
-    /// Applies a command stamped with the leader's time `now` (ns). A failed command changes nothing.
+    /// Applies a command stamped with the leader's time `now` (ns). A failed command changes nothing;
+    /// `Once` never fails but for a malformed call (its command's failure is its outcome, kept).
     ///
     /// Replies: the inode's attributes after `CreateInode`, `LinkInode`, `UnlinkInode` (nlink 0:
     /// now deleted), `SetAttr`, `AppendExtents` and `Fallocate`; the old dentry after `DeleteDentry` and

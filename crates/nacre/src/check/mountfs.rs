@@ -471,8 +471,10 @@ pub(super) struct Mount {
     dir: PathBuf,
 }
 
-/// How long a mount may take to appear, and to go at the end.
+/// How long a mount may take to appear.
 const MOUNT_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a mount may take to write out what it holds and exit.
+const MOUNT_STOP: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Mount {
     /// Mounts `volume` at `dir` (made if missing) with a `nacre mount` process of `exe`, whose
@@ -516,31 +518,26 @@ impl Mount {
         Ok(m)
     }
 
-    /// Unmounts (the mount process writes out what it holds and exits) and waits for the process.
-    /// Calls abandoned when the workload stopped may still hold files open for a moment (the
-    /// mount is busy), so `umount` is tried again for a while.
+    /// Stops the mount as a user's Ctrl-C does (SIGTERM: it unmounts, writes out what it holds
+    /// behind and exits) and waits for the process, which must exit cleanly. A plain `umount`
+    /// would not end it here: node processes restarted after the mount run in mount namespaces
+    /// of their own (`ip netns exec`) that hold copies of it, so the FUSE session goes on.
     pub(super) async fn stop(mut self) -> anyhow::Result<()> {
-        let deadline = tokio::time::Instant::now() + MOUNT_WAIT;
-        loop {
-            let unmounted = tokio::process::Command::new("umount")
-                .arg(&self.dir)
-                .status()
-                .await?;
-            if unmounted.success() {
-                break;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                anyhow::bail!("umount {} failed: {unmounted}", self.dir.display());
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-        }
-        match tokio::time::timeout(MOUNT_WAIT, self.child.wait()).await {
+        use rustix::process::{Pid, Signal, kill_process};
+        let pid = self
+            .child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .and_then(Pid::from_raw)
+            .ok_or_else(|| anyhow::anyhow!("nacre mount exited before the end"))?;
+        kill_process(pid, Signal::TERM)?;
+        match tokio::time::timeout(MOUNT_STOP, self.child.wait()).await {
             Ok(status) => {
                 let status = status?;
                 anyhow::ensure!(status.success(), "nacre mount exited with {status}");
                 Ok(())
             }
-            Err(_) => anyhow::bail!("nacre mount still running {MOUNT_WAIT:?} after umount"),
+            Err(_) => anyhow::bail!("nacre mount still running {MOUNT_STOP:?} after SIGTERM"),
         }
     }
 }
