@@ -152,8 +152,12 @@ impl Inner {
                 Some(s) => s,
                 None => SeqWriter::new(self.vol.clone(), run.start, self.cfg.inflight),
             };
+            if !run.buf.is_empty() {
+                run.first_sent.get_or_insert_with(std::time::Instant::now);
+            }
             s.write(run.buf.split().freeze()).await.map_err(fs_err)?;
             s.flush().await.map_err(fs_err)?;
+            commit::may_commit(&run, std::time::Instant::now(), self.cfg.commit_within)?;
             (s.take_keys(), Some(s))
         };
         let attr = self.meta.append_extents(f.ino, keys.clone()).await?;
@@ -458,6 +462,7 @@ impl Inner {
                 sent: 0,
                 buf: BytesMut::new(),
                 stream,
+                first_sent: None,
             });
         }
         let Some(run) = st.run.as_mut() else {
@@ -482,6 +487,10 @@ impl Inner {
                 SeqWriter::new(self.vol.clone(), run.start + run.sent, self.cfg.inflight)
             });
             run.sent += out.len() as u64;
+            if run.first_sent.is_none() {
+                run.first_sent = Some(std::time::Instant::now());
+                self.wake_committer();
+            }
             if let Err(e) = stream.write(out).await {
                 // The run's bytes are lost: drop it, report the error now and at the next flush.
                 st.run = None;
