@@ -111,16 +111,23 @@ mod tests {
             };
             mp.apply(2, &cmd).unwrap();
         }
-        // b: unlinked, an orphan with its keys; c: unlinked and evicted, its key to free.
-        for name in [&b"b"[..], b"c"] {
-            let cmd = Command::Remove {
-                parent: ROOT_INO,
-                name: name.to_vec(),
-                dir: false,
-            };
-            mp.apply(3, &cmd).unwrap();
-        }
-        mp.apply(4, &Command::EvictInode { ino: c }).unwrap();
+        // b: unlinked, an orphan with its keys until evicted.
+        let cmd = Command::DeleteDentry {
+            parent: ROOT_INO,
+            name: b"b".to_vec(),
+            expect: None,
+        };
+        mp.apply(3, &cmd).unwrap();
+        mp.apply(3, &Command::UnlinkInode { ino: b }).unwrap();
+        // c: removed, evicted at once, its key on the to-free list.
+        let cmd = Command::Remove {
+            parent: ROOT_INO,
+            name: b"c".to_vec(),
+            dir: false,
+        };
+        mp.apply(4, &cmd).unwrap();
+        assert!(mp.live(c).is_err());
+        assert_eq!((mp.stats().orphans, mp.stats().to_free), (1, 1));
         let asked = [(7, 1027), (7, 1026), (7, 1025), (7, 1024), (8, 1024)];
         assert_eq!(
             referenced(&mp, &asked),
