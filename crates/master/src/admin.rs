@@ -149,6 +149,9 @@ pub struct TenantInfo {
     pub volumes: Vec<String>,
 }
 
+/// How many times [`Admin::sweep`] tries a partition.
+pub const SWEEP_ATTEMPTS: u32 = 5;
+
 /// The admin operations, over a [`MasterClient`].
 #[derive(Clone, Debug)]
 pub struct Admin {
@@ -241,57 +244,87 @@ impl Admin {
     }
 
     /// Runs a garbage-collection sweep now, with `grace`, on every data partition of `volume`
-    /// (on its leader, `Sweep`); a partition without a leader or whose leader did not answer gets
-    /// a report with the error. A grace below `MIN_GC_GRACE` is safe only while no client writes
-    /// to the volume.
+    /// (on its leader, `Sweep`). A partition whose leader is unknown, moved, or could not finish
+    /// (a meta partition not answering) is tried again with a fresh map, up to
+    /// [`SWEEP_ATTEMPTS`] times; then its report carries the last error. A grace below
+    /// `MIN_GC_GRACE` is safe only while no client writes to the volume.
     pub async fn sweep(
         &self,
         volume: &str,
         grace: std::time::Duration,
     ) -> Result<Vec<SweepReport>, MasterError> {
-        let map = self.mc.cluster_map().await?;
-        let v = map
+        let mut map = self.mc.cluster_map().await?;
+        let ids = map
             .volumes
             .get(volume)
-            .ok_or_else(|| MapError::NoSuchVolume(volume.to_string()))?;
+            .ok_or_else(|| MapError::NoSuchVolume(volume.to_string()))?
+            .data_partitions
+            .clone();
         let mut out = Vec::new();
-        for id in &v.data_partitions {
-            let leader = map
-                .data_partitions
-                .get(id)
-                .and_then(|p| p.leader)
-                .and_then(|l| map.nodes.get(&l))
-                .map(|n| n.addr.clone());
-            let failed = |e: String| SweepReport {
-                partition: *id,
-                error: Some(e),
-                ..SweepReport::default()
-            };
-            let Some(addr) = leader else {
-                out.push(failed("no leader known".into()));
-                continue;
-            };
-            let req = SweepRequest {
-                partition: Some(*id),
-                grace_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
-            };
-            let opts = CallOptions {
-                timeout: Some(std::time::Duration::from_secs(120)),
-                ..CallOptions::default()
-            };
-            match self
-                .mc
-                .client()
-                .call_with::<Sweep>(&addr, &req, Payload::none(), opts)
-                .await
-            {
-                Ok((Ok(reports), _)) if !reports.is_empty() => out.extend(reports),
-                Ok((Ok(_), _)) => out.push(failed(format!("{addr} does not lead it"))),
-                Ok((Err(e), _)) => out.push(failed(format!("{addr}: {e}"))),
-                Err(e) => out.push(failed(format!("{addr}: {e}"))),
+        for id in ids {
+            let mut attempt = 1;
+            loop {
+                let last = match self.sweep_one(&map, id, grace).await {
+                    Ok(reports) if reports.iter().all(|r| r.error.is_none()) => {
+                        out.extend(reports);
+                        break;
+                    }
+                    Ok(reports) => reports
+                        .into_iter()
+                        .find(|r| r.error.is_some())
+                        .and_then(|r| r.error)
+                        .unwrap_or_default(),
+                    Err(e) => e,
+                };
+                if attempt >= SWEEP_ATTEMPTS {
+                    out.push(SweepReport {
+                        partition: id,
+                        error: Some(last),
+                        ..SweepReport::default()
+                    });
+                    break;
+                }
+                attempt += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                map = self.mc.cluster_map().await?;
             }
         }
         Ok(out)
+    }
+
+    /// One `Sweep` of partition `id` on the leader `map` names.
+    async fn sweep_one(
+        &self,
+        map: &ClusterMap,
+        id: PartitionId,
+        grace: std::time::Duration,
+    ) -> Result<Vec<SweepReport>, String> {
+        let addr = map
+            .data_partitions
+            .get(&id)
+            .and_then(|p| p.leader)
+            .and_then(|l| map.nodes.get(&l))
+            .map(|n| n.addr.clone())
+            .ok_or_else(|| "no leader known".to_string())?;
+        let req = SweepRequest {
+            partition: Some(id),
+            grace_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+        };
+        let opts = CallOptions {
+            timeout: Some(std::time::Duration::from_secs(120)),
+            ..CallOptions::default()
+        };
+        match self
+            .mc
+            .client()
+            .call_with::<Sweep>(&addr, &req, Payload::none(), opts)
+            .await
+        {
+            Ok((Ok(reports), _)) if !reports.is_empty() => Ok(reports),
+            Ok((Ok(_), _)) => Err(format!("{addr} does not lead it")),
+            Ok((Err(e), _)) => Err(format!("{addr}: {e}")),
+            Err(e) => Err(format!("{addr}: {e}")),
+        }
     }
 
     pub async fn create_volume(&self, req: &CreateVolume) -> Result<VolumeInfo, MasterError> {

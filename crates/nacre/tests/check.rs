@@ -94,7 +94,11 @@ fn schedule_with(name: &str, secs: u32, more: &[&str]) -> serde_json::Value {
     );
     // The garbage collector left no extent no meta partition references, and every sweep ran.
     assert_eq!(summary["gc"]["unreferenced_left"], 0, "{pretty}");
-    assert_eq!(summary["gc"]["errors"].as_array().unwrap().len(), 0, "{pretty}");
+    assert_eq!(
+        summary["gc"]["errors"].as_array().unwrap().len(),
+        0,
+        "{pretty}"
+    );
     summary
 }
 
