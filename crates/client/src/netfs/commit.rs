@@ -7,7 +7,8 @@
 //!   grace) after the run's first packet was sent; a commit that would come later fails with
 //!   `FsError::WriteFailed` and commits nothing (the run's bytes are reported lost, like any
 //!   failed commit). The run's first packet is the oldest write its keys cover: packets a stream
-//!   writes again elsewhere after a failure go out later.
+//!   writes again elsewhere after a failure go out later. A copy-on-write rewrite of committed
+//!   bytes that streams to a new extent (`write_committed`) is bound alike.
 //! - **The committer.** So that an open file whose writer is slow or idle does not reach that
 //!   bound, a task of the client commits every run whose first packet is older than
 //!   [`NetFsConfig::commit_every`] (30 s): it takes a turn on the file (after the calls issued
@@ -30,16 +31,24 @@ use crate::meta::{FsError, FsResult};
 /// no longer than `within` ago. A run that streamed nothing has no such key.
 pub(super) fn may_commit(run: &Run, now: Instant, within: Duration) -> FsResult<()> {
     match run.first_sent {
-        Some(at) if now.saturating_duration_since(at) > within => {
-            Err(FsError::WriteFailed(format!(
-                "the run's first packet was sent {:.1} s ago, past the {} s within which its key \
-                 must be committed (the data nodes may collect the extent); nothing committed",
-                now.saturating_duration_since(at).as_secs_f64(),
-                within.as_secs()
-            )))
-        }
-        _ => Ok(()),
+        Some(at) => self::within(at, now, within),
+        None => Ok(()),
     }
+}
+
+/// Whether a commit at `now` of keys whose first packet was sent at `sent` keeps the rule (a
+/// copy-on-write rewrite streamed to a new extent is bound by it too).
+pub(super) fn within(sent: Instant, now: Instant, within: Duration) -> FsResult<()> {
+    let age = now.saturating_duration_since(sent);
+    if age <= within {
+        return Ok(());
+    }
+    Err(FsError::WriteFailed(format!(
+        "the first packet of these bytes was sent {:.1} s ago, past the {} s within which its \
+         key must be committed (the data nodes may collect the extent); nothing committed",
+        age.as_secs_f64(),
+        within.as_secs()
+    )))
 }
 
 /// Whether the committer should commit `run` at `now`.

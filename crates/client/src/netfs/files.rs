@@ -287,11 +287,14 @@ impl Inner {
             in_place.spawn(async move { vol.overwrite(p, e, eo, piece).await });
         }
         let mut new_keys = Vec::new();
+        // When the first piece went to a normal extent: its key must be committed in time.
+        let mut streamed: Option<std::time::Instant> = None;
         for (from, to) in cow {
             let piece = data.slice((from - off) as usize..(to - off) as usize);
             if piece.len() <= self.cfg.tiny_max {
                 new_keys.push(self.write_tiny(from, piece).await?);
             } else {
+                streamed.get_or_insert_with(std::time::Instant::now);
                 let mut s = SeqWriter::new(self.vol.clone(), from, self.cfg.inflight);
                 s.write(piece).await.map_err(fs_err)?;
                 new_keys.extend(s.finish().await.map_err(fs_err)?);
@@ -312,6 +315,9 @@ impl Inner {
         if new_keys.is_empty() {
             st.times_stale = true;
         } else {
+            if let Some(at) = streamed {
+                commit::within(at, std::time::Instant::now(), self.cfg.commit_within)?;
+            }
             let attr = self.meta.append_extents(f.ino, new_keys.clone()).await?;
             st.times_stale = false;
             st.size = st.size.max(attr.size);
