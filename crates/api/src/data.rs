@@ -266,6 +266,60 @@ impl Rpc for FetchBlocks {
     type Response = Result<u64, DataError>;
 }
 
+/// Runs a garbage-collection sweep now on the data partitions this node leads (op `0x0314`):
+/// every normal extent idle for at least `grace_ms` that no meta partition of the partition's
+/// volume references is deleted through the partition's Raft group (docs/ARCHITECTURE.md,
+/// "Garbage collection"). A grace below [`MIN_GC_GRACE`] is safe only while no client of the
+/// volume writes (the reliability harness runs it after its workload stopped).
+#[derive(Debug)]
+pub struct Sweep;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SweepRequest {
+    /// One partition, or `None` for every partition the node leads.
+    pub partition: Option<PartitionId>,
+    pub grace_ms: u64,
+}
+
+/// What one sweep of one data partition found and did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SweepReport {
+    pub partition: PartitionId,
+    /// When the sweep ended, in ms since the Unix epoch (the data node's clock).
+    pub finished_ms: u64,
+    /// Normal extents (and their bytes) some meta partition references.
+    pub referenced: u64,
+    pub referenced_bytes: u64,
+    /// Normal extents no meta partition references (freed or not: see below).
+    pub unreferenced: u64,
+    pub unreferenced_bytes: u64,
+    /// Of those, the ones deleted by this sweep.
+    pub freed: u64,
+    pub freed_bytes: u64,
+    /// Why the sweep deleted nothing, if it could not ask every meta partition (or could not
+    /// delete): unreferenced extents are then counted but kept.
+    pub error: Option<String>,
+}
+
+impl Rpc for Sweep {
+    const OP: Op = Op(0x0314);
+    const NAME: &'static str = "data_sweep";
+    type Request = SweepRequest;
+    type Response = Result<Vec<SweepReport>, DataError>;
+}
+
+/// The longest a client lets pass between sending the first write of a normal extent that no
+/// key it committed covers yet and committing that write's key: a commit that would come later
+/// fails instead (the bytes are reported lost, never silently dropped). Half of
+/// [`MIN_GC_GRACE`]: the other half bounds how long a key commit already sent may take to be
+/// applied (docs/ARCHITECTURE.md, "Garbage collection").
+pub const KEY_COMMIT_WITHIN: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
+/// The shortest grace a data node's background collector runs with: an extent is deleted only
+/// after this long without a write, so a key commit allowed by [`KEY_COMMIT_WITHIN`] is applied
+/// before any sweep that could delete its extent asks the meta partitions.
+pub const MIN_GC_GRACE: std::time::Duration = std::time::Duration::from_secs(30 * 60);
+
 /// Largest data segment of an append or overwrite.
 pub const MAX_PACKET: usize = 128 * 1024;
 /// Largest data segment of a tiny write: a packet of many small files written behind, synced

@@ -290,3 +290,34 @@ impl Rpc for GetSpace {
     type Request = GetSpaceRequest;
     type Response = ClusterSpace;
 }
+
+/// A data node reports the figures of its last garbage-collection sweeps (op `0x0108`): the
+/// master leader keeps the latest per partition in memory (not in the map) for `nacre vol info`.
+#[derive(Debug)]
+pub struct ReportGc;
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ReportGcRequest {
+    pub reports: Vec<crate::data::SweepReport>,
+}
+
+impl Rpc for ReportGc {
+    const OP: Op = Op(0x0108);
+    const NAME: &'static str = "master_report_gc";
+    type Request = ReportGcRequest;
+    type Response = ();
+}
+
+/// The latest sweep figures the master leader holds, per data partition (op `0x0109`).
+#[derive(Debug)]
+pub struct GetGc;
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct GetGcRequest {}
+
+impl Rpc for GetGc {
+    const OP: Op = Op(0x0109);
+    const NAME: &'static str = "master_get_gc";
+    type Request = GetGcRequest;
+    type Response = Vec<crate::data::SweepReport>;
+}

@@ -42,6 +42,11 @@ impl MasterClient {
         self
     }
 
+    /// The messenger client calls go through.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
     /// The master addresses this client knows.
     pub fn masters(&self) -> &[String] {
         &self.masters

@@ -35,6 +35,7 @@
 //! - `repair`: followers pulling what they lack, block repair at read time, reopening a failed store;
 //! - `ops`: what goes through Raft (overwrites, Raft appends) and reads;
 //! - `router`: one named handler per messenger op;
+//! - `scrub`: the background scrub; `gc`: the garbage collection of leaked extents;
 //! - `agent`: the duty round and the master agent's [`NodeDuties`](nacre_cluster::NodeDuties)
 //!   and [`PartitionHost`](nacre_cluster::PartitionHost).
 
@@ -63,6 +64,7 @@ mod align;
 mod append;
 mod config;
 mod forward;
+mod gc;
 mod metrics;
 mod ops;
 mod repair;
@@ -110,6 +112,10 @@ struct Part {
     gate: Option<Arc<nacre_raft::ReadGate>>,
     /// The store's disk use and when it was measured ([`Part::used`]).
     used: Mutex<Option<(Instant, u64)>>,
+    /// When each normal extent was last active here (`gc`).
+    gc: Mutex<gc::Activity>,
+    /// The figures of the last garbage-collection sweep this replica ran as leader.
+    last_sweep: Mutex<Option<SweepReport>>,
 }
 
 impl Part {
@@ -227,6 +233,8 @@ struct Inner {
     /// Deleted extents' data files every partition's new extents may take (`retire_spares`).
     spares: Arc<SparePool>,
     streams: Streams,
+    /// Held by the running garbage-collection sweep (one at a time).
+    gc_running: tokio::sync::Mutex<()>,
 }
 
 /// A running data node. Cheap to clone.
@@ -271,6 +279,7 @@ impl DataNode {
                 repair_tokens: tokio::sync::Mutex::new((0.0, Instant::now())),
                 spares: SparePool::new(),
                 streams: Streams::default(),
+                gc_running: tokio::sync::Mutex::new(()),
             }),
         };
         Ok(node)
@@ -358,6 +367,8 @@ impl DataNode {
             repairing: tokio::sync::Mutex::new(()),
             gate,
             used: Mutex::new(None),
+            gc: Mutex::default(),
+            last_sweep: Mutex::new(None),
         });
         lock(&self.inner.parts).insert(spec.id, part);
         Ok(())
@@ -378,7 +389,8 @@ impl DataNode {
 
     /// Runs until `shutdown`: adopts the id the agent publishes on `id`; every `report_interval`
     /// refreshes reports, re-checks read-only partitions and repairs what this node lacks; every
-    /// `scrub_period` scrubs its replicas (`scrub`).
+    /// `scrub_period` scrubs its replicas (`scrub`); every `gc_period` sweeps the partitions it
+    /// leads for leaked extents (`gc`).
     pub async fn run(
         &self,
         id: watch::Receiver<Option<NodeId>>,
@@ -387,6 +399,7 @@ impl DataNode {
         tokio::select! {
             () = run_node(self, id, self.inner.config.report_interval, shutdown) => {}
             () = self.scrub_forever() => {}
+            () = self.gc_forever() => {}
         }
     }
 

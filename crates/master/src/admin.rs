@@ -6,8 +6,12 @@
 use nacre_types::{NodeId, PartitionId, VolumeId};
 use serde::{Deserialize, Serialize};
 
-use nacre_api::master::{MapError, MasterError, OPEN_END, PartitionStatus, PendingReplica, Role};
+use nacre_api::data::{Sweep, SweepReport, SweepRequest};
+use nacre_api::master::{
+    GetGc, GetGcRequest, MapError, MasterError, OPEN_END, PartitionStatus, PendingReplica, Role,
+};
 use nacre_client::MasterClient;
+use nacre_msgr::{CallOptions, Payload};
 
 use crate::map::{ClusterMap, Command, NodeStatus, Outcome, Tenant};
 use crate::rpc::MasterAdmin;
@@ -90,6 +94,24 @@ pub struct PartitionInfo {
 pub struct VolumeDetail {
     pub volume: VolumeInfo,
     pub partitions: Vec<PartitionInfo>,
+    /// The garbage collector's figures for the volume's data partitions.
+    pub gc: VolumeGc,
+}
+
+/// What the last garbage-collection sweep of each of a volume's data partitions found: bytes of
+/// normal extents (as the leader holds them) that a meta partition references, and that none
+/// does (before the sweep deleted the idle ones among them). Kept by the master leader in memory,
+/// so a new leader shows nothing until each partition's next sweep.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct VolumeGc {
+    pub referenced_bytes: u64,
+    pub unreferenced_bytes: u64,
+    /// Of those, freed by the sweeps.
+    pub freed_bytes: u64,
+    /// Data partitions with no sweep figures yet.
+    pub unswept: usize,
+    /// The last sweep of each partition that has one.
+    pub sweeps: Vec<SweepReport>,
 }
 
 /// A request to create a volume; omitted fields take the defaults below.
@@ -126,6 +148,9 @@ pub struct TenantInfo {
     pub access_key: String,
     pub volumes: Vec<String>,
 }
+
+/// How many times [`Admin::sweep`] tries a partition.
+pub const SWEEP_ATTEMPTS: u32 = 5;
 
 /// The admin operations, over a [`MasterClient`].
 #[derive(Clone, Debug)]
@@ -205,10 +230,101 @@ impl Admin {
         let map = self.mc.cluster_map().await?;
         let volume =
             volume_info(&map, name).ok_or_else(|| MapError::NoSuchVolume(name.to_string()))?;
+        let sweeps = self.mc.call::<GetGc>(&GetGcRequest {}).await?;
+        let data = map
+            .volumes
+            .get(name)
+            .map(|v| v.data_partitions.clone())
+            .unwrap_or_default();
         Ok(VolumeDetail {
             volume,
             partitions: partitions(&map, Some(name)),
+            gc: volume_gc(&data, sweeps),
         })
+    }
+
+    /// Runs a garbage-collection sweep now, with `grace`, on every data partition of `volume`
+    /// (on its leader, `Sweep`). A partition whose leader is unknown, moved, or could not finish
+    /// (a meta partition not answering) is tried again with a fresh map, up to
+    /// [`SWEEP_ATTEMPTS`] times; then its report carries the last error. A grace below
+    /// `MIN_GC_GRACE` is safe only while no client writes to the volume.
+    pub async fn sweep(
+        &self,
+        volume: &str,
+        grace: std::time::Duration,
+    ) -> Result<Vec<SweepReport>, MasterError> {
+        let mut map = self.mc.cluster_map().await?;
+        let ids = map
+            .volumes
+            .get(volume)
+            .ok_or_else(|| MapError::NoSuchVolume(volume.to_string()))?
+            .data_partitions
+            .clone();
+        let mut out = Vec::new();
+        for id in ids {
+            let mut attempt = 1;
+            loop {
+                let last = match self.sweep_one(&map, id, grace).await {
+                    Ok(reports) if reports.iter().all(|r| r.error.is_none()) => {
+                        out.extend(reports);
+                        break;
+                    }
+                    Ok(reports) => reports
+                        .into_iter()
+                        .find(|r| r.error.is_some())
+                        .and_then(|r| r.error)
+                        .unwrap_or_default(),
+                    Err(e) => e,
+                };
+                if attempt >= SWEEP_ATTEMPTS {
+                    out.push(SweepReport {
+                        partition: id,
+                        error: Some(last),
+                        ..SweepReport::default()
+                    });
+                    break;
+                }
+                attempt += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                map = self.mc.cluster_map().await?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// One `Sweep` of partition `id` on the leader `map` names.
+    async fn sweep_one(
+        &self,
+        map: &ClusterMap,
+        id: PartitionId,
+        grace: std::time::Duration,
+    ) -> Result<Vec<SweepReport>, String> {
+        let addr = map
+            .data_partitions
+            .get(&id)
+            .and_then(|p| p.leader)
+            .and_then(|l| map.nodes.get(&l))
+            .map(|n| n.addr.clone())
+            .ok_or_else(|| "no leader known".to_string())?;
+        let req = SweepRequest {
+            partition: Some(id),
+            grace_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+        };
+        let opts = CallOptions {
+            timeout: Some(std::time::Duration::from_secs(120)),
+            ..CallOptions::default()
+        };
+        match self
+            .mc
+            .client()
+            .call_with::<Sweep>(&addr, &req, Payload::none(), opts)
+            .await
+        {
+            Ok((Ok(reports), _)) if !reports.is_empty() => Ok(reports),
+            Ok((Ok(_), _)) => Err(format!("{addr} does not lead it")),
+            Ok((Err(e), _)) => Err(format!("{addr}: {e}")),
+            Err(e) => Err(format!("{addr}: {e}")),
+        }
     }
 
     pub async fn create_volume(&self, req: &CreateVolume) -> Result<VolumeInfo, MasterError> {
@@ -297,6 +413,21 @@ impl Admin {
     /// Runs any command (for scripts and tests).
     pub async fn execute(&self, cmd: &Command) -> Result<Outcome, MasterError> {
         self.mc.execute(cmd).await
+    }
+}
+
+/// The sweep figures of the data partitions `data` (a volume's), summed.
+fn volume_gc(data: &[PartitionId], sweeps: Vec<SweepReport>) -> VolumeGc {
+    let sweeps: Vec<SweepReport> = sweeps
+        .into_iter()
+        .filter(|r| data.contains(&r.partition))
+        .collect();
+    VolumeGc {
+        referenced_bytes: sweeps.iter().map(|r| r.referenced_bytes).sum(),
+        unreferenced_bytes: sweeps.iter().map(|r| r.unreferenced_bytes).sum(),
+        freed_bytes: sweeps.iter().map(|r| r.freed_bytes).sum(),
+        unswept: data.len().saturating_sub(sweeps.len()),
+        sweeps,
     }
 }
 

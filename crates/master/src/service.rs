@@ -22,9 +22,10 @@ use nacre_types::sync::lock;
 use nacre_types::{ErrorCode, NodeId, PartitionId};
 use tokio::sync::{Notify, watch};
 
+use nacre_api::data::SweepReport;
 use nacre_api::master::{
-    CreatePartition, GetSpace, GetVolume, Heartbeat, HeartbeatReply, MapError, MasterError,
-    MasterStatus, PartitionStatus, PendingReplica, Register, Status,
+    CreatePartition, GetGc, GetSpace, GetVolume, Heartbeat, HeartbeatReply, MapError, MasterError,
+    MasterStatus, PartitionStatus, PendingReplica, Register, ReportGc, ReportGcRequest, Status,
 };
 
 use crate::map::{ClusterMap, Command, Outcome};
@@ -156,6 +157,9 @@ pub struct Master {
     duties: Arc<Mutex<DutyState>>,
     /// Wakes the duty loop early (after a change that placed new partitions).
     kick: Arc<Notify>,
+    /// The latest garbage-collection figures each data partition's leader reported
+    /// (`ReportGc`): in memory, on the leader that received them, not in the map.
+    gc: Arc<Mutex<BTreeMap<PartitionId, SweepReport>>>,
 }
 
 impl Master {
@@ -172,7 +176,24 @@ impl Master {
             config,
             duties: Arc::default(),
             kick: Arc::new(Notify::new()),
+            gc: Arc::default(),
         }
+    }
+
+    /// Keeps the figures of data partitions' garbage-collection sweeps (this master must lead).
+    pub async fn report_gc(&self, reports: Vec<SweepReport>) -> Result<(), MasterError> {
+        self.read(|_| ()).await?;
+        let mut gc = lock(&self.gc);
+        for r in reports {
+            gc.insert(r.partition, r);
+        }
+        Ok(())
+    }
+
+    /// The latest sweep figures per data partition (this master must lead).
+    pub async fn gc_reports(&self) -> Result<Vec<SweepReport>, MasterError> {
+        self.read(|_| ()).await?;
+        Ok(lock(&self.gc).values().cloned().collect())
     }
 
     fn not_leader(&self, leader: u64) -> MasterError {
@@ -513,6 +534,30 @@ impl Master {
                         .await
                         .map(|s| (s, Payload::none()))
                         .map_err(remote)
+                }
+            })
+            .route::<ReportGc, _, _>({
+                let m = self.clone();
+                move |req: ReportGcRequest, _inc| {
+                    let m = m.clone();
+                    async move {
+                        m.report_gc(req.reports)
+                            .await
+                            .map(|()| ((), Payload::none()))
+                            .map_err(remote)
+                    }
+                }
+            })
+            .route::<GetGc, _, _>({
+                let m = self.clone();
+                move |_req, _inc| {
+                    let m = m.clone();
+                    async move {
+                        m.gc_reports()
+                            .await
+                            .map(|r| (r, Payload::none()))
+                            .map_err(remote)
+                    }
                 }
             })
     }

@@ -2650,6 +2650,20 @@ impl Model {
             )),
             // The model has no delegations.
             Query::Recalled { .. } => Ok(Reply::Inos(Vec::new())),
+            // Named by a key of any inode (deleted ones too) or by the to-free list.
+            Query::Referenced { extents } => {
+                let named: std::collections::BTreeSet<_> = self
+                    .inodes
+                    .values()
+                    .flat_map(|n| n.keys.iter())
+                    .chain(self.to_free.iter())
+                    .map(|k| (k.partition, k.extent))
+                    .collect();
+                let mut found: Vec<_> = extents.into_iter().filter(|e| named.contains(e)).collect();
+                found.sort_unstable();
+                found.dedup();
+                Ok(Reply::Referenced(found))
+            }
             Query::Stats => {
                 let max_inode = if self.next > self.start.max(1) {
                     self.next - 1
@@ -2693,6 +2707,13 @@ fn compare_all(p: &MetaPartition, m: &Model) {
         Query::ToFree { limit: 0 },
         Query::ToFree { limit: 2 },
         Query::Stats,
+        // Every extent the model's keys may name, and some none does.
+        Query::Referenced {
+            extents: (0..9)
+                .flat_map(|p| (0..32).map(move |e| (PartitionId(p), ExtentId(e))))
+                .rev()
+                .collect(),
+        },
     ];
     let inos: Vec<Ino> = (0..m.next + 2).chain([FOREIGN.0]).map(Ino).collect();
     queries.push(Query::BatchGet { inos: inos.clone() });

@@ -33,6 +33,10 @@ pub fn http_router(admin: Admin) -> Router {
         .route("/api/v1/nodes", get(nodes))
         .route("/api/v1/volumes", get(volumes).post(create_volume))
         .route("/api/v1/volumes/{name}", get(volume).delete(delete_volume))
+        .route(
+            "/api/v1/volumes/{name}/gc",
+            axum::routing::post(sweep_volume),
+        )
         .route("/api/v1/partitions", get(partitions))
         .route("/api/v1/tenants", get(tenants).post(create_tenant))
         .route("/api/v1/tenants/{name}", delete(delete_tenant))
@@ -90,6 +94,21 @@ async fn volumes(State(a): State<Admin>) -> impl IntoResponse {
 
 async fn volume(State(a): State<Admin>, UrlPath(name): UrlPath<String>) -> impl IntoResponse {
     api(a.volume(&name).await)
+}
+
+/// `POST /api/v1/volumes/{name}/gc?grace_secs=N` (default 3600): `nacre vol gc`.
+#[derive(Debug, Deserialize)]
+struct SweepParams {
+    grace_secs: Option<f64>,
+}
+
+async fn sweep_volume(
+    State(a): State<Admin>,
+    UrlPath(name): UrlPath<String>,
+    Query(p): Query<SweepParams>,
+) -> impl IntoResponse {
+    let grace = Duration::from_secs_f64(p.grace_secs.unwrap_or(3600.0).clamp(0.0, 1e9));
+    api(a.sweep(&name, grace).await)
 }
 
 async fn create_volume(State(a): State<Admin>, Json(req): Json<CreateVolume>) -> Response {
@@ -199,6 +218,14 @@ enum VolCmd {
     Info { name: String },
     /// Delete a volume; nodes drop its partitions.
     Delete { name: String },
+    /// Sweep the volume's data partitions for leaked extents now: delete the normal extents no
+    /// meta partition references that had no write for `--grace-secs`. A grace under 1800 s is
+    /// safe only while no client writes to the volume.
+    Gc {
+        name: String,
+        #[arg(long, default_value_t = 3600.0)]
+        grace_secs: f64,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -611,6 +638,42 @@ async fn vol(admin: &Admin, cmd: VolCmd, json: bool) -> anyhow::Result<()> {
             }
             println!("{}", volume_table(std::slice::from_ref(&d.volume)));
             println!("{}", partition_table(&d.partitions));
+            let g = &d.gc;
+            println!(
+                "garbage collection (last sweep of each data partition): {} referenced, {} \
+                 unreferenced ({} freed, {} kept: written within the grace); {} partitions not swept yet",
+                bytes(g.referenced_bytes),
+                bytes(g.unreferenced_bytes),
+                bytes(g.freed_bytes),
+                bytes(g.unreferenced_bytes.saturating_sub(g.freed_bytes)),
+                g.unswept
+            );
+            for r in g.sweeps.iter().filter(|r| r.error.is_some()) {
+                println!(
+                    "  partition {}: the last sweep deleted nothing: {}",
+                    r.partition,
+                    r.error.as_deref().unwrap_or("")
+                );
+            }
+            Ok(())
+        }
+        VolCmd::Gc { name, grace_secs } => {
+            let grace = Duration::from_secs_f64(grace_secs.max(0.0));
+            let rs = admin.sweep(&name, grace).await?;
+            if json {
+                return print_json(&rs);
+            }
+            let mut t = table(&["partition", "referenced", "unreferenced", "freed", "error"]);
+            for r in &rs {
+                t.add_row(vec![
+                    r.partition.to_string(),
+                    format!("{} ({})", r.referenced, bytes(r.referenced_bytes)),
+                    format!("{} ({})", r.unreferenced, bytes(r.unreferenced_bytes)),
+                    format!("{} ({})", r.freed, bytes(r.freed_bytes)),
+                    r.error.clone().unwrap_or_default(),
+                ]);
+            }
+            println!("{t}");
             Ok(())
         }
         VolCmd::Delete { name } => {

@@ -81,6 +81,12 @@ pub struct NodeConfig {
     pub scrub_rate: u64,
     /// Data nodes: seconds between the starts of two scrub passes.
     pub scrub_period_secs: u64,
+    /// Data nodes: seconds between two garbage-collection sweeps of the partitions a node leads
+    /// (leaked extents; docs/ARCHITECTURE.md, "Garbage collection"); 0: none.
+    pub gc_period_secs: u64,
+    /// Data nodes: seconds a normal extent must go without a write before a sweep may delete it
+    /// (at least 1800: `nacre_api::data::MIN_GC_GRACE`; a smaller value is raised to it).
+    pub gc_grace_secs: u64,
     pub msgr: MsgrSection,
     pub master: MasterSection,
 }
@@ -104,6 +110,8 @@ impl Default for NodeConfig {
             direct_streams: 8,
             scrub_rate: 16 << 20,
             scrub_period_secs: 24 * 3600,
+            gc_period_secs: 600,
+            gc_grace_secs: 3600,
             msgr: MsgrSection::default(),
             master: MasterSection::default(),
         }
@@ -425,6 +433,9 @@ impl Node {
                     data_cfg.direct_streams = cfg.direct_streams;
                     data_cfg.scrub_rate = cfg.scrub_rate;
                     data_cfg.scrub_period = Duration::from_secs(cfg.scrub_period_secs);
+                    data_cfg.gc_period = Duration::from_secs(cfg.gc_period_secs);
+                    data_cfg.gc_grace = Duration::from_secs(cfg.gc_grace_secs);
+                    data_cfg.masters = cfg.masters.clone();
                     let data = DataNode::open(&data_cfg, msgr.client()).with_context(|| {
                         format!("cannot open the data node in {}", cfg.data_dir.display())
                     })?;

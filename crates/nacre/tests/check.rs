@@ -92,6 +92,13 @@ fn schedule_with(name: &str, secs: u32, more: &[&str]) -> serde_json::Value {
         summary["healed_within_ms"].is_u64(),
         "the cluster did not become writable again: {pretty}"
     );
+    // The garbage collector left no extent no meta partition references, and every sweep ran.
+    assert_eq!(summary["gc"]["unreferenced_left"], 0, "{pretty}");
+    assert_eq!(
+        summary["gc"]["errors"].as_array().unwrap().len(),
+        0,
+        "{pretty}"
+    );
     summary
 }
 

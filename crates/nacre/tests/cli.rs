@@ -259,6 +259,24 @@ fn up_starts_a_cluster_the_admin_commands_find() {
         serde_json::from_str(&admin(&["vol", "info", "demo", "--json"])).unwrap();
     assert_eq!(info["volume"]["owner"], "default");
     assert_eq!(info["partitions"].as_array().unwrap().len(), 13);
+    // A sweep of the new volume (nothing to collect) on each of its 10 data partitions; `vol
+    // info` then shows every partition swept.
+    let swept: serde_json::Value = serde_json::from_str(&admin(&[
+        "vol",
+        "gc",
+        "demo",
+        "--grace-secs",
+        "0",
+        "--json",
+    ]))
+    .unwrap();
+    let swept = swept.as_array().unwrap();
+    assert_eq!(swept.len(), 10, "{swept:?}");
+    assert!(swept.iter().all(|r| r["error"].is_null()), "{swept:?}");
+    let info: serde_json::Value =
+        serde_json::from_str(&admin(&["vol", "info", "demo", "--json"])).unwrap();
+    assert_eq!(info["gc"]["unswept"], 0, "{info}");
+    assert_eq!(info["gc"]["unreferenced_bytes"], 0, "{info}");
     let nodes = admin(&["node", "list"]);
     assert_eq!(nodes.matches(" up ").count(), 6, "{nodes}");
 

@@ -516,6 +516,15 @@ pub enum Query {
     Recalled {
         client: u64,
     },
+    /// Of `extents` (normal extents of data partitions, sorted), the ones this partition still
+    /// references: named by an extent key of any inode it holds, live or deleted and not yet
+    /// evicted, or by its to-free list (what it will still read or free). Answers
+    /// `Reply::Referenced`, sorted. The data partitions' garbage collector asks every meta
+    /// partition of the volume and deletes only what none references (docs/ARCHITECTURE.md,
+    /// "Garbage collection").
+    Referenced {
+        extents: Vec<(PartitionId, ExtentId)>,
+    },
 }
 
 /// Figures a partition reports (to the master, in heartbeats, and to `nacre bench meta`).
@@ -591,6 +600,8 @@ pub enum Reply {
     },
     /// `Once`: the call's result, the first time it was applied.
     Outcome(Box<Result<Reply, MetaError>>),
+    /// `Query::Referenced`: the extents asked about that the partition references, sorted.
+    Referenced(Vec<(PartitionId, ExtentId)>),
 }
 
 /// Why a meta operation failed. The FUSE layer maps these to errno (only there).

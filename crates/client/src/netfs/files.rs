@@ -152,8 +152,12 @@ impl Inner {
                 Some(s) => s,
                 None => SeqWriter::new(self.vol.clone(), run.start, self.cfg.inflight),
             };
+            if !run.buf.is_empty() {
+                run.first_sent.get_or_insert_with(std::time::Instant::now);
+            }
             s.write(run.buf.split().freeze()).await.map_err(fs_err)?;
             s.flush().await.map_err(fs_err)?;
+            commit::may_commit(&run, std::time::Instant::now(), self.cfg.commit_within)?;
             (s.take_keys(), Some(s))
         };
         let attr = self.meta.append_extents(f.ino, keys.clone()).await?;
@@ -283,11 +287,14 @@ impl Inner {
             in_place.spawn(async move { vol.overwrite(p, e, eo, piece).await });
         }
         let mut new_keys = Vec::new();
+        // When the first piece went to a normal extent: its key must be committed in time.
+        let mut streamed: Option<std::time::Instant> = None;
         for (from, to) in cow {
             let piece = data.slice((from - off) as usize..(to - off) as usize);
             if piece.len() <= self.cfg.tiny_max {
                 new_keys.push(self.write_tiny(from, piece).await?);
             } else {
+                streamed.get_or_insert_with(std::time::Instant::now);
                 let mut s = SeqWriter::new(self.vol.clone(), from, self.cfg.inflight);
                 s.write(piece).await.map_err(fs_err)?;
                 new_keys.extend(s.finish().await.map_err(fs_err)?);
@@ -308,6 +315,9 @@ impl Inner {
         if new_keys.is_empty() {
             st.times_stale = true;
         } else {
+            if let Some(at) = streamed {
+                commit::within(at, std::time::Instant::now(), self.cfg.commit_within)?;
+            }
             let attr = self.meta.append_extents(f.ino, new_keys.clone()).await?;
             st.times_stale = false;
             st.size = st.size.max(attr.size);
@@ -458,6 +468,7 @@ impl Inner {
                 sent: 0,
                 buf: BytesMut::new(),
                 stream,
+                first_sent: None,
             });
         }
         let Some(run) = st.run.as_mut() else {
@@ -482,6 +493,10 @@ impl Inner {
                 SeqWriter::new(self.vol.clone(), run.start + run.sent, self.cfg.inflight)
             });
             run.sent += out.len() as u64;
+            if run.first_sent.is_none() {
+                run.first_sent = Some(std::time::Instant::now());
+                self.wake_committer();
+            }
             if let Err(e) = stream.write(out).await {
                 // The run's bytes are lost: drop it, report the error now and at the next flush.
                 st.run = None;

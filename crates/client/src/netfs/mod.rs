@@ -50,6 +50,7 @@ use crate::net::NetVolume;
 
 mod alloc;
 mod behind;
+mod commit;
 mod files;
 mod pieces;
 
@@ -74,6 +75,14 @@ pub struct NetFsConfig {
     pub flush_delay: Option<Duration>,
     /// Most bytes written behind and not yet sent; a close that finds more waits.
     pub dirty_max: u64,
+    /// A run's bytes streamed to a normal extent are committed at the latest this long after
+    /// its first packet was sent, by a task of the client if no call commits them first
+    /// (`commit` module): an open file does not keep uncommitted keys for long.
+    pub commit_every: Duration,
+    /// A commit of such keys later than this after the run's first packet fails instead
+    /// (`FsError::WriteFailed`): the data nodes' garbage collector may have deleted the extent
+    /// (docs/ARCHITECTURE.md, "Garbage collection"). `KEY_COMMIT_WITHIN`; lower it only in tests.
+    pub commit_within: Duration,
 }
 
 impl Default for NetFsConfig {
@@ -86,6 +95,8 @@ impl Default for NetFsConfig {
             write_behind: false,
             flush_delay: None,
             dirty_max: 64 << 20,
+            commit_every: Duration::from_secs(30),
+            commit_within: nacre_api::data::KEY_COMMIT_WITHIN,
         }
     }
 }
@@ -121,6 +132,8 @@ struct Inner {
     handles: Mutex<HashMap<Fh, Handle>>,
     files: Mutex<HashMap<Ino, Arc<OpenFile>>>,
     hide_hook: HideHookSlot,
+    /// The task that commits streamed runs in time runs (`commit` module).
+    committer: AtomicBool,
 }
 
 /// Where an unlink or rename that hides an open file is between its meta requests; a test hook
@@ -218,6 +231,9 @@ struct Run {
     /// The unsent tail.
     buf: BytesMut,
     stream: Option<SeqWriter>,
+    /// When the run's first packet went to `stream`: its keys must be committed within
+    /// `commit_within` of it (`commit` module).
+    first_sent: Option<std::time::Instant>,
 }
 
 impl Run {
@@ -283,6 +299,7 @@ impl NetFs {
                 handles: Mutex::default(),
                 files: Mutex::default(),
                 hide_hook: HideHookSlot::default(),
+                committer: AtomicBool::new(false),
             }),
         }
     }

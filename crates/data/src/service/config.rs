@@ -46,6 +46,16 @@ pub struct DataNodeConfig {
     /// before disk, and a direct write costs less of it; with few, each stream waits on its own
     /// writes and the cache's quicker ones serve it better. 0: never.
     pub direct_streams: u32,
+    /// Time between two garbage-collection sweeps of the partitions the node leads
+    /// (`service::gc`; the first one period after start). 0: no background sweep.
+    pub gc_period: Duration,
+    /// How long a normal extent must go without a write before a background sweep may delete it
+    /// (if no meta partition references it). Never below `nacre_api::data::MIN_GC_GRACE`: a
+    /// shorter one is raised to it.
+    pub gc_grace: Duration,
+    /// The masters' addresses: the sweep asks them for its volumes' meta partitions and reports
+    /// its figures to them. Empty: no sweep can ask (nothing is collected).
+    pub masters: Vec<String>,
     /// Gauges the node keeps up to date (registered by the caller); `None`: none.
     pub metrics: Option<DataMetrics>,
     /// Wraps each partition's disk (its directory, the `FileDisk`) before its store opens it:
@@ -93,6 +103,9 @@ impl DataNodeConfig {
             spare_keep: Duration::from_secs(60),
             // docs/benchmarks.md, "Appends past the page cache".
             direct_streams: 8,
+            gc_period: Duration::from_secs(600),
+            gc_grace: Duration::from_secs(3600),
+            masters: Vec::new(),
             metrics: None,
             wrap_disk: None,
         }

@@ -16,6 +16,10 @@ pub struct DataMetrics {
     pub(super) scrub_bytes: Counter,
     pub(super) scrub_bad_blocks: Counter,
     pub(super) scrub_repaired: Counter,
+    pub(super) gc_sweeps: Counter,
+    pub(super) gc_freed_extents: Counter,
+    pub(super) gc_freed_bytes: Counter,
+    pub(super) gc_unreferenced_bytes: Gauge,
 }
 
 impl DataMetrics {
@@ -68,6 +72,27 @@ impl DataMetrics {
             "nacre_data_scrub_repaired_blocks",
             "Of those, blocks replaced by a healthy replica's copy",
             self.scrub_repaired.clone(),
+        );
+        registry.register(
+            "nacre_data_gc_sweeps",
+            "Garbage-collection sweeps this node ran over the partitions it leads",
+            self.gc_sweeps.clone(),
+        );
+        registry.register(
+            "nacre_data_gc_freed_extents",
+            "Normal extents no meta partition referenced, idle for the grace, deleted by a sweep",
+            self.gc_freed_extents.clone(),
+        );
+        registry.register(
+            "nacre_data_gc_freed_bytes",
+            "Bytes of those extents",
+            self.gc_freed_bytes.clone(),
+        );
+        registry.register(
+            "nacre_data_gc_unreferenced_bytes",
+            "Bytes of normal extents no meta partition referenced at the last sweep of each \
+             partition this node led, and that the sweep kept (written within the grace)",
+            self.gc_unreferenced_bytes.clone(),
         );
     }
 

@@ -49,6 +49,7 @@ impl DataNode {
             .route::<ListExtents, _, _>(handler(self, list_extents))
             .route::<BlockCrcs, _, _>(handler(self, block_crcs))
             .route::<FetchBlocks, _, _>(handler(self, fetch_blocks))
+            .route::<Sweep, _, _>(handler(self, sweep))
     }
 }
 
@@ -80,6 +81,7 @@ async fn create_extent(
     let out =
         out.and_then(|id| id.ok_or_else(|| DataError::Io("create returned no extent".into())));
     if let Ok(id) = out {
+        DataNode::gc_touch(&part, id);
         lock(&part.tracks)
             .entry(id)
             .or_insert_with(|| Track::new(0, 0));
@@ -95,6 +97,7 @@ async fn append(
     let part = node.hosted_part(req.partition)?;
     node.lead(&part).await?;
     let (extent, offset) = (req.extent, req.offset);
+    DataNode::gc_touch(&part, extent);
     let out = node.append(&part, req, inc.data).await;
     if let Err(e) = &out {
         tracing::debug!(partition = %part.id, %extent, offset, error = %e, "append refused");
@@ -109,6 +112,7 @@ async fn append_raft(
 ) -> Reply<Result<Written, DataError>> {
     let part = node.hosted_part(req.partition)?;
     node.lead(&part).await?;
+    DataNode::gc_touch(&part, req.extent);
     let out = node.append_raft(&part, req, inc.data).await?;
     Ok((out, Payload::none()))
 }
@@ -130,6 +134,7 @@ async fn overwrite(
 ) -> Reply<Result<(), DataError>> {
     let part = node.hosted_part(req.partition)?;
     node.lead(&part).await?;
+    DataNode::gc_touch(&part, req.extent);
     let out = node.overwrite(&part, req, inc.data).await?;
     Ok((out, Payload::none()))
 }
@@ -190,6 +195,7 @@ async fn replicate(
 ) -> Reply<Result<(), DataError>> {
     let part = node.hosted_part(req.partition)?;
     let (extent, offset) = (req.extent, req.offset);
+    DataNode::gc_touch(&part, extent);
     let out = node.take_replica(&part, req, inc.data).await;
     if let Err(e) = &out {
         tracing::debug!(partition = %part.id, %extent, offset, error = %e, "replica refused a packet");
@@ -242,4 +248,13 @@ async fn fetch_blocks(
         Ok((applied, data)) => Ok((Ok(applied), Payload::new(data))),
         Err(e) => Ok((Err(e), Payload::none())),
     }
+}
+
+async fn sweep(
+    node: DataNode,
+    req: SweepRequest,
+    _inc: Incoming,
+) -> Reply<Result<Vec<SweepReport>, DataError>> {
+    let grace = std::time::Duration::from_millis(req.grace_ms);
+    Ok((node.sweep_now(req.partition, grace).await, Payload::none()))
 }

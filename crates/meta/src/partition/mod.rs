@@ -73,7 +73,9 @@
 //! - `inodes`: the inode and the chunked inode table;
 //! - `keys`: how dentries and xattrs are keyed and stored;
 //! - `extents`: the algebra of a file's extent keys (overlay, truncate, punch, what may be
-//!   freed).
+//!   freed);
+//! - `referenced`: which extents the partition still references (the data garbage collector's
+//!   query).
 
 mod calls;
 mod commands;
@@ -81,6 +83,7 @@ mod delegations;
 mod extents;
 mod inodes;
 mod keys;
+mod referenced;
 mod snapshot;
 mod verify;
 
@@ -574,6 +577,7 @@ impl MetaPartition {
                     .map(|(dir, _)| Ino(*dir))
                     .collect(),
             )),
+            Query::Referenced { extents } => Ok(Reply::Referenced(self.referenced(extents))),
         }
     }
 

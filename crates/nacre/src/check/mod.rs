@@ -5,6 +5,7 @@
 //! never written.
 
 pub mod garbage;
+pub mod gc;
 pub mod harness;
 pub mod kill_client;
 mod mountfs;
@@ -270,6 +271,8 @@ struct Summary {
     not_healed: Option<String>,
     /// Normal extents after the run: on the data nodes' disks, and used by the volume's files.
     extents: Option<ExtentUse>,
+    /// The garbage collector's sweeps after the workload stopped (`gc`).
+    gc: gc::GcOutcome,
     /// The killed clients (`kill-client`, `all`): their violations are in `report` too.
     kill_client: Option<kill_client::Report>,
 }
@@ -353,6 +356,7 @@ fn run_check(a: RunArgs) -> anyhow::Result<()> {
         || !summary.garbage_problems.is_empty()
         || summary.failovers.iter().any(|f| f.ms.is_none())
         || summary.mount_error.is_some()
+        || !summary.gc.ok()
     {
         bail!("the check failed (see the report above)");
     }
@@ -444,6 +448,14 @@ fn print_summary(s: &Summary) {
             "normal extents: {} on disk, {} used by {} files ({} keys), {} unused, {} missing",
             e.on_disk, e.referenced, e.files, e.keys, e.unreferenced, e.missing
         );
+    }
+    let g = &s.gc;
+    println!(
+        "garbage collection after the run: {} extents ({} bytes) freed, {} referenced, {} unreferenced left ({} bytes)",
+        g.freed, g.freed_bytes, g.referenced, g.unreferenced_left, g.unreferenced_left_bytes
+    );
+    for e in &g.errors {
+        println!("  {e}");
     }
     if let Some(k) = &s.kill_client {
         print_kill_client(k);
@@ -582,6 +594,10 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         let cfg = NetFsConfig {
             write_behind: a.write_behind,
             flush_delay: a.write_behind.then_some(Duration::from_millis(10)),
+            // The run sweeps with a short grace at its end (`gc`): these clients keep the
+            // matching bound on their key commits.
+            commit_within: gc::CLIENT_COMMIT_WITHIN,
+            commit_every: gc::CLIENT_COMMIT_EVERY,
             ..NetFsConfig::default()
         };
         clients.spawn(async move {
@@ -798,6 +814,14 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     while let Some(Ok(f)) = probes.join_next().await {
         failovers.push(f);
     }
+    // Nothing writes any more: collect the leaked extents before the checker reads everything
+    // back, so that it also shows the sweep deleted nothing a file uses.
+    let gc = gc::sweep_at_end(&mc)
+        .await
+        .unwrap_or_else(|e| gc::GcOutcome {
+            errors: vec![format!("cannot sweep: {e}")],
+            ..gc::GcOutcome::default()
+        });
     let verify_vol = connect(msgr.client(), &masters).await?;
     let mut report = wl.verify(&NetFs::new(verify_vol.clone())).await;
     if let Some(c) = &mut crashes {
@@ -858,6 +882,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         healed_within_ms,
         not_healed,
         extents,
+        gc,
         kill_client: crashes.map(|c| c.report),
     };
     let m = msgr.clone();
