@@ -271,8 +271,10 @@ pub struct SeqWriter {
     keys: Vec<ExtentKey>,
     /// Partitions that failed a write of this file.
     failed: Vec<PartitionId>,
-    /// Attempts left to move to another partition.
+    /// Moves to another partition without a pause, left in this stall (then `ride`).
     moves_left: u32,
+    /// Waiting for a writable partition, since the last packet that went through.
+    ride: RideOut,
     /// A call is under way, or one failed or was cancelled (see the type's docs).
     busy: bool,
 }
@@ -290,6 +292,46 @@ impl std::fmt::Debug for SeqWriter {
 
 static NEXT_HINT: AtomicUsize = AtomicUsize::new(0);
 
+/// Moves to another partition a stream makes at once after failures, before it waits between
+/// moves ([`RideOut`]).
+const MOVES: u32 = 8;
+
+/// How long a write waits for a writable partition when every one refuses it or none is listed
+/// (a data node died and its partitions turned read-only; the master adds partitions or the node
+/// comes back): long enough to ride out a node's restart, so the application sees no error.
+pub const RIDE_OUT: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// A write's wait for a writable partition (see [`RIDE_OUT`]): pauses that grow from 50 ms to
+/// 1 s between view refreshes, counted from the first refusal since the last success.
+#[derive(Debug, Default)]
+pub struct RideOut {
+    since: Option<tokio::time::Instant>,
+    pause: std::time::Duration,
+}
+
+impl RideOut {
+    /// Another refusal: refreshes the view after a pause; false once `RIDE_OUT` has passed.
+    pub async fn wait(&mut self, vol: &NetVolume) -> bool {
+        let now = tokio::time::Instant::now();
+        let since = *self.since.get_or_insert(now);
+        if now.duration_since(since) >= RIDE_OUT {
+            return false;
+        }
+        self.pause = (self.pause * 2).clamp(
+            std::time::Duration::from_millis(50),
+            std::time::Duration::from_secs(1),
+        );
+        tokio::time::sleep(self.pause.min(RIDE_OUT - now.duration_since(since))).await;
+        let _ = vol.refresh().await;
+        true
+    }
+
+    /// A write went through: the next refusal starts a new wait.
+    pub fn reset(&mut self) {
+        *self = Self::default();
+    }
+}
+
 impl SeqWriter {
     /// A writer starting at `file_offset`.
     pub fn new(vol: Arc<NetVolume>, file_offset: u64, inflight: usize) -> Self {
@@ -305,7 +347,8 @@ impl SeqWriter {
             unsynced: VecDeque::new(),
             keys: Vec::new(),
             failed: Vec::new(),
-            moves_left: 8,
+            moves_left: MOVES,
+            ride: RideOut::default(),
             busy: false,
         }
     }
@@ -331,21 +374,17 @@ impl SeqWriter {
         loop {
             let hint = NEXT_HINT.fetch_add(1, Ordering::Relaxed);
             let Some(p) = self.vol.pick_writable(hint, &self.failed) else {
-                // The view may be stale (new partitions added for full ones): refresh once.
-                if self.moves_left == 0 {
+                // Every partition refused or none is writable: the view may be stale (new
+                // partitions added, a node back), or the cluster is recovering; wait for it.
+                if !self.ride.wait(&self.vol).await {
                     return Err(DataCallError::NoWritablePartition);
                 }
-                self.moves_left -= 1;
-                let _ = self.vol.refresh().await;
                 self.failed.clear();
                 continue;
             };
             match self.vol.create_extent(p).await {
                 Ok(e) => return Ok((p, e, 0)),
-                Err(e) if e.try_elsewhere() && self.moves_left > 0 => {
-                    self.moves_left -= 1;
-                    self.failed.push(p);
-                }
+                Err(e) if e.try_elsewhere() => self.failed.push(p),
                 Err(e) => return Err(e),
             }
         }
@@ -448,10 +487,12 @@ impl SeqWriter {
         };
         match out {
             Ok((_, crc)) if !pkt.sync => {
+                self.went_through();
                 self.unsynced.push_back((pkt.piece, crc));
                 Ok(())
             }
             Ok((_, crc)) => {
+                self.went_through();
                 // Durable now, and so is every earlier packet of the extent.
                 while let Some((earlier, c)) = self.unsynced.pop_front() {
                     self.record(&earlier, c);
@@ -459,8 +500,11 @@ impl SeqWriter {
                 self.record(&pkt.piece, crc);
                 Ok(())
             }
-            Err(e) if e.try_elsewhere() && self.moves_left > 0 => {
-                self.moves_left -= 1;
+            Err(e)
+                if e.try_elsewhere()
+                    && (self.moves_left > 0 || self.ride.wait(&self.vol).await) =>
+            {
+                self.moves_left = self.moves_left.saturating_sub(1);
                 let failed = pkt.piece.partition;
                 tracing::debug!(partition = %failed, error = %e, "append failed; moving on");
                 self.failed.push(failed);
@@ -484,6 +528,12 @@ impl SeqWriter {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// A packet went through: the next failure starts a new stall.
+    fn went_through(&mut self) {
+        self.moves_left = MOVES;
+        self.ride.reset();
     }
 
     /// Adds a durable packet to the keys, extending the last key when it continues it.

@@ -193,17 +193,19 @@ impl Inner {
     ) -> FsResult<(PartitionId, Written)> {
         let mut failed: Vec<PartitionId> = Vec::new();
         let mut last = DataCallError::NoWritablePartition;
-        for attempt in 0..8usize {
+        let mut ride = crate::data::RideOut::default();
+        for attempt in 0usize.. {
             let Some(p) = self
                 .vol
                 .pick_writable(attempt.wrapping_add(spread), &failed)
             else {
-                if attempt > 0 {
-                    let _ = self.vol.refresh().await;
-                    failed.clear();
-                    continue;
+                // Every partition refused, or none is writable: wait for one (a node back,
+                // partitions added), up to `RIDE_OUT`.
+                if !ride.wait(&self.vol).await {
+                    break;
                 }
-                break;
+                failed.clear();
+                continue;
             };
             match self.vol.write_tiny(p, data.clone()).await {
                 Ok(w) => return Ok((p, w)),
