@@ -11,6 +11,8 @@
 //! - removing a partition removes its Raft group first, then its record, then its local state, so a
 //!   crash in between leaves at worst a directory that the next removal cleans up.
 
+use std::sync::Arc;
+
 use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Role};
 use nacre_msgr::BoxFuture;
 use nacre_raft::{RaftError, StateMachine};
@@ -117,6 +119,10 @@ pub trait PartitionRole: Send + Sync + 'static {
     fn used(&self) -> u64;
     /// Periodic work: reports, sweeps, repairs.
     fn tick(&self) -> BoxFuture<'_, ()>;
+    /// See [`PartitionHost::report_now`].
+    fn report_now(&self) -> Option<Arc<tokio::sync::Notify>> {
+        None
+    }
 }
 
 impl<R: PartitionRole> NodeDuties for R {
@@ -169,6 +175,10 @@ impl<R: PartitionRole> PartitionHost for R {
 
     fn used(&self) -> u64 {
         PartitionRole::used(self)
+    }
+
+    fn report_now(&self) -> Option<Arc<tokio::sync::Notify>> {
+        PartitionRole::report_now(self)
     }
 
     fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), HostError>> {

@@ -13,8 +13,11 @@
 //! Nothing past the committed length is served.
 //!
 //! A replica that fails a packet makes the partition read-only (reported to the master as `full`, so
-//! clients write elsewhere) until every follower again holds every committed byte: followers repair
-//! themselves by pulling missing blocks from the leader, throttled.
+//! clients write elsewhere) until every follower answers again; an extent some follower's copy is
+//! too short for takes no appends until the follower holds it, while the partition takes new
+//! extents: followers repair themselves in the background by pulling missing blocks from the
+//! leader, throttled. Every packet names the leader's term, and a follower that knows a newer one
+//! refuses it (a deposed leader acknowledges nothing).
 //!
 //! A store that failed an IO refuses work until reopened: the duty round reopens it, a leader first
 //! handing leadership over, and the replica then compares every extent with the leader's copy
@@ -108,6 +111,11 @@ struct Part {
     repairing: tokio::sync::Mutex<()>,
     /// The group's published leader and term (read by `lead`).
     gate: Option<Arc<nacre_raft::ReadGate>>,
+    /// One re-check at a time ([`DataNode::recheck`]).
+    rechecking: tokio::sync::Mutex<()>,
+    /// Woken when the partition turns read-only or writable: the node reports it to the master
+    /// at once instead of at the next heartbeat (the node's `Inner::writability`).
+    writability: Arc<tokio::sync::Notify>,
     /// The store's disk use and when it was measured ([`Part::used`]).
     used: Mutex<Option<(Instant, u64)>>,
 }
@@ -161,14 +169,27 @@ impl Part {
         }
     }
 
-    /// Performs an action of the core that takes no IO: they are all logs of a state change.
+    /// Performs an action of the core that takes no IO: they are logs of a state change, and a
+    /// change of the partition's writability is reported to the master at once
+    /// ([`Part::writability`]).
     fn note(&self, action: &Action) {
         match action {
             Action::Degrade { reason } => {
+                self.writability.notify_one();
                 tracing::warn!(partition = %self.id, reason = %reason, "data partition is read-only")
             }
             Action::Writable { was } => {
+                self.writability.notify_one();
                 tracing::info!(partition = %self.id, was = %was, "data partition is read-write again")
+            }
+            Action::Lags { extent, why } => {
+                tracing::info!(partition = %self.id, %extent, why = %why, "extent takes no appends until a follower repairs it")
+            }
+            Action::CaughtUp { extents } => {
+                tracing::info!(partition = %self.id, extents = ?extents, "extents take appends again")
+            }
+            Action::Superseded { term, newer } => {
+                tracing::warn!(partition = %self.id, term, newer, "a replica knows a newer term: this leader was deposed")
             }
             Action::StillReadOnly { why } => {
                 tracing::debug!(partition = %self.id, why = %why, "re-check: the partition stays read-only")
@@ -190,6 +211,24 @@ impl Part {
     /// Why the partition takes no appends, if it does not.
     fn degraded(&self) -> Option<String> {
         lock(&self.repl).degraded().map(str::to_owned)
+    }
+
+    /// Why an append to `extent` is refused, if it is: the partition is read-only, or the extent
+    /// lags on a follower (the client then moves to a new extent).
+    fn refuses_appends(&self, extent: ExtentId) -> Option<String> {
+        let r = lock(&self.repl);
+        if let Some(why) = r.degraded() {
+            return Some(why.to_owned());
+        }
+        r.lagging(extent).then(|| {
+            format!("extent {extent} lags on a follower and takes no appends until it is repaired")
+        })
+    }
+
+    /// Whether the partition needs a re-check: it is read-only, or extents lag.
+    fn needs_recheck(&self) -> bool {
+        let r = lock(&self.repl);
+        r.degraded().is_some() || !r.lagging_extents().is_empty()
     }
 
     fn followers(&self, me: u64) -> Vec<Replica> {
@@ -227,6 +266,11 @@ struct Inner {
     /// Deleted extents' data files every partition's new extents may take (`retire_spares`).
     spares: Arc<SparePool>,
     streams: Streams,
+    /// Woken by a partition whose writability changed (`Part::writability`).
+    writability: Arc<tokio::sync::Notify>,
+    /// Woken once the reports show such a change: the agent heartbeats at once
+    /// ([`nacre_cluster::PartitionHost::report_now`]).
+    report_now: Arc<tokio::sync::Notify>,
 }
 
 /// A running data node. Cheap to clone.
@@ -271,6 +315,8 @@ impl DataNode {
                 repair_tokens: tokio::sync::Mutex::new((0.0, Instant::now())),
                 spares: SparePool::new(),
                 streams: Streams::default(),
+                writability: Arc::default(),
+                report_now: Arc::default(),
             }),
         };
         Ok(node)
@@ -357,6 +403,8 @@ impl DataNode {
             bytes: AtomicU64::new(0),
             repairing: tokio::sync::Mutex::new(()),
             gate,
+            rechecking: tokio::sync::Mutex::new(()),
+            writability: self.inner.writability.clone(),
             used: Mutex::new(None),
         });
         lock(&self.inner.parts).insert(spec.id, part);
@@ -377,8 +425,10 @@ impl DataNode {
     }
 
     /// Runs until `shutdown`: adopts the id the agent publishes on `id`; every `report_interval`
-    /// refreshes reports, re-checks read-only partitions and repairs what this node lacks; every
-    /// `scrub_period` scrubs its replicas (`scrub`).
+    /// refreshes reports and repairs what this node lacks; every `recheck_interval` re-checks the
+    /// partitions it leads that are read-only or have extents that lag (`align`); reports a
+    /// partition's change of writability at once; every `scrub_period` scrubs its replicas
+    /// (`scrub`).
     pub async fn run(
         &self,
         id: watch::Receiver<Option<NodeId>>,
@@ -387,6 +437,8 @@ impl DataNode {
         tokio::select! {
             () = run_node(self, id, self.inner.config.report_interval, shutdown) => {}
             () = self.scrub_forever() => {}
+            () = self.recheck_forever() => {}
+            () = self.report_changes() => {}
         }
     }
 

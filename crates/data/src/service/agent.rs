@@ -117,11 +117,9 @@ impl DataNode {
             }
             match lead {
                 Ok(Some(term)) => {
+                    // Re-checks of read-only partitions run on their own (`recheck_forever`).
                     if let Err(e) = self.ensure_aligned(part, term).await {
                         tracing::debug!(partition = %part.id, error = %e, "alignment failed");
-                    }
-                    if part.degraded().is_some() {
-                        self.recheck(part).await;
                     }
                 }
                 Ok(None) => {
@@ -242,5 +240,9 @@ impl PartitionRole for DataNode {
 
     fn tick(&self) -> BoxFuture<'_, ()> {
         Box::pin(self.maintain())
+    }
+
+    fn report_now(&self) -> Option<Arc<tokio::sync::Notify>> {
+        Some(self.inner.report_now.clone())
     }
 }
