@@ -397,12 +397,14 @@ fn print_summary(s: &Summary) {
         let ms = |v: Option<u64>| v.map_or("never".to_string(), |v| format!("{v} ms"));
         for r in &s.restarts {
             println!(
-                "  {}: reported {} after the restart, {} partitions writable after {} / {}{}",
+                "  {} at {} s: reported {} after the restart, {} partitions writable after {} / {} (slowest {}){}",
                 r.node,
+                r.at_ms / 1000,
                 ms(r.reported_ms),
                 r.partitions,
                 ms(r.view_ms),
                 ms(r.write_ms),
+                r.slowest.as_deref().unwrap_or("-"),
                 if r.within_limit() {
                     ""
                 } else {
@@ -678,6 +680,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
                         name.clone(),
                         h.nodes[k].addr.clone(),
                         restarted,
+                        start,
                     ));
                 }
                 // One failure at a time: the next fault waits for this node to be back.
@@ -786,7 +789,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     while let Some(Ok(r)) = restarts.join_next().await {
         recoveries.push(r);
     }
-    recoveries.sort_by_key(|r| r.reported_ms);
+    recoveries.sort_by_key(|r| r.at_ms);
     let restart_writable_max_ms = recoveries
         .iter()
         .map(restart::Recovery::worst_ms)

@@ -3,6 +3,8 @@
 //! it is writable again, as the master's view shows it (read-write, with a leader) and as a write
 //! shows it (a new extent and an append to it succeed on the partition's leader).
 
+use std::collections::BTreeMap;
+
 use super::*;
 
 /// The longest a data partition may stay unwritable after its restarted node reported to the
@@ -16,6 +18,8 @@ const LIMIT: Duration = Duration::from_secs(60);
 #[derive(Clone, Debug, Serialize)]
 pub(super) struct Recovery {
     pub(super) node: String,
+    /// When the node restarted, since the run's start.
+    pub(super) at_ms: u64,
     /// The data partitions with a replica on the node.
     pub(super) partitions: usize,
     /// From the restart (the process started) to the master's first sign of the node.
@@ -25,6 +29,8 @@ pub(super) struct Recovery {
     pub(super) view_ms: Option<u64>,
     /// From that sign to a successful write (a new extent and an append) on every one of them.
     pub(super) write_ms: Option<u64>,
+    /// The partition that took longest (by either figure), with its two figures.
+    pub(super) slowest: Option<String>,
 }
 
 impl Recovery {
@@ -56,14 +62,17 @@ pub(super) async fn measure(
     node: String,
     addr: String,
     restarted: (Instant, u64),
+    run_start: Instant,
 ) -> Recovery {
     let (t0, wall0) = restarted;
     let mut out = Recovery {
         node,
+        at_ms: t0.saturating_duration_since(run_start).as_millis() as u64,
         partitions: 0,
         reported_ms: None,
         view_ms: None,
         write_ms: None,
+        slowest: None,
     };
     // The node's id and its partitions, then the master's first sign of it since the restart.
     let mut reported: Option<Instant> = None;
@@ -92,38 +101,61 @@ pub(super) async fn measure(
     out.partitions = parts.len();
     out.reported_ms = Some(at.duration_since(t0).as_millis() as u64);
     let since = |t: Instant| t.saturating_duration_since(at).as_millis() as u64;
+    // Each partition is timed until it is first writable: a later fault (the next node killed)
+    // may take it down again, which is that fault's to account for.
     let view = async {
-        while at.elapsed() < LIMIT {
+        let mut seen: BTreeMap<PartitionId, u64> = BTreeMap::new();
+        while at.elapsed() < LIMIT && seen.len() < parts.len() {
             if let Ok(v) = mc.volume(VOLUME).await {
-                let all = parts.iter().all(|id| {
-                    v.data_partitions.iter().any(|p| {
-                        p.spec.id == *id && p.status == PartitionStatus::Rw && p.leader.is_some()
-                    })
-                });
-                if all {
-                    return Some(since(Instant::now()));
+                let now = since(Instant::now());
+                for p in &v.data_partitions {
+                    if parts.contains(&p.spec.id)
+                        && p.status == PartitionStatus::Rw
+                        && p.leader.is_some()
+                    {
+                        seen.entry(p.spec.id).or_insert(now);
+                    }
                 }
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            if seen.len() < parts.len() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
-        None
+        seen
     };
     let writes = async {
         let mut set = tokio::task::JoinSet::new();
         for p in parts.clone() {
             let vol = vol.clone();
-            set.spawn(async move { first_write(&vol, p, at).await });
+            set.spawn(async move { (p, first_write(&vol, p, at).await) });
         }
-        let mut worst = Some(0);
+        let mut done: BTreeMap<PartitionId, u64> = BTreeMap::new();
         while let Some(r) = set.join_next().await {
-            worst = match (worst, r.ok().flatten()) {
-                (Some(w), Some(t)) => Some(w.max(since(t))),
-                _ => None,
-            };
+            if let Ok((p, Some(t))) = r {
+                done.insert(p, since(t));
+            }
         }
-        worst
+        done
     };
-    (out.view_ms, out.write_ms) = tokio::join!(view, writes);
+    let (view, writes) = tokio::join!(view, writes);
+    let worst = |m: &BTreeMap<PartitionId, u64>| {
+        (m.len() == parts.len()).then(|| m.values().copied().max().unwrap_or(0))
+    };
+    out.view_ms = worst(&view);
+    out.write_ms = worst(&writes);
+    out.slowest = parts
+        .iter()
+        .map(|p| {
+            let v = view.get(p).copied();
+            let w = writes.get(p).copied();
+            let key = v.unwrap_or(u64::MAX).max(w.unwrap_or(u64::MAX));
+            (key, *p, v, w)
+        })
+        .max_by_key(|(key, ..)| *key)
+        .map(|(_, p, v, w)| {
+            let ms = |x: Option<u64>| x.map_or("never".to_string(), |x| format!("{x} ms"));
+            format!("{p}: {} / {}", ms(v), ms(w))
+        });
     out
 }
 
