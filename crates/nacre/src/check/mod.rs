@@ -594,6 +594,8 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     let mut probes = tokio::task::JoinSet::new();
     let mut restarts = tokio::task::JoinSet::new();
     let restart_vol = connect(msgr.client(), &masters).await?;
+    // Counts the faults injected: a restart's measurement ends at the next one.
+    let (faults_tx, faults_rx) = watch::channel(0u64);
     let mut garbage_problems = Vec::new();
     // The fault schedule's randomness, reproducible from the seed.
     let mut rng = fastrand::Rng::with_seed(seed ^ 0x5EED_F00D);
@@ -666,6 +668,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
                     led = vec![Target::Master];
                 }
                 let label = kind_label(kind);
+                faults_tx.send_modify(|n| *n += 1);
                 h.kill(k);
                 let t0 = Instant::now();
                 faults.push(fault(start, label, &name, format!("{} led", led.len())));
@@ -681,6 +684,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
                         h.nodes[k].addr.clone(),
                         restarted,
                         start,
+                        faults_rx.clone(),
                     ));
                 }
                 // One failure at a time: the next fault waits for this node to be back.
@@ -701,6 +705,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
                 if h.nodes[k].role == Role::Master {
                     led = vec![Target::Master];
                 }
+                faults_tx.send_modify(|n| *n += 1);
                 h.isolate(k)?;
                 let t0 = Instant::now();
                 faults.push(fault(start, "partition", &name, h.isolation.to_string()));

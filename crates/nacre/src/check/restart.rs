@@ -4,6 +4,9 @@
 //! shows it (a new extent and an append to it succeed on the partition's leader).
 
 use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use nacre_types::sync::lock;
 
 use super::*;
 
@@ -54,8 +57,8 @@ fn wall_ms() -> u64 {
 }
 
 /// Measures the restart of data node `node` (address `addr`), started at `restarted` (an instant
-/// and the wall clock's ms then). Polls the master every 50 ms and writes to each partition every
-/// 100 ms.
+/// and the wall clock's ms then), until every partition on it was writable or `next_fault`
+/// changes (the schedule's next fault). Writes to each partition every 100 ms.
 pub(super) async fn measure(
     mc: MasterClient,
     vol: Arc<NetVolume>,
@@ -63,7 +66,9 @@ pub(super) async fn measure(
     addr: String,
     restarted: (Instant, u64),
     run_start: Instant,
+    mut next_fault: watch::Receiver<u64>,
 ) -> Recovery {
+    next_fault.borrow_and_update();
     let (t0, wall0) = restarted;
     let mut out = Recovery {
         node,
@@ -102,12 +107,16 @@ pub(super) async fn measure(
     out.reported_ms = Some(at.duration_since(t0).as_millis() as u64);
     let since = |t: Instant| t.saturating_duration_since(at).as_millis() as u64;
     // Each partition is timed until it is first writable: a later fault (the next node killed)
-    // may take it down again, which is that fault's to account for.
-    let view = async {
-        let mut seen: BTreeMap<PartitionId, u64> = BTreeMap::new();
-        while at.elapsed() < LIMIT && seen.len() < parts.len() {
+    // may take it down again, which is that fault's to account for. The measurement ends at the
+    // next fault: a partition not writable by then counts as never (over the limit). The master
+    // is asked every 100 ms (every restart measured at once asks it).
+    let view = Mutex::new(BTreeMap::<PartitionId, u64>::new());
+    let writes = Mutex::new(BTreeMap::<PartitionId, u64>::new());
+    let watch_view = async {
+        while at.elapsed() < LIMIT && lock(&view).len() < parts.len() {
             if let Ok(v) = mc.volume(VOLUME).await {
                 let now = since(Instant::now());
+                let mut seen = lock(&view);
                 for p in &v.data_partitions {
                     if parts.contains(&p.spec.id)
                         && p.status == PartitionStatus::Rw
@@ -117,27 +126,28 @@ pub(super) async fn measure(
                     }
                 }
             }
-            if seen.len() < parts.len() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
+            if lock(&view).len() < parts.len() {
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
-        seen
     };
-    let writes = async {
+    let write_all = async {
         let mut set = tokio::task::JoinSet::new();
         for p in parts.clone() {
             let vol = vol.clone();
             set.spawn(async move { (p, first_write(&vol, p, at).await) });
         }
-        let mut done: BTreeMap<PartitionId, u64> = BTreeMap::new();
         while let Some(r) = set.join_next().await {
             if let Ok((p, Some(t))) = r {
-                done.insert(p, since(t));
+                lock(&writes).insert(p, since(t));
             }
         }
-        done
     };
-    let (view, writes) = tokio::join!(view, writes);
+    tokio::select! {
+        _ = async { tokio::join!(watch_view, write_all) } => {}
+        _ = next_fault.changed() => {}
+    }
+    let (view, writes) = (lock(&view).clone(), lock(&writes).clone());
     let worst = |m: &BTreeMap<PartitionId, u64>| {
         (m.len() == parts.len()).then(|| m.values().copied().max().unwrap_or(0))
     };
