@@ -117,9 +117,13 @@ impl DataNode {
             }
             match lead {
                 Ok(Some(term)) => {
-                    // Re-checks of read-only partitions run on their own (`recheck_forever`).
                     if let Err(e) = self.ensure_aligned(part, term).await {
                         tracing::debug!(partition = %part.id, error = %e, "alignment failed");
+                    }
+                    // Also every `recheck_interval` on their own (`recheck_forever`); one at a
+                    // time.
+                    if part.needs_recheck() {
+                        self.recheck(part).await;
                     }
                 }
                 Ok(None) => {
@@ -155,8 +159,14 @@ impl DataNode {
             None => (0.0, BTreeMap::new()),
         };
         let mut reports = Vec::new();
+        let me = self.raft().map(|r| r.id()).ok();
         for p in parts {
-            let leader = matches!(self.leader_term(p).await, Ok(Some(_)));
+            // The leader the group published (no round trip to the Raft loop, which may be in a
+            // log write: a change of writability is reported at once).
+            let leader = match (&p.gate, me) {
+                (Some(gate), Some(me)) => gate.leader_term().0 == me,
+                _ => matches!(self.leader_term(p).await, Ok(Some(_))),
+            };
             let (ops, bytes) = counts[&p.id];
             let (ops0, bytes0) = before.get(&p.id).copied().unwrap_or((0, 0));
             let rate = |now: u64, then: u64| {
