@@ -123,6 +123,21 @@ pub trait PartitionRole: Send + Sync + 'static {
     fn report_now(&self) -> Option<Arc<tokio::sync::Notify>> {
         None
     }
+    /// Opens the partitions registered on disk when the node starts, one after the other unless
+    /// the role opens them concurrently (a data node does: until a restarted replica hosts its
+    /// partition again, that partition takes no appends).
+    fn open_all(
+        &self,
+        specs: Vec<PartitionSpec>,
+    ) -> BoxFuture<'_, Vec<(PartitionId, Result<(), HostError>)>> {
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(specs.len());
+            for spec in specs {
+                out.push((spec.id, self.open(&spec).await));
+            }
+            out
+        })
+    }
 }
 
 impl<R: PartitionRole> NodeDuties for R {
@@ -137,11 +152,11 @@ impl<R: PartitionRole> NodeDuties for R {
     fn adopt(&self, id: NodeId) -> BoxFuture<'_, Result<(), HostError>> {
         Box::pin(async move {
             self.node_raft().adopt(id)?;
-            for spec in self.registry().specs() {
-                if let Err(e) = self.open(&spec).await {
+            for (id, r) in self.open_all(self.registry().specs()).await {
+                if let Err(e) = r {
                     tracing::error!(
                         role = role_name(R::ROLE),
-                        partition = %spec.id,
+                        partition = %id,
                         error = %e,
                         "cannot open partition"
                     );

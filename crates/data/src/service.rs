@@ -260,7 +260,8 @@ struct Inner {
     reports: Mutex<Vec<PartitionReport>>,
     /// When reports were last refreshed, with each partition's (ops, bytes) counters then.
     last_report: Mutex<Option<(Instant, Counters)>>,
-    opening: tokio::sync::Mutex<()>,
+    /// One opening of a partition at a time, per partition.
+    opening: Mutex<HashMap<PartitionId, Arc<tokio::sync::Mutex<()>>>>,
     /// Repair budget: bytes that may still be copied before the next refill.
     repair_tokens: tokio::sync::Mutex<(f64, Instant)>,
     /// Deleted extents' data files every partition's new extents may take (`retire_spares`).
@@ -311,7 +312,7 @@ impl DataNode {
                 parts: Mutex::default(),
                 reports: Mutex::default(),
                 last_report: Mutex::default(),
-                opening: tokio::sync::Mutex::new(()),
+                opening: Mutex::default(),
                 repair_tokens: tokio::sync::Mutex::new((0.0, Instant::now())),
                 spares: SparePool::new(),
                 streams: Streams::default(),
@@ -354,8 +355,13 @@ impl DataNode {
             .collect();
         raft.add_peers(peers.clone()).map_err(err_str)?;
         // The master's create request and a heartbeat may both ask for a new partition: one store
-        // per directory, so opening is one at a time.
-        let _one = self.inner.opening.lock().await;
+        // per directory, so a partition is opened by one caller at a time (different partitions
+        // open concurrently).
+        let one = lock(&self.inner.opening)
+            .entry(spec.id)
+            .or_default()
+            .clone();
+        let _one = one.lock().await;
         if let Some(p) = self.part(spec.id) {
             *lock(&p.replicas) = spec.replicas.clone();
             return Ok(());
