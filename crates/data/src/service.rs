@@ -370,6 +370,7 @@ impl DataNode {
         let cfg = self.inner.config.store.clone();
         let wrap = self.inner.config.wrap_disk.clone();
         let spares = self.inner.spares.clone();
+        let started = Instant::now();
         let store = tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&dir).map_err(err_str)?;
             let disk: Arc<dyn Disk> = Arc::new(FileDisk::new(&dir).map_err(err_str)?);
@@ -394,6 +395,7 @@ impl DataNode {
             Ok(()) | Err(RaftError::GroupExists(_)) => {}
             Err(e) => return Err(e.to_string()),
         }
+        let recovered = started.elapsed();
         let gate = raft.read_gate(spec.id.0).await.map_err(|e| e.to_string())?;
         let part = Arc::new(Part {
             id: spec.id,
@@ -414,6 +416,14 @@ impl DataNode {
             used: Mutex::new(None),
         });
         lock(&self.inner.parts).insert(spec.id, part);
+        // Until now the partition answered its leader `UnknownGroup`: on a restart this is what
+        // keeps it from taking appends (docs/ARCHITECTURE.md, "Writable again after a restart").
+        tracing::info!(
+            partition = %spec.id,
+            store_ms = recovered.as_millis() as u64,
+            total_ms = started.elapsed().as_millis() as u64,
+            "data partition opened"
+        );
         Ok(())
     }
 
