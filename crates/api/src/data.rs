@@ -33,6 +33,11 @@ pub enum DataError {
     /// The local disk failed (the partition is now read-only on this node).
     #[error("disk error: {0}")]
     Io(String),
+    /// A follower refused a replicated packet sent under an older Raft term than it knows: the
+    /// sender is no longer the leader. (Appended last: variants are numbered in order on the
+    /// wire.)
+    #[error("sent under term {sent}, but the replica knows term {current}: a newer leader exists")]
+    StaleTerm { sent: u64, current: u64 },
 }
 
 /// Creates a normal extent (through the partition's Raft group, so ids are never reused). Op
@@ -186,13 +191,50 @@ impl Rpc for Release {
 #[derive(Debug)]
 pub struct Replicate;
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ReplicateRequest {
     pub partition: PartitionId,
     pub extent: ExtentId,
     pub offset: u64,
     pub committed: u64,
     pub sync: bool,
+    /// The Raft term under which the sender leads the partition: a follower that knows a newer
+    /// one refuses the packet ([`DataError::StaleTerm`]). 0 names no term. Appended last, so a
+    /// request without it (from a sender built before it existed) decodes with 0, and a
+    /// receiver built before it ignores it (bodies may carry trailing bytes).
+    pub term: u64,
+}
+
+impl<'de> Deserialize<'de> for ReplicateRequest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = ReplicateRequest;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a replicate request")
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let missing = |i| serde::de::Error::invalid_length(i, &"6 fields");
+                Ok(ReplicateRequest {
+                    partition: seq.next_element()?.ok_or_else(|| missing(0))?,
+                    extent: seq.next_element()?.ok_or_else(|| missing(1))?,
+                    offset: seq.next_element()?.ok_or_else(|| missing(2))?,
+                    committed: seq.next_element()?.ok_or_else(|| missing(3))?,
+                    sync: seq.next_element()?.ok_or_else(|| missing(4))?,
+                    // The body ends here when the sender predates the term: postcard reports
+                    // the end of its input as an error, which names no term.
+                    term: seq.next_element().ok().flatten().unwrap_or(0),
+                })
+            }
+        }
+        const FIELDS: &[&str] = &["partition", "extent", "offset", "committed", "sync", "term"];
+        d.deserialize_struct("ReplicateRequest", FIELDS, Fields)
+    }
 }
 
 impl Rpc for Replicate {
@@ -325,3 +367,63 @@ pub const MAX_PACKET: usize = 128 * 1024;
 /// Largest data segment of a tiny write: a packet of many small files written behind, synced
 /// once on every replica.
 pub const MAX_TINY_WRITE: usize = 512 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nacre_proto::msg::{decode_body, encode_body};
+
+    fn request(term: u64) -> ReplicateRequest {
+        ReplicateRequest {
+            partition: PartitionId(7),
+            extent: ExtentId(1030),
+            offset: 1 << 20,
+            committed: 4096,
+            sync: true,
+            term,
+        }
+    }
+
+    /// The request as a sender built before the term existed encodes it.
+    #[derive(Serialize, Deserialize, Debug, PartialEq)]
+    struct Before {
+        partition: PartitionId,
+        extent: ExtentId,
+        offset: u64,
+        committed: u64,
+        sync: bool,
+    }
+
+    #[test]
+    fn a_replicate_request_keeps_its_term_and_decodes_without_one() {
+        let r = request(9);
+        let got: ReplicateRequest = decode_body("replicate", &encode_body(&r)).unwrap();
+        assert_eq!(got, r);
+        // From an older sender: no term.
+        let old = Before {
+            partition: r.partition,
+            extent: r.extent,
+            offset: r.offset,
+            committed: r.committed,
+            sync: r.sync,
+        };
+        let got: ReplicateRequest = decode_body("replicate", &encode_body(&old)).unwrap();
+        assert_eq!(got, request(0));
+        // To an older receiver: the term is a trailing field it ignores.
+        let got: Before = decode_body("replicate", &encode_body(&r)).unwrap();
+        assert_eq!(got, old);
+        // A body cut inside the fields every sender writes is refused.
+        let body = encode_body(&old);
+        assert!(decode_body::<ReplicateRequest>("replicate", &body[..body.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn a_stale_term_error_survives_the_wire() {
+        let e: Result<(), DataError> = Err(DataError::StaleTerm {
+            sent: 3,
+            current: 4,
+        });
+        let got: Result<(), DataError> = decode_body("reply", &encode_body(&e)).unwrap();
+        assert_eq!(got, e);
+    }
+}

@@ -36,6 +36,12 @@ pub trait PartitionHost: Send + Sync + 'static {
     fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), HostError>>;
     /// Stops hosting a partition and deletes its data.
     fn remove(&self, id: PartitionId) -> BoxFuture<'_, Result<(), HostError>>;
+    /// Woken when the reports changed in a way the master should learn of at once (a data
+    /// partition turned read-only or writable): the agent heartbeats then instead of waiting
+    /// for the interval. None: only the interval.
+    fn report_now(&self) -> Option<Arc<tokio::sync::Notify>> {
+        None
+    }
 }
 
 /// How a node presents itself to the master.
@@ -73,10 +79,18 @@ pub async fn run_agent(
     let mut shutdown = std::pin::pin!(shutdown);
     let mut tick = tokio::time::interval(config.heartbeat_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let report_now = host.report_now();
+    let changed = || async {
+        match &report_now {
+            Some(n) => n.notified().await,
+            None => std::future::pending().await,
+        }
+    };
     loop {
         tokio::select! {
             _ = &mut shutdown => return,
             _ = tick.tick() => {}
+            () = changed() => {}
         }
         let current = *id.borrow();
         match current {

@@ -11,6 +11,8 @@
 //! - removing a partition removes its Raft group first, then its record, then its local state, so a
 //!   crash in between leaves at worst a directory that the next removal cleans up.
 
+use std::sync::Arc;
+
 use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Role};
 use nacre_msgr::BoxFuture;
 use nacre_raft::{RaftError, StateMachine};
@@ -117,6 +119,25 @@ pub trait PartitionRole: Send + Sync + 'static {
     fn used(&self) -> u64;
     /// Periodic work: reports, sweeps, repairs.
     fn tick(&self) -> BoxFuture<'_, ()>;
+    /// See [`PartitionHost::report_now`].
+    fn report_now(&self) -> Option<Arc<tokio::sync::Notify>> {
+        None
+    }
+    /// Opens the partitions registered on disk when the node starts, one after the other unless
+    /// the role opens them concurrently (a data node does: until a restarted replica hosts its
+    /// partition again, that partition takes no appends).
+    fn open_all(
+        &self,
+        specs: Vec<PartitionSpec>,
+    ) -> BoxFuture<'_, Vec<(PartitionId, Result<(), HostError>)>> {
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(specs.len());
+            for spec in specs {
+                out.push((spec.id, self.open(&spec).await));
+            }
+            out
+        })
+    }
 }
 
 impl<R: PartitionRole> NodeDuties for R {
@@ -131,11 +152,11 @@ impl<R: PartitionRole> NodeDuties for R {
     fn adopt(&self, id: NodeId) -> BoxFuture<'_, Result<(), HostError>> {
         Box::pin(async move {
             self.node_raft().adopt(id)?;
-            for spec in self.registry().specs() {
-                if let Err(e) = self.open(&spec).await {
+            for (id, r) in self.open_all(self.registry().specs()).await {
+                if let Err(e) = r {
                     tracing::error!(
                         role = role_name(R::ROLE),
-                        partition = %spec.id,
+                        partition = %id,
                         error = %e,
                         "cannot open partition"
                     );
@@ -169,6 +190,10 @@ impl<R: PartitionRole> PartitionHost for R {
 
     fn used(&self) -> u64 {
         PartitionRole::used(self)
+    }
+
+    fn report_now(&self) -> Option<Arc<tokio::sync::Notify>> {
+        PartitionRole::report_now(self)
     }
 
     fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), HostError>> {

@@ -13,8 +13,11 @@
 //! Nothing past the committed length is served.
 //!
 //! A replica that fails a packet makes the partition read-only (reported to the master as `full`, so
-//! clients write elsewhere) until every follower again holds every committed byte: followers repair
-//! themselves by pulling missing blocks from the leader, throttled.
+//! clients write elsewhere) until every follower answers again; an extent some follower's copy is
+//! too short for takes no appends until the follower holds it, while the partition takes new
+//! extents: followers repair themselves in the background by pulling missing blocks from the
+//! leader, throttled. Every packet names the leader's term, and a follower that knows a newer one
+//! refuses it (a deposed leader acknowledges nothing).
 //!
 //! A store that failed an IO refuses work until reopened: the duty round reopens it, a leader first
 //! handing leadership over, and the replica then compares every extent with the leader's copy
@@ -110,6 +113,11 @@ struct Part {
     repairing: tokio::sync::Mutex<()>,
     /// The group's published leader and term (read by `lead`).
     gate: Option<Arc<nacre_raft::ReadGate>>,
+    /// One re-check at a time ([`DataNode::recheck`]).
+    rechecking: tokio::sync::Mutex<()>,
+    /// Woken when the partition turns read-only or writable: the node reports it to the master
+    /// at once instead of at the next heartbeat (the node's `Inner::writability`).
+    writability: Arc<tokio::sync::Notify>,
     /// The store's disk use and when it was measured ([`Part::used`]).
     used: Mutex<Option<(Instant, u64)>>,
     /// When each normal extent was last active here (`gc`).
@@ -167,14 +175,27 @@ impl Part {
         }
     }
 
-    /// Performs an action of the core that takes no IO: they are all logs of a state change.
+    /// Performs an action of the core that takes no IO: they are logs of a state change, and a
+    /// change of the partition's writability is reported to the master at once
+    /// ([`Part::writability`]).
     fn note(&self, action: &Action) {
         match action {
             Action::Degrade { reason } => {
+                self.writability.notify_one();
                 tracing::warn!(partition = %self.id, reason = %reason, "data partition is read-only")
             }
             Action::Writable { was } => {
+                self.writability.notify_one();
                 tracing::info!(partition = %self.id, was = %was, "data partition is read-write again")
+            }
+            Action::Lags { extent, why } => {
+                tracing::info!(partition = %self.id, %extent, why = %why, "extent takes no appends until a follower repairs it")
+            }
+            Action::CaughtUp { extents } => {
+                tracing::info!(partition = %self.id, extents = ?extents, "extents take appends again")
+            }
+            Action::Superseded { term, newer } => {
+                tracing::warn!(partition = %self.id, term, newer, "a replica knows a newer term: this leader was deposed")
             }
             Action::StillReadOnly { why } => {
                 tracing::debug!(partition = %self.id, why = %why, "re-check: the partition stays read-only")
@@ -196,6 +217,24 @@ impl Part {
     /// Why the partition takes no appends, if it does not.
     fn degraded(&self) -> Option<String> {
         lock(&self.repl).degraded().map(str::to_owned)
+    }
+
+    /// Why an append to `extent` is refused, if it is: the partition is read-only, or the extent
+    /// lags on a follower (the client then moves to a new extent).
+    fn refuses_appends(&self, extent: ExtentId) -> Option<String> {
+        let r = lock(&self.repl);
+        if let Some(why) = r.degraded() {
+            return Some(why.to_owned());
+        }
+        r.lagging(extent).then(|| {
+            format!("extent {extent} lags on a follower and takes no appends until it is repaired")
+        })
+    }
+
+    /// Whether the partition needs a re-check: it is read-only, or extents lag.
+    fn needs_recheck(&self) -> bool {
+        let r = lock(&self.repl);
+        r.degraded().is_some() || !r.lagging_extents().is_empty()
     }
 
     fn followers(&self, me: u64) -> Vec<Replica> {
@@ -227,7 +266,8 @@ struct Inner {
     reports: Mutex<Vec<PartitionReport>>,
     /// When reports were last refreshed, with each partition's (ops, bytes) counters then.
     last_report: Mutex<Option<(Instant, Counters)>>,
-    opening: tokio::sync::Mutex<()>,
+    /// One opening of a partition at a time, per partition.
+    opening: Mutex<HashMap<PartitionId, Arc<tokio::sync::Mutex<()>>>>,
     /// Repair budget: bytes that may still be copied before the next refill.
     repair_tokens: tokio::sync::Mutex<(f64, Instant)>,
     /// Deleted extents' data files every partition's new extents may take (`retire_spares`).
@@ -235,6 +275,11 @@ struct Inner {
     streams: Streams,
     /// Held by the running garbage-collection sweep (one at a time).
     gc_running: tokio::sync::Mutex<()>,
+    /// Woken by a partition whose writability changed (`Part::writability`).
+    writability: Arc<tokio::sync::Notify>,
+    /// Woken once the reports show such a change: the agent heartbeats at once
+    /// ([`nacre_cluster::PartitionHost::report_now`]).
+    report_now: Arc<tokio::sync::Notify>,
 }
 
 /// A running data node. Cheap to clone.
@@ -275,11 +320,13 @@ impl DataNode {
                 parts: Mutex::default(),
                 reports: Mutex::default(),
                 last_report: Mutex::default(),
-                opening: tokio::sync::Mutex::new(()),
+                opening: Mutex::default(),
                 repair_tokens: tokio::sync::Mutex::new((0.0, Instant::now())),
                 spares: SparePool::new(),
                 streams: Streams::default(),
                 gc_running: tokio::sync::Mutex::new(()),
+                writability: Arc::default(),
+                report_now: Arc::default(),
             }),
         };
         Ok(node)
@@ -317,8 +364,13 @@ impl DataNode {
             .collect();
         raft.add_peers(peers.clone()).map_err(err_str)?;
         // The master's create request and a heartbeat may both ask for a new partition: one store
-        // per directory, so opening is one at a time.
-        let _one = self.inner.opening.lock().await;
+        // per directory, so a partition is opened by one caller at a time (different partitions
+        // open concurrently).
+        let one = lock(&self.inner.opening)
+            .entry(spec.id)
+            .or_default()
+            .clone();
+        let _one = one.lock().await;
         if let Some(p) = self.part(spec.id) {
             *lock(&p.replicas) = spec.replicas.clone();
             return Ok(());
@@ -327,6 +379,7 @@ impl DataNode {
         let cfg = self.inner.config.store.clone();
         let wrap = self.inner.config.wrap_disk.clone();
         let spares = self.inner.spares.clone();
+        let started = Instant::now();
         let store = tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&dir).map_err(err_str)?;
             let disk: Arc<dyn Disk> = Arc::new(FileDisk::new(&dir).map_err(err_str)?);
@@ -351,6 +404,7 @@ impl DataNode {
             Ok(()) | Err(RaftError::GroupExists(_)) => {}
             Err(e) => return Err(e.to_string()),
         }
+        let recovered = started.elapsed();
         let gate = raft.read_gate(spec.id.0).await.map_err(|e| e.to_string())?;
         let part = Arc::new(Part {
             id: spec.id,
@@ -366,11 +420,21 @@ impl DataNode {
             bytes: AtomicU64::new(0),
             repairing: tokio::sync::Mutex::new(()),
             gate,
+            rechecking: tokio::sync::Mutex::new(()),
+            writability: self.inner.writability.clone(),
             used: Mutex::new(None),
             gc: Mutex::default(),
             last_sweep: Mutex::new(None),
         });
         lock(&self.inner.parts).insert(spec.id, part);
+        // Until now the partition answered its leader `UnknownGroup`: on a restart this is what
+        // keeps it from taking appends (docs/ARCHITECTURE.md, "Writable again after a restart").
+        tracing::info!(
+            partition = %spec.id,
+            store_ms = recovered.as_millis() as u64,
+            total_ms = started.elapsed().as_millis() as u64,
+            "data partition opened"
+        );
         Ok(())
     }
 
@@ -388,9 +452,10 @@ impl DataNode {
     }
 
     /// Runs until `shutdown`: adopts the id the agent publishes on `id`; every `report_interval`
-    /// refreshes reports, re-checks read-only partitions and repairs what this node lacks; every
-    /// `scrub_period` scrubs its replicas (`scrub`); every `gc_period` sweeps the partitions it
-    /// leads for leaked extents (`gc`).
+    /// refreshes reports and repairs what this node lacks; every `recheck_interval` re-checks the
+    /// partitions it leads that are read-only or have extents that lag (`align`); reports a
+    /// partition's change of writability at once; every `scrub_period` scrubs its replicas
+    /// (`scrub`); every `gc_period` sweeps the partitions it leads for leaked extents (`gc`).
     pub async fn run(
         &self,
         id: watch::Receiver<Option<NodeId>>,
@@ -400,6 +465,8 @@ impl DataNode {
             () = run_node(self, id, self.inner.config.report_interval, shutdown) => {}
             () = self.scrub_forever() => {}
             () = self.gc_forever() => {}
+            () = self.recheck_forever() => {}
+            () = self.report_changes() => {}
         }
     }
 

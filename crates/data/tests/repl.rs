@@ -12,9 +12,12 @@
 //! - `unreachable align=T|recheck=ID from=N why=TEXT`
 //! - `settle term=T released=E,… busy=E,…|?` (`?`: the shell cannot tell)
 //! - `replication-failed why=TEXT`, `write-refused why=TEXT`
-//! - `recheck followers=N,… committed=E:C,… local=E:LEN,…`
+//! - `recheck followers=N,… committed=E:C,… [next=E:N,…] local=E:LEN,…`
+//! - `extent-refused extent=E why=TEXT`, `deposed term=T newer=N`
 //! - `store-failed leading=BOOL followers=N,…`, `store-reopened`
 //! - `state`: `> aligned=T|- degraded=TEXT|-`
+//! - `lagging`: `> lagging=E,…|-`; `superseded term=T`: `> superseded=N|-`
+//! - `check-term sent=S known=K`
 //! - `follower-take have=H committed=C offset=O [tiny]`
 //! - `plan-batch next=N max=M waiting=OFFSET:LEN,…`
 //! - `track-from-disk len=L leading=BOOL`
@@ -23,7 +26,9 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use nacre_data::repl::extent::{Take, follower_take, plan_batch, tiny_offset, track_from_disk};
+use nacre_data::repl::extent::{
+    Take, check_term, follower_take, plan_batch, tiny_offset, track_from_disk,
+};
 use nacre_data::repl::{
     Action, Event, RepairStep, Replication, Round, TransferReason, repair_steps,
 };
@@ -107,8 +112,36 @@ fn command(r: &mut Replication, line: &str) -> Vec<String> {
         "recheck" => Event::Recheck {
             followers: args.nums("followers"),
             committed: args.pairs("committed"),
+            next: args.pairs("next"),
             local: args.pairs("local"),
         },
+        "extent-refused" => Event::ExtentRefused {
+            extent: ExtentId(args.num("extent")),
+            why: args.text("why"),
+        },
+        "deposed" => Event::Deposed {
+            term: args.num("term"),
+            newer: args.num("newer"),
+        },
+        "lagging" => {
+            return vec![format!(
+                "lagging={}",
+                join(r.lagging_extents().iter().map(|e| e.0))
+            )];
+        }
+        "superseded" => {
+            let newer = r.superseded(args.num("term"));
+            return vec![format!(
+                "superseded={}",
+                newer.map_or("-".to_string(), |n| n.to_string())
+            )];
+        }
+        "check-term" => {
+            return vec![match check_term(args.num("sent"), args.num("known")) {
+                Ok(()) => "take".to_string(),
+                Err(e) => format!("refused: {e}"),
+            }];
+        }
         "store-failed" => Event::StoreFailed {
             leading: args.get("leading") == "true",
             followers: args.nums("followers"),
@@ -219,6 +252,9 @@ fn render(a: &Action) -> String {
         Action::Writable { was } => format!("writable was: {was}"),
         Action::StillReadOnly { why } => format!("still-read-only: {why}"),
         Action::Reopen => "reopen".to_string(),
+        Action::Lags { extent, why } => format!("lags {}: {why}", extent.0),
+        Action::CaughtUp { extents } => format!("caught-up {}", join(extents.iter().map(|e| e.0))),
+        Action::Superseded { term, newer } => format!("superseded term={term} newer={newer}"),
     }
 }
 
@@ -311,9 +347,10 @@ impl Args {
 /// "Committed lengths": a new leader asks each follower in turn, then takes per extent the
 /// largest committed offset any replica knew, or else the shortest copy — here the shortest copy
 /// (8500) is above what anyone knew committed (8000). The leader's bytes past it are an
-/// unacknowledged tail: cut. A follower behind the committed offset refuses a packet past its
-/// end (the partition degrades), is repaired block by block from the leader, and a follower with
-/// a stale tail past the committed offset cuts it when the next packet arrives there.
+/// unacknowledged tail: cut. A follower behind the committed offset could not take the extent's
+/// next packet, so the extent lags (takes no appends) while the follower repairs it from the
+/// leader block by block; the partition stays writable. A follower with a stale tail past the
+/// committed offset cuts it when the next packet arrives there.
 #[test]
 fn committed_lengths_a_follower_behind_is_brought_up_and_stale_tails_are_cut() {
     run("
@@ -324,13 +361,16 @@ fn committed_lengths_a_follower_behind_is_brought_up_and_stale_tails_are_cut() {
         listed align=2 from=3 extents=1024:9000:8000,1025:40:0
         > settle term=2 extents=1024,1025
         # Extent 1025: node 3 lacks committed bytes node 2 knew of (100 > 40): the leader keeps
-        # them, node 3 repairs.
+        # them, node 3 repairs, and the extent takes no appends meanwhile.
         settle term=2 released=- busy=-
         > track 1024 committed=8500 len=9000 cut
         > track 1025 committed=100 len=100
+        > lags 1025: a follower's copy is short at the leader change
         > aligned term=2
         state
         > aligned=2 degraded=-
+        lagging
+        > lagging=1025
 
         # Node 3 takes the next packet of 1024 at the committed offset: its tail goes.
         follower-take have=9000 committed=8500 offset=8500
@@ -338,19 +378,20 @@ fn committed_lengths_a_follower_behind_is_brought_up_and_stale_tails_are_cut() {
         # Never below what is committed.
         follower-take have=9000 committed=8500 offset=8000
         > refused: batch at 8000 starts below the committed offset 8500
-        # Node 3 is behind on 1025: a packet past its end fails, and the partition degrades.
+        # A packet of 1025 past node 3's end (one the leader sent before it knew) is refused:
+        # the extent lags (it does already), and the partition stays writable.
         follower-take have=40 committed=100 offset=100
         > refused: batch at 100 starts past this replica's 40 bytes
-        replication-failed why=replication failed: node-3: out of range
-        > degrade: replication failed: node-3: out of range
+        extent-refused extent=1025 why=node-3: out of range
+        state
+        > aligned=2 degraded=-
 
-        # The duty round: node 3 still lacks bytes, so the partition stays read-only.
+        # A re-check while node 3 still lacks bytes: 1025 keeps lagging.
         recheck followers=2,3 committed=1024:8500,1025:100 local=1024:8500,1025:100
         > list recheck=1 to=2
         listed recheck=1 from=2 extents=1024:8500:8500,1025:100:100
         > list recheck=1 to=3
         listed recheck=1 from=3 extents=1024:8500:8500,1025:40:0
-        > still-read-only: follower node-3 lacks committed bytes (repair pending)
 
         # Node 3 repairs 1025 (32-byte blocks here): the blocks from the one holding byte 40.
         repair have=40 committed=100 suspect=false block=32
@@ -368,9 +409,138 @@ fn committed_lengths_a_follower_behind_is_brought_up_and_stale_tails_are_cut() {
         listed recheck=2 from=2 extents=1024:8500:8500,1025:100:100
         > list recheck=2 to=3
         listed recheck=2 from=3 extents=1024:8500:8500,1025:100:100
-        > writable was: replication failed: node-3: out of range
+        > caught-up 1025
+        lagging
+        > lagging=-
+    ");
+}
+
+/// "Failures" with a restart: a follower killed mid-append degrades the partition; while it is
+/// down, re-checks keep it read-only. Once it answers again the partition is writable at once,
+/// for new extents and for every extent whose bytes the follower holds. The extents its copy is
+/// too short for lag: a tiny extent until it holds the committed bytes (tiny writes go past
+/// every copy's end, so only committed bytes count), a normal one until it holds the bytes up to
+/// where the next append starts — here never in this term, since the failed packet's bytes were
+/// never committed and repair copies only committed ones; its writer has moved to a new extent.
+/// A refusal that arrives while a re-check runs keeps its extent lagging whatever the listings
+/// (taken earlier) say.
+#[test]
+fn failures_a_restarted_follower_makes_only_the_extents_it_lacks_lag_while_it_repairs() {
+    run("
+        elected term=3 followers=2,3 local=1024:8192,1025:4096,5:8192 known=-
+        > list align=3 to=2
+        listed align=3 from=2 extents=1024:8192:8192,1025:4096:4096,5:8192:8192
+        > list align=3 to=3
+        listed align=3 from=3 extents=1024:8192:8192,1025:4096:4096,5:8192:8192
+        > settle term=3 extents=5,1024,1025
+        settle term=3 released=- busy=-
+        > track 5 committed=8192 len=8192
+        > track 1024 committed=8192 len=8192
+        > track 1025 committed=4096 len=4096
+        > aligned term=3
+
+        # Node 3 is killed; a packet of 1025 (written here and on node 2) fails on it.
+        replication-failed why=replication failed: node-3: connection refused
+        > degrade: replication failed: node-3: connection refused
+        recheck followers=2,3 committed=5:8192,1024:8192,1025:4096 next=1025:6144 local=5:8192,1024:8192,1025:6144
+        > list recheck=1 to=2
+        listed recheck=1 from=2 extents=5:8192:8192,1024:8192:8192,1025:6144:4096
+        > list recheck=1 to=3
+        unreachable recheck=1 from=3 why=connection refused
+        > still-read-only: follower node-3 does not answer: connection refused
+
+        # Node 3 is back. It never got the failed packet of 1025, and it lost the end of tiny
+        # extent 5 (say its disk did): both lag, the partition is writable.
+        recheck followers=2,3 committed=5:8192,1024:8192,1025:4096 next=1025:6144 local=5:8192,1024:8192,1025:6144
+        > list recheck=2 to=2
+        listed recheck=2 from=2 extents=5:8192:8192,1024:8192:8192,1025:6144:4096
+        > list recheck=2 to=3
+        listed recheck=2 from=3 extents=5:4096:0,1024:8192:0,1025:4096:0
+        > lags 5: follower node-3 lacks bytes (repair pending)
+        > lags 1025: follower node-3 lacks bytes (repair pending)
+        > writable was: replication failed: node-3: connection refused
         state
-        > aligned=2 degraded=-
+        > aligned=3 degraded=-
+
+        # Node 3 repaired tiny extent 5: it takes writes again; 1025 still lags. Meanwhile a
+        # packet of 1024 is refused by node 2: 1024 lags even though node 2's listing, taken
+        # before, showed it whole.
+        recheck followers=2,3 committed=5:8192,1024:8192,1025:4096 next=1025:6144 local=5:8192,1024:8192,1025:6144
+        > list recheck=3 to=2
+        listed recheck=3 from=2 extents=5:8192:8192,1024:8192:8192,1025:6144:4096
+        > list recheck=3 to=3
+        extent-refused extent=1024 why=node-2: batch at 12288 starts past this replica's 8192 bytes
+        > lags 1024: node-2: batch at 12288 starts past this replica's 8192 bytes
+        listed recheck=3 from=3 extents=5:8192:0,1024:8192:0,1025:4096:0
+        > caught-up 5
+        lagging
+        > lagging=1024,1025
+
+        # Released extents count for nobody: once the log released 1024 it is not tracked, and it
+        # no longer lags.
+        recheck followers=2,3 committed=5:8192,1025:4096 next=1025:6144 local=5:8192,1025:6144
+        > list recheck=4 to=2
+        listed recheck=4 from=2 extents=5:8192:8192,1025:6144:4096
+        > list recheck=4 to=3
+        listed recheck=4 from=3 extents=5:8192:0,1025:4096:0
+        > caught-up 1024
+        lagging
+        > lagging=1025
+
+        # A new term's alignment decides afresh: node 3 holds every committed byte of 1025 and
+        # the unacknowledged tail here is cut, so nothing lags.
+        elected term=4 followers=2,3 local=5:8192,1025:6144 known=5:8192,1025:4096
+        > list align=4 to=2
+        listed align=4 from=2 extents=5:8192:8192,1025:6144:4096
+        > list align=4 to=3
+        listed align=4 from=3 extents=5:8192:0,1025:4096:0
+        > settle term=4 extents=5,1025
+        settle term=4 released=- busy=-
+        > track 5 committed=8192 len=8192
+        > track 1025 committed=4096 len=6144 cut
+        > aligned term=4
+        lagging
+        > lagging=-
+    ");
+}
+
+/// Raft §5.1 (a message of an older term is refused) applied to primary-backup packets: a leader
+/// deposed by an election it has not heard of still forwards appends. A follower that knows the
+/// newer term refuses them; the deposed leader fails the write without degrading the partition
+/// (the new leader's partition is fine) and takes no more writes under its old term.
+#[test]
+fn deposed_leader_packets_of_an_older_term_are_refused_and_it_stops_writing() {
+    run("
+        check-term sent=3 known=4
+        > refused: sent under term 3, but this replica knows term 4
+        check-term sent=4 known=4
+        > take
+        # The follower has not heard of the election its sender won yet.
+        check-term sent=5 known=4
+        > take
+        # A sender built before packets carried a term.
+        check-term sent=0 known=4
+        > take
+
+        elected term=3 followers=- local=1024:4096 known=-
+        > settle term=3 extents=1024
+        settle term=3 released=- busy=-
+        > track 1024 committed=4096 len=4096
+        > aligned term=3
+        superseded term=3
+        > superseded=-
+        deposed term=3 newer=4
+        > superseded term=3 newer=4
+        # Told again, or of an older term: nothing new.
+        deposed term=3 newer=4
+        deposed term=2 newer=3
+        superseded term=3
+        > superseded=4
+        # Elected again under term 4 (or later), it writes under that term.
+        superseded term=4
+        > superseded=-
+        state
+        > aligned=3 degraded=-
     ");
 }
 
@@ -456,9 +626,10 @@ fn scenario_aware_replication_a_leader_change_mid_append_cuts_the_unacknowledged
 /// "Failures": a follower that fails a packet, or a leader whose own disk refuses a write, makes
 /// the partition read-only; the first reason is kept. A replica that does not answer at a leader
 /// change degrades it too. It is writable again only after a re-check in which every follower
-/// answered and holds every committed byte (extents with nothing committed do not count).
+/// answered (and holds every committed byte here: nothing lags; extents with nothing committed
+/// do not count).
 #[test]
-fn failures_a_replica_that_fails_degrades_the_partition_until_every_follower_holds_it_all() {
+fn failures_a_replica_that_fails_degrades_the_partition_until_every_follower_answers() {
     run("
         elected term=7 followers=2,3 local=1024:4096 known=-
         > list align=7 to=2
@@ -525,6 +696,7 @@ fn committed_lengths_recovery_after_restart_a_leader_short_of_committed_bytes_ha
         settle term=9 released=1031 busy=-
         > track 1024 committed=8000 len=4096
         > track 1030 committed=500 len=500
+        > lags 1024: a follower's copy is short at the leader change
         > degrade: the leader lacks committed bytes of extents [ExtentId(1024)]
         > aligned term=9
 

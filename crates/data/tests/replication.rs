@@ -6,9 +6,10 @@
 //! - round trip: appends (also pipelined out of order), tiny writes, overwrites, Raft appends and
 //!   reads; nothing past the committed length is served; every replica ends with the same bytes.
 //! - a stopped follower: appends turn the partition read-only, overwrites (Raft majority) go on;
-//!   back and repaired, the partition takes appends again and the follower holds every byte.
-//! - a follower that lost its tail: recovery trims it, repair pulls the rest (also while a packet
-//!   waits for those bytes).
+//!   back, the partition takes appends again and the follower repairs every byte.
+//! - a follower that lost its tail: recovery trims it, repair pulls the rest (also while the
+//!   partition takes appends: a packet of the extent waits for those bytes, or the extent takes
+//!   no appends until the follower holds it).
 //! - a flipped bit on the leader: the read repairs the block from a follower.
 //! - a leader crash in the middle of pipelined appends, and a new leader whose own copy has an
 //!   unacknowledged tail: nothing acknowledged is lost, appends go on at the committed offset.
@@ -298,22 +299,28 @@ async fn a_follower_that_lost_its_tail_is_trimmed_and_repaired() {
     }
 
     // The same loss again, but this time the follower comes back while the partition takes
-    // appends: the next packet reaches it before its repair has brought the missing bytes, waits
-    // for them, and is stored; nothing turns read-only.
+    // appends: nothing turns read-only. The extent it is short of either takes the next packet
+    // (which waits on the follower for the repair's bytes) or, if the leader's re-check saw the
+    // short copy first, takes no appends (the client moves to a new extent) until the follower
+    // holds it; either way the follower repairs it in the background.
     c.crash(f).await;
     truncate(&c.data_file(f, e2), 6000);
     c.restart(f).await;
     let more = pattern(61, 3000);
-    let w = api
-        .append(e2, model2.len() as u64, &more)
-        .await
-        .unwrap()
-        .unwrap();
-    model2.extend_from_slice(&more);
-    assert_eq!(w.committed, model2.len() as u64);
-    fill(&api, e2, &mut model2, 62, 2, 5000).await;
+    match api.append(e2, model2.len() as u64, &more).await.unwrap() {
+        Ok(w) => {
+            model2.extend_from_slice(&more);
+            assert_eq!(w.committed, model2.len() as u64);
+        }
+        Err(DataError::ReadOnly(why)) => assert!(why.contains("lags"), "{why}"),
+        Err(other) => panic!("unexpected refusal: {other:?}"),
+    }
+    let e3 = api.create().await.unwrap().unwrap();
+    let mut model3 = Vec::new();
+    fill(&api, e3, &mut model3, 63, 2, 5000).await;
     for i in 0..3 {
-        c.wait_replica(i, e2, &model2, true).await;
+        c.wait_replica(i, e2, &model2, false).await;
+        c.wait_replica(i, e3, &model3, true).await;
     }
     c.shutdown().await;
 }
@@ -328,6 +335,7 @@ async fn a_leader_elected_without_committed_bytes_hands_over_and_is_repaired() {
     // Duty rounds (repairs, re-checks) run only when the test calls them.
     let mut c = Cluster::start_with(11, |cfg| {
         cfg.report_interval = std::time::Duration::from_secs(3600);
+        cfg.recheck_interval = std::time::Duration::from_secs(3600);
     })
     .await;
     let api = c.api.clone();
@@ -385,11 +393,19 @@ async fn a_leader_elected_without_committed_bytes_hands_over_and_is_repaired() {
     assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
     let end = api.committed(e).await;
     assert!(end >= model.len() as u64);
-    let w = api
-        .append(e, end, &pattern(71, 3000))
-        .await
-        .unwrap()
-        .unwrap();
+    // `e` took no appends while f was short of it; the leader's next re-check finds f holding
+    // it, and it takes appends again.
+    let w = eventually("the repaired extent to take appends again", || async {
+        for i in 0..3 {
+            c.node(i).maintain().await;
+        }
+        match api.append(e, end, &pattern(71, 3000)).await.unwrap() {
+            Ok(w) => Some(w),
+            Err(DataError::ReadOnly(_)) => None,
+            Err(other) => panic!("unexpected refusal: {other:?}"),
+        }
+    })
+    .await;
     assert_eq!(w.committed, end + 3000);
     c.shutdown().await;
 }

@@ -178,6 +178,10 @@ fn valid_name(name: &str) -> bool {
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
 }
 
+/// A data node using at least this share of its capacity (parts per million) is full: new data
+/// partitions are not placed on it.
+pub const FULL_PPM: u64 = 990_000;
+
 impl ClusterMap {
     /// Applies a command. A failed command changes nothing (not even the epoch). The epoch counts
     /// changes of the map's shape (nodes, statuses, volumes, partitions, leaders); a heartbeat that only
@@ -314,7 +318,11 @@ impl ClusterMap {
                     n.capacity = *capacity;
                     n.last_heartbeat_ms = *now_ms;
                     n.status = NodeStatus::Up;
-                    return Ok(Outcome::NodeRegistered(n.id));
+                    let id = n.id;
+                    // A node back from the dead: its partitions are writable again now, not at
+                    // the next change that happens to refresh the statuses.
+                    self.refresh_partition_status();
+                    return Ok(Outcome::NodeRegistered(id));
                 }
                 self.next_node += 1;
                 let id = NodeId(self.next_node);
@@ -532,17 +540,23 @@ impl ClusterMap {
         for r in replicas {
             *hosted.entry(r).or_default() += 1;
         }
+        let used_ppm = |n: &Node| {
+            if n.capacity == 0 {
+                1_000_000
+            } else {
+                (u128::from(n.used) * 1_000_000 / u128::from(n.capacity)) as u64
+            }
+        };
         self.nodes
             .values()
             .filter(|n| n.role == role && n.status == NodeStatus::Up)
+            // A full data node would refuse the new partition's appends: it would be born
+            // read-only. (A node of unknown capacity is not known to be full.)
+            .filter(|n| role != Role::Data || n.capacity == 0 || used_ppm(n) < FULL_PPM)
             .map(|n| Candidate {
                 id: n.id,
                 zone: n.zone.clone(),
-                used_ppm: if n.capacity == 0 {
-                    1_000_000
-                } else {
-                    (u128::from(n.used) * 1_000_000 / u128::from(n.capacity)) as u64
-                },
+                used_ppm: used_ppm(n),
                 partitions: hosted.get(&n.id).copied().unwrap_or(0),
             })
             .collect()

@@ -86,6 +86,34 @@ impl StateMachine for MasterSm {
     }
 }
 
+/// A node that `cmd` would place a replica on although it has not heartbeated within `silence`
+/// of `now_ms`. Placement is part of the map's pure state machine, which knows no clock: a node
+/// is up until `node_timeout` has passed, so one killed a moment ago would still be chosen. The
+/// leader applies the command to a copy first and holds it back while the choice names such a
+/// node. (A command that fails here fails for real too: it is sent, and its error recorded.)
+pub fn silent_choice(
+    map: &ClusterMap,
+    cmd: &Command,
+    now_ms: u64,
+    silence: Duration,
+) -> Option<NodeId> {
+    let mut trial = map.clone();
+    let Ok(Outcome::PartitionsCreated(ids)) = trial.apply(cmd) else {
+        return None;
+    };
+    let silence = silence.as_millis() as u64;
+    ids.iter()
+        .filter_map(|id| trial.data_partitions.get(id))
+        .flat_map(|p| p.replicas.iter())
+        .find(|n| {
+            trial
+                .nodes
+                .get(n)
+                .is_some_and(|n| now_ms.saturating_sub(n.last_heartbeat_ms) > silence)
+        })
+        .copied()
+}
+
 /// Tunables of the master's duties.
 #[derive(Clone, Debug)]
 pub struct MasterConfig {
@@ -95,6 +123,9 @@ pub struct MasterConfig {
     pub node_timeout: Duration,
     /// Keep at least this many writable data partitions per volume…
     pub min_writable_data_partitions: u32,
+    /// …placing none on a node silent for longer than this (a node killed a moment ago is not
+    /// down until `node_timeout`): the duty waits instead.
+    pub placement_silence: Duration,
     /// …adding this many at a time.
     pub data_partitions_step: u32,
     /// Split a volume's last meta partition when it holds this many inodes…
@@ -118,6 +149,8 @@ impl Default for MasterConfig {
             duty_interval: Duration::from_secs(1),
             node_timeout: Duration::from_secs(10),
             min_writable_data_partitions: 2,
+            // One and a half of the nodes' default heartbeat interval (2 s).
+            placement_silence: Duration::from_secs(3),
             data_partitions_step: 2,
             meta_split_inodes: 1 << 24,
             meta_split_memory: 4 << 30,
@@ -366,12 +399,19 @@ impl Master {
                 })
                 .count() as u32;
             if writable < c.min_writable_data_partitions {
-                cmds.push(Command::AddDataPartitions {
+                let cmd = Command::AddDataPartitions {
                     volume: v.name.clone(),
                     count: c
                         .data_partitions_step
                         .max(c.min_writable_data_partitions - writable),
-                });
+                };
+                match silent_choice(map, &cmd, Self::now_ms(), c.placement_silence) {
+                    Some(node) => tracing::info!(
+                        volume = %v.name, %node,
+                        "new data partitions would go to a node silent for a while; waiting"
+                    ),
+                    None => cmds.push(cmd),
+                }
             }
             if let Some(last) = v
                 .meta_partitions

@@ -339,3 +339,94 @@ fn heartbeats_confirm_replicas_report_leaders_and_return_assignments() {
     );
     assert_eq!(m.data_partitions[&dp.id].status, PartitionStatus::Ro);
 }
+
+/// The leader's duty of adding data partitions, with four data nodes and one of them dead: new
+/// partitions go to the three live ones. With one of those full as well, a three-replica partition
+/// has no room, and the command fails and changes nothing. A dead node that registers again
+/// makes its partitions read-write at once, not at some later change of the map.
+#[test]
+fn new_data_partitions_avoid_dead_and_full_nodes() {
+    let mut m = cluster(3, 4, 1);
+    create(&mut m, "vol", 1, 4).unwrap();
+    let data: Vec<NodeId> = m
+        .nodes
+        .values()
+        .filter(|n| n.role == Role::Data)
+        .map(|n| n.id)
+        .collect();
+    let dead = data[0];
+    for n in m.nodes.keys().copied().collect::<Vec<_>>() {
+        if n != dead {
+            heartbeat(&mut m, n, 10_000, vec![]);
+        }
+    }
+    m.apply(&Command::CheckLiveness {
+        now_ms: 10_000,
+        timeout_ms: 5_000,
+    })
+    .unwrap();
+    assert_eq!(m.nodes[&dead].status, NodeStatus::Down);
+    let on_dead: Vec<_> = m
+        .data_partitions
+        .values()
+        .filter(|p| p.replicas.contains(&dead))
+        .map(|p| p.id)
+        .collect();
+    assert!(!on_dead.is_empty());
+    assert!(
+        on_dead
+            .iter()
+            .all(|p| m.data_partitions[p].status == PartitionStatus::Ro)
+    );
+
+    let Outcome::PartitionsCreated(ids) = m
+        .apply(&Command::AddDataPartitions {
+            volume: "vol".into(),
+            count: 2,
+        })
+        .unwrap()
+    else {
+        panic!("partitions expected");
+    };
+    for id in &ids {
+        let p = &m.data_partitions[id];
+        assert_eq!(p.replicas.len(), 3);
+        assert!(!p.replicas.contains(&dead), "placed on the dead node");
+        assert_eq!(p.status, PartitionStatus::Rw);
+    }
+
+    // A live node fills its disk: no three nodes left to place on.
+    m.apply(&Command::Heartbeat {
+        node: data[1],
+        used: 1 << 30,
+        now_ms: 10_500,
+        partitions: vec![],
+    })
+    .unwrap();
+    let epoch = m.epoch;
+    let parts = m.data_partitions.len();
+    let err = m
+        .apply(&Command::AddDataPartitions {
+            volume: "vol".into(),
+            count: 1,
+        })
+        .unwrap_err();
+    assert!(matches!(err, MapError::Placement { .. }), "{err:?}");
+    assert_eq!((m.epoch, m.data_partitions.len()), (epoch, parts));
+
+    // The dead node registers again (a restart): its partitions are read-write at once.
+    let addr = m.nodes[&dead].addr.clone();
+    m.apply(&Command::RegisterNode {
+        addr,
+        role: Role::Data,
+        zone: "z0".into(),
+        capacity: 1 << 30,
+        now_ms: 11_000,
+    })
+    .unwrap();
+    assert!(
+        on_dead
+            .iter()
+            .all(|p| m.data_partitions[p].status == PartitionStatus::Rw)
+    );
+}

@@ -132,6 +132,9 @@ pub struct MasterSection {
     /// A node silent this long is marked down and its partitions read-only.
     pub node_timeout_ms: u64,
     pub min_writable_data_partitions: u32,
+    /// New data partitions go to no node silent for longer (keep it above the nodes'
+    /// `heartbeat_ms`).
+    pub placement_silence_ms: u64,
     pub data_partitions_step: u32,
     pub meta_split_inodes: u64,
     pub meta_split_memory: u64,
@@ -150,6 +153,7 @@ impl Default for MasterSection {
             duty_interval_ms: d.duty_interval.as_millis() as u64,
             node_timeout_ms: d.node_timeout.as_millis() as u64,
             min_writable_data_partitions: d.min_writable_data_partitions,
+            placement_silence_ms: d.placement_silence.as_millis() as u64,
             data_partitions_step: d.data_partitions_step,
             meta_split_inodes: d.meta_split_inodes,
             meta_split_memory: d.meta_split_memory,
@@ -165,6 +169,7 @@ impl MasterSection {
             duty_interval: Duration::from_millis(self.duty_interval_ms.max(1)),
             node_timeout: Duration::from_millis(self.node_timeout_ms),
             min_writable_data_partitions: self.min_writable_data_partitions,
+            placement_silence: Duration::from_millis(self.placement_silence_ms),
             data_partitions_step: self.data_partitions_step,
             meta_split_inodes: self.meta_split_inodes,
             meta_split_memory: self.meta_split_memory,

@@ -62,6 +62,27 @@ pub enum Refused {
     PastEnd { offset: u64, have: u64 },
 }
 
+/// Why a backup refuses a batch whatever its offset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("sent under term {sent}, but this replica knows term {known}")]
+pub struct StaleTerm {
+    pub sent: u64,
+    pub known: u64,
+}
+
+/// Whether a backup that knows its group's Raft term `known` takes a batch sent under `sent`.
+/// A leader deposed by an election it has not heard of yet still forwards packets; a backup that
+/// took part in that election (or heard of it) refuses them, so the deposed leader cannot
+/// acknowledge a write (Raft's own rule for messages of an older term, §5.1). A newer term is
+/// taken: the backup has not heard of the election yet, and its winner is the leader. `sent` 0
+/// names no term (a leader built before packets carried one) and is taken.
+pub fn check_term(sent: u64, known: u64) -> Result<(), StaleTerm> {
+    if sent != 0 && sent < known {
+        return Err(StaleTerm { sent, known });
+    }
+    Ok(())
+}
+
 /// Where the primary puts a tiny write (tiny extents take their writes on `align` boundaries,
 /// past everything): past where its track says the next write goes, past the committed offset and
 /// past the `held` bytes of its own copy. The track alone is not enough: one made at a leader

@@ -35,11 +35,22 @@
 //!   answered. Bytes past that on the leader are an unacknowledged tail of an earlier leader: it
 //!   cuts them (unless a write to the extent is in flight here). A follower that did not answer,
 //!   or committed bytes the leader lacks, degrade the partition.
-//! - **Degrade.** A follower that fails a packet, or a local store that refuses a write, makes the
-//!   partition read-only ([`Action::Degrade`], reported `full` to the master) until a re-check
-//!   finds every follower holding every committed byte ([`Action::Writable`]). A leader that lacks
-//!   committed bytes itself hands leadership to a replica holding them all
+//! - **Degrade.** A follower that does not take a packet (unreachable, failed), or a local store
+//!   that refuses a write, makes the partition read-only ([`Action::Degrade`], reported `full` to
+//!   the master) until a re-check in which every follower answers ([`Action::Writable`]). A leader
+//!   that lacks committed bytes itself hands leadership to a replica holding them all
 //!   ([`Action::TransferLeader`]): leaders do not repair.
+//! - **Lag.** A follower whose copy of an extent is shorter than the next append needs (a
+//!   restarted replica that missed packets) cannot take appends to *that* extent, but takes new
+//!   extents like any other. So the extent alone takes no more appends ([`Action::Lags`]; the
+//!   client moves to a new extent, as on a read-only partition) while the follower repairs it in
+//!   the background, and the rest of the partition stays, or becomes, writable. Alignment and
+//!   every re-check decide which extents lag; a follower that refuses a packet because its copy
+//!   does not continue where the packet starts makes the extent lag too. A re-check that finds
+//!   every follower holding an extent's bytes lets it take appends again ([`Action::CaughtUp`]).
+//! - **Deposed.** A follower that knows a newer Raft term than the one the leader's packet names
+//!   refuses it ([`extent::check_term`]); the leader fails the write, degrades nothing, and takes
+//!   no more writes under its old term ([`Event::Deposed`], [`Replication::superseded`]).
 //! - **Repair.** A follower compares suspect extents block by block and copies the committed
 //!   bytes it lacks from the leader ([`repair_steps`]).
 //! - **Reopen.** A store that failed an IO is reopened by a follower (or a lone replica); a leader
@@ -54,9 +65,13 @@
 //!   less than was acknowledged, and never cuts an acknowledged byte.
 //! - Never acknowledge past what every replica holds; never serve past the committed offset.
 //! - A follower never cuts below the committed offset it was told ([`extent::follower_take`]).
-//! - A degraded partition stays degraded until a re-check in which every follower answered and
-//!   holds every committed byte; the first reason is kept.
+//! - A degraded partition stays degraded until a re-check in which every follower answered; the
+//!   first reason is kept.
+//! - No append is taken into an extent that lags: every replica holds where the next append of
+//!   a writable extent starts (for a tiny extent, its committed bytes: its writes go past every
+//!   copy's end, and a follower short of committed bytes there would be left with a gap).
 //! - Released extents count for nobody: alignment makes no track for them.
+//! - A replica told of a newer term never again writes under an older one.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
@@ -114,13 +129,21 @@ pub enum Event {
     ReplicationFailed { why: String },
     /// This replica's store refused a write (no space, failed IO).
     LocalWriteRefused { why: String },
-    /// Duty round on a read-only partition this replica leads: `committed` are the committed
-    /// offsets it tracks (released extents left out), `local` its lengths on disk.
+    /// Duty round on a partition this replica leads that is read-only or has extents that lag:
+    /// `committed` are the committed offsets it tracks (released extents left out), `next`
+    /// where the next append of each extent starts (extents left out: at the committed offset),
+    /// `local` its lengths on disk.
     Recheck {
         followers: Vec<Node>,
         committed: Lengths,
+        next: Lengths,
         local: Lengths,
     },
+    /// A follower refused a packet of `extent` because its copy does not continue where the
+    /// packet starts (it lacks bytes before it, or the packet would cut committed ones).
+    ExtentRefused { extent: ExtentId, why: String },
+    /// A follower refused a packet sent under `term`: it knows the newer term `newer`.
+    Deposed { term: u64, newer: u64 },
     /// This replica's store failed an IO and refuses work until reopened.
     StoreFailed { leading: bool, followers: Vec<Node> },
     /// The store was reopened (recovered from what is on disk).
@@ -155,6 +178,12 @@ pub enum Action {
     Writable { was: String },
     /// A re-check ended with the partition still read-only.
     StillReadOnly { why: String },
+    /// The extent takes no appends until a re-check finds every follower holding its bytes.
+    Lags { extent: ExtentId, why: String },
+    /// These extents, which lagged, take appends again.
+    CaughtUp { extents: Vec<ExtentId> },
+    /// This replica takes no more writes under `term`: a replica knows the newer term `newer`.
+    Superseded { term: u64, newer: u64 },
     /// Reopen the failed store: forget every track first (as a restart does), then answer with
     /// [`Event::StoreReopened`] if it worked.
     Reopen,
@@ -188,9 +217,13 @@ struct Rechecking {
     id: u64,
     ask: VecDeque<Node>,
     committed: Lengths,
+    /// Where each extent's next append starts (see [`Event::Recheck`]).
+    next: HashMap<ExtentId, u64>,
     /// Extents whose committed bytes this leader lacks.
     short: Vec<ExtentId>,
     lists: Vec<(Node, HashMap<ExtentId, u64>)>,
+    /// Extents made to lag while the round ran: its listings may predate the refusal.
+    refused: BTreeSet<ExtentId>,
 }
 
 /// One replica's replication state of one partition (see the module doc).
@@ -200,6 +233,10 @@ pub struct Replication {
     aligned: Option<u64>,
     /// Why the partition takes no appends, if it does not.
     degraded: Option<String>,
+    /// Extents that take no appends: a follower's copy is short of where the next one starts.
+    lagging: BTreeSet<ExtentId>,
+    /// The newest term a follower told this replica of, when it refused a packet.
+    newer: Option<u64>,
     aligning: Option<Aligning>,
     rechecking: Option<Rechecking>,
     /// Re-checks started (to number them).
@@ -222,6 +259,28 @@ impl Replication {
     /// Why the partition is read-only, if it is.
     pub fn degraded(&self) -> Option<&str> {
         self.degraded.as_deref()
+    }
+
+    /// The term under which this replica, as leader, aligned (None: not since it started or
+    /// reopened its store). Packets it forwards name it.
+    pub fn aligned_term(&self) -> Option<u64> {
+        self.aligned
+    }
+
+    /// Whether `extent` takes no appends because a follower's copy of it is short.
+    pub fn lagging(&self, extent: ExtentId) -> bool {
+        self.lagging.contains(&extent)
+    }
+
+    /// The extents that take no appends because a follower's copy is short.
+    pub fn lagging_extents(&self) -> &BTreeSet<ExtentId> {
+        &self.lagging
+    }
+
+    /// The newer term a follower knows, if one told this replica of a term newer than `term`:
+    /// then this replica must not write under `term`.
+    pub fn superseded(&self, term: u64) -> Option<u64> {
+        self.newer.filter(|n| *n > term)
     }
 
     /// The actions decided since the last call, in order.
@@ -283,9 +342,11 @@ impl Replication {
                     // leader that lacks bytes still looks for one that holds them all.
                     if r.short.is_empty() {
                         self.rechecking = None;
-                        self.ready.push(Action::StillReadOnly {
-                            why: format!("follower node-{from} does not answer: {why}"),
-                        });
+                        if self.degraded.is_some() {
+                            self.ready.push(Action::StillReadOnly {
+                                why: format!("follower node-{from} does not answer: {why}"),
+                            });
+                        }
                     } else {
                         self.ask_next_recheck();
                     }
@@ -302,6 +363,7 @@ impl Replication {
             Event::Recheck {
                 followers,
                 committed,
+                next,
                 local,
             } => {
                 let local: HashMap<ExtentId, u64> = local.into_iter().collect();
@@ -315,10 +377,26 @@ impl Replication {
                     id: self.rechecks,
                     ask: followers.into(),
                     committed,
+                    next: next.into_iter().collect(),
                     short,
                     lists: Vec::new(),
+                    refused: BTreeSet::new(),
                 });
                 self.ask_next_recheck();
+            }
+            Event::ExtentRefused { extent, why } => {
+                if let Some(r) = self.rechecking.as_mut() {
+                    r.refused.insert(extent);
+                }
+                if self.lagging.insert(extent) {
+                    self.ready.push(Action::Lags { extent, why });
+                }
+            }
+            Event::Deposed { term, newer } => {
+                if newer > term && self.newer.is_none_or(|n| newer > n) {
+                    self.newer = Some(newer);
+                    self.ready.push(Action::Superseded { term, newer });
+                }
             }
             Event::StoreFailed { leading, followers } => {
                 if leading && !followers.is_empty() {
@@ -336,6 +414,7 @@ impl Replication {
             }
             Event::StoreReopened => {
                 self.aligned = None;
+                self.lagging.clear();
             }
         }
     }
@@ -387,6 +466,7 @@ impl Replication {
                 .into_iter()
                 .collect();
         let mut short = Vec::new();
+        let mut lagging = BTreeSet::new();
         for (extent, (min, max_c)) in lens {
             let committed = max_c.max(min);
             let len = a
@@ -398,11 +478,33 @@ impl Replication {
                 short.push(extent);
             }
             let busy = busy.is_none_or(|b| b.contains(&extent));
+            let cut = len > committed && !busy && !extent.is_tiny();
+            // Where the next append starts once the track is installed; a write in flight here
+            // is on its way to the followers, so its extent is judged by its next packet.
+            let next = if cut { committed } else { len.max(committed) };
+            let need = need(extent, committed, next);
+            let short_copy = a.lists.iter().any(|list| {
+                list.iter()
+                    .find(|(e, _, _)| *e == extent)
+                    .map_or(0, |(_, l, _)| *l)
+                    < need
+            });
+            if short_copy && !busy {
+                lagging.insert(extent);
+            }
             self.ready.push(Action::Track {
                 extent,
                 committed,
                 len,
-                cut: len > committed && !busy && !extent.is_tiny(),
+                cut,
+            });
+        }
+        // A new term's tracks replace the old ones, and so does what lags.
+        self.lagging = lagging;
+        for extent in &self.lagging {
+            self.ready.push(Action::Lags {
+                extent: *extent,
+                why: "a follower's copy is short at the leader change".into(),
             });
         }
         if !a.unreachable.is_empty() {
@@ -449,19 +551,51 @@ impl Replication {
             });
             return;
         }
-        if let Some((node, _)) = r
-            .lists
-            .iter()
-            .find(|(_, theirs)| !holds(theirs, &r.committed))
-        {
-            self.ready.push(Action::StillReadOnly {
-                why: format!("follower node-{node} lacks committed bytes (repair pending)"),
+        // Every follower answered: the partition takes appends again, except to the extents
+        // some follower's copy is too short for, which it repairs in the background. By
+        // extent, the first follower short of its bytes:
+        let mut short_on: BTreeMap<ExtentId, Node> = BTreeMap::new();
+        for (e, c) in &r.committed {
+            let need = need(*e, *c, r.next.get(e).copied().unwrap_or(*c));
+            if let Some((node, _)) = r
+                .lists
+                .iter()
+                .find(|(_, theirs)| theirs.get(e).copied().unwrap_or(0) < need)
+            {
+                short_on.insert(*e, *node);
+            }
+        }
+        let mut lagging: BTreeSet<ExtentId> = short_on.keys().copied().collect();
+        lagging.extend(r.refused.iter().copied());
+        let caught: Vec<ExtentId> = self.lagging.difference(&lagging).copied().collect();
+        for extent in lagging.difference(&self.lagging) {
+            let why = match short_on.get(extent) {
+                Some(node) => format!("follower node-{node} lacks bytes (repair pending)"),
+                None => "a follower refused a packet".to_string(),
+            };
+            self.ready.push(Action::Lags {
+                extent: *extent,
+                why,
             });
-            return;
+        }
+        self.lagging = lagging;
+        if !caught.is_empty() {
+            self.ready.push(Action::CaughtUp { extents: caught });
         }
         if let Some(was) = self.degraded.take() {
             self.ready.push(Action::Writable { was });
         }
+    }
+}
+
+/// The length every replica must hold for an extent to take appends: where the next append
+/// starts, or for a tiny extent its committed offset (tiny writes go past every copy's end, so
+/// only a copy short of committed bytes, which the write would leave behind a gap, counts).
+pub fn need(extent: ExtentId, committed: u64, next: u64) -> u64 {
+    if extent.is_tiny() {
+        committed
+    } else {
+        committed.max(next)
     }
 }
 

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use nacre_api::master::Replica;
 use nacre_msgr::{CallOptions, Payload};
@@ -12,7 +13,7 @@ use nacre_types::{ExtentId, PartitionId};
 
 use super::append::Track;
 use super::{DataNode, Part, err_str, unavailable};
-use crate::repl::{Action, Event, Round};
+use crate::repl::{Action, Event, Lengths, Round};
 use nacre_api::data::*;
 
 impl DataNode {
@@ -43,6 +44,11 @@ impl DataNode {
     /// ([`crate::repl`]) this replica's lengths and each follower's list, and installs the tracks
     /// it decides, cutting the unacknowledged tails it names.
     pub(super) async fn ensure_aligned(&self, part: &Part, term: u64) -> Result<(), String> {
+        if let Some(newer) = lock(&part.repl).superseded(term) {
+            return Err(format!(
+                "a replica knows term {newer}: this node no longer leads under term {term}"
+            ));
+        }
         if part.aligned(term) {
             return Ok(());
         }
@@ -67,7 +73,10 @@ impl DataNode {
             for action in ready {
                 match action {
                     Action::ListExtents { round, follower } => {
-                        let ev = self.list_follower(part, &followers, round, follower).await;
+                        let timeout = self.inner.config.replicate_timeout;
+                        let ev = self
+                            .list_follower(part, &followers, round, follower, timeout)
+                            .await;
                         next.extend(part.step(ev));
                     }
                     Action::Settle { term, extents } => {
@@ -81,13 +90,14 @@ impl DataNode {
         Ok(())
     }
 
-    /// Asks a follower for its extents, as the answer the core takes.
+    /// Asks a follower for its extents (waiting at most `timeout`), as the answer the core takes.
     async fn list_follower(
         &self,
         part: &Part,
         followers: &[Replica],
         round: Round,
         follower: u64,
+        timeout: Duration,
     ) -> Event {
         let Some(addr) = followers
             .iter()
@@ -100,7 +110,7 @@ impl DataNode {
                 why: format!("node-{follower}: not a replica"),
             };
         };
-        match self.list_extents(&addr, part.id).await {
+        match self.list_extents(&addr, part.id, timeout).await {
             Ok(list) => Event::Listed {
                 round,
                 from: follower,
@@ -177,9 +187,10 @@ impl DataNode {
         &self,
         addr: &str,
         partition: PartitionId,
+        timeout: Duration,
     ) -> Result<ExtentList, String> {
         let opts = CallOptions {
-            timeout: Some(self.inner.config.replicate_timeout),
+            timeout: Some(timeout),
             ..CallOptions::default()
         };
         let (r, _) = self
@@ -196,22 +207,29 @@ impl DataNode {
         r.map_err(err_str)
     }
 
-    /// A read-only partition returns to read-write once every follower answers and holds every
-    /// committed byte. A leader that lacks committed bytes itself (a replica that lost its tail and
-    /// was elected before it repaired it) never gets them, since leaders do not repair: it hands
-    /// the partition to a follower that holds them all, and repairs as a follower. The core
-    /// ([`crate::repl`]) decides; this asks the followers and hands leadership over.
+    /// A read-only partition returns to read-write once every follower answers; extents some
+    /// follower's copy is too short for take no appends until it holds their bytes (it repairs
+    /// them in the background), and the others take appends at once. A leader that lacks
+    /// committed bytes itself (a replica that lost its tail and was elected before it repaired
+    /// it) never gets them, since leaders do not repair: it hands the partition to a follower that
+    /// holds them all, and repairs as a follower. The core ([`crate::repl`]) decides; this asks
+    /// the followers and hands leadership over. One re-check of a partition at a time.
     pub(super) async fn recheck(&self, part: &Part) {
         let Ok(raft) = self.raft() else {
             return;
         };
+        let Ok(_one) = part.rechecking.try_lock() else {
+            return;
+        };
         // Tracks of extents released since they were made (a release this leader applied but did
         // not propose, or one applied after the alignment) would otherwise ask for bytes nobody
-        // keeps, and the partition would stay read-only for good.
-        let committed: Vec<(ExtentId, u64)> = {
+        // keeps, and the extent would lag for good.
+        let (committed, next): (Lengths, Lengths) = {
             let mut t = lock(&part.tracks);
             t.retain(|e, _| !part.shared.released(*e));
-            t.iter().map(|(e, t)| (*e, t.committed())).collect()
+            t.iter()
+                .map(|(e, t)| ((*e, t.committed()), (*e, *t.next.borrow())))
+                .unzip()
         };
         let local = committed
             .iter()
@@ -221,6 +239,7 @@ impl DataNode {
         let mut ready = part.step(Event::Recheck {
             followers: followers.iter().map(|r| r.node.0).collect(),
             committed,
+            next,
             local,
         });
         while !ready.is_empty() {
@@ -228,7 +247,10 @@ impl DataNode {
             for action in ready {
                 match action {
                     Action::ListExtents { round, follower } => {
-                        let ev = self.list_follower(part, &followers, round, follower).await;
+                        let timeout = self.inner.config.recheck_timeout;
+                        let ev = self
+                            .list_follower(part, &followers, round, follower, timeout)
+                            .await;
                         next.extend(part.step(ev));
                     }
                     Action::TransferLeader { to, .. } => {
@@ -239,6 +261,41 @@ impl DataNode {
                 }
             }
             ready = next;
+        }
+    }
+
+    /// Every `recheck_interval`, re-checks each partition this node leads that is read-only or
+    /// has extents that lag, each in a task of its own: a follower that does not answer holds up
+    /// only its own partition's re-check.
+    pub(super) async fn recheck_forever(&self) {
+        let mut tick = tokio::time::interval(self.inner.config.recheck_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Ok(me) = self.raft().map(|r| r.id()) else {
+                continue;
+            };
+            let parts: Vec<Arc<Part>> = lock(&self.inner.parts).values().cloned().collect();
+            for part in parts {
+                let leads = part.gate.as_ref().is_some_and(|g| g.leader_term().0 == me);
+                if !leads || !part.needs_recheck() || part.rechecking.try_lock().is_err() {
+                    continue;
+                }
+                let node = self.clone();
+                tokio::spawn(async move { node.recheck(&part).await });
+            }
+        }
+    }
+
+    /// Reports at once (an extra heartbeat) when a partition turned read-only or writable: the
+    /// master's view, and so the clients', follow within a round trip instead of a heartbeat
+    /// interval.
+    pub(super) async fn report_changes(&self) {
+        loop {
+            self.inner.writability.notified().await;
+            let parts: Vec<Arc<Part>> = lock(&self.inner.parts).values().cloned().collect();
+            self.refresh_reports(&parts).await;
+            self.inner.report_now.notify_one();
         }
     }
 }

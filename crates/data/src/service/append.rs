@@ -187,7 +187,7 @@ impl DataNode {
             )));
         }
         check_packet(&data)?;
-        if let Some(why) = part.degraded() {
+        if let Some(why) = part.refuses_appends(req.extent) {
             return Err(DataError::ReadOnly(why));
         }
         let track = self.leader_track(part, req.extent).await?;
@@ -354,9 +354,18 @@ impl DataNode {
             .acquire()
             .await
             .map_err(|_| DataError::Io("partition closing".into()))?;
-        let extent = lock(&part.tiny_pool)
-            .pop()
-            .ok_or_else(|| DataError::Io("no tiny extent free".into()))?;
+        // The most recently returned free tiny extent that does not lag on a follower (one that
+        // lags takes no writes until the follower holds its committed bytes, see `repl`).
+        let extent = {
+            let lagging = lock(&part.repl).lagging_extents().clone();
+            let mut pool = lock(&part.tiny_pool);
+            let Some(i) = pool.iter().rposition(|e| !lagging.contains(e)) else {
+                return Err(DataError::ReadOnly(
+                    "every free tiny extent lags on a follower until it is repaired".into(),
+                ));
+            };
+            pool.remove(i)
+        };
         // Back to the pool however the call ends, also when its caller goes away mid-write.
         let _lent = Lent {
             pool: &part.tiny_pool,

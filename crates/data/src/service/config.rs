@@ -26,6 +26,13 @@ pub struct DataNodeConfig {
     pub replicate_timeout: Duration,
     /// Longest wait for a live but slow follower, or for an earlier packet of the same extent.
     pub replicate_stall_limit: Duration,
+    /// How often a leader re-checks its partitions that are read-only or have extents that lag
+    /// (each partition on its own, one re-check at a time): a follower back from a restart is
+    /// found within about this long, and the partition takes appends again.
+    pub recheck_interval: Duration,
+    /// How long a re-check waits for a follower's listing: one that does not answer within it
+    /// keeps the partition read-only until the next re-check.
+    pub recheck_timeout: Duration,
     /// Bytes per second a repair may copy (per node), so foreground IO keeps the bandwidth.
     pub repair_rate: u64,
     /// Bytes per second the background scrub reads (per node; `service::scrub`). 0: no scrub.
@@ -94,6 +101,10 @@ impl DataNodeConfig {
             report_interval: Duration::from_millis(500),
             replicate_timeout: Duration::from_secs(5),
             replicate_stall_limit: Duration::from_secs(60),
+            // A listing is a few hundred bytes per extent from memory; a re-check of a partition
+            // whose followers all answer costs one round trip each.
+            recheck_interval: Duration::from_millis(200),
+            recheck_timeout: Duration::from_secs(1),
             repair_rate: 64 << 20,
             // A TiB a day takes 12 MiB/s; this disk reads well over 1 GiB/s.
             scrub_rate: 16 << 20,

@@ -11,14 +11,18 @@ use nacre_types::sync::lock;
 use super::append::{MAX_BATCH, Track};
 use super::{DataNode, Part, off_worker};
 use crate::repl::Event;
-use crate::repl::extent::{Refused, Take, follower_take};
+use crate::repl::extent::{Refused, StaleTerm, Take, check_term, follower_take};
 use crate::sm::store_error;
 use crate::store::ExtentStore;
 use nacre_api::data::*;
 
 impl DataNode {
     /// Sends a packet to every follower and, with `sync`, syncs it locally (written at store
-    /// `epoch`) and has every follower sync it; all must succeed.
+    /// `epoch`) and has every follower sync it; all must succeed. The packet names the term
+    /// under which this replica aligned as leader. What a failure means is the core's to decide
+    /// ([`crate::repl`]): a follower that knows a newer term deposes this leader, one whose copy
+    /// does not continue where the packet starts makes the extent lag, anything else (a follower
+    /// gone, a failed disk) degrades the partition.
     #[expect(clippy::too_many_arguments, reason = "one packet's placement")]
     pub(super) async fn replicate(
         &self,
@@ -31,12 +35,18 @@ impl DataNode {
         sync: bool,
     ) -> Result<(), DataError> {
         let me = self.raft().map_err(DataError::Io)?.id();
+        let Some(term) = lock(&part.repl).aligned_term() else {
+            return Err(DataError::ReadOnly(
+                "this replica is not aligned as the partition's leader".into(),
+            ));
+        };
         let req = ReplicateRequest {
             partition: part.id,
             extent,
             offset,
             committed,
             sync,
+            term,
         };
         let (check_after, limit) = (
             self.inner.config.replicate_timeout,
@@ -50,7 +60,7 @@ impl DataNode {
             sends.spawn(async move {
                 replicate_to(&client, &r.addr, &req, data, check_after, limit)
                     .await
-                    .map_err(|e| format!("{}: {e}", r.addr))
+                    .map_err(|e| (r.addr, e))
             });
         }
         let local = async {
@@ -61,14 +71,46 @@ impl DataNode {
             }
         };
         let (local, remote) = tokio::join!(local, sends.join_all());
-        let mut failed: Vec<String> = remote.into_iter().filter_map(Result::err).collect();
-        if let Err(e) = local {
-            failed.push(format!("local disk: {e}"));
-        }
-        if failed.is_empty() {
+        let failed: Vec<(String, Failure)> = remote.into_iter().filter_map(Result::err).collect();
+        if failed.is_empty() && local.is_ok() {
             return Ok(());
         }
-        let why = format!("replication failed: {}", failed.join("; "));
+        let describe = |f: &[(String, Failure)]| {
+            f.iter()
+                .map(|(addr, e)| format!("{addr}: {e}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        if let Some(newer) = failed.iter().find_map(|(_, f)| match f {
+            Failure::Refused(DataError::StaleTerm { current, .. }) => Some(*current),
+            _ => None,
+        }) {
+            part.fail(Event::Deposed { term, newer });
+            return Err(DataError::ReadOnly(format!(
+                "this node no longer leads the partition: {}",
+                describe(&failed)
+            )));
+        }
+        let only_short_copies = local.is_ok()
+            && failed
+                .iter()
+                .all(|(_, f)| matches!(f, Failure::Refused(DataError::OutOfRange { .. })));
+        if only_short_copies {
+            let why = format!("a follower cannot take it: {}", describe(&failed));
+            part.fail(Event::ExtentRefused {
+                extent,
+                why: why.clone(),
+            });
+            return Err(DataError::ReadOnly(format!("extent {extent}: {why}")));
+        }
+        let mut why = describe(&failed);
+        if let Err(e) = local {
+            if !why.is_empty() {
+                why.push_str("; ");
+            }
+            why.push_str(&format!("local disk: {e}"));
+        }
+        let why = format!("replication failed: {why}");
         part.fail(Event::ReplicationFailed { why: why.clone() });
         Err(DataError::ReadOnly(why))
     }
@@ -85,6 +127,23 @@ impl DataNode {
                 "a replicated batch of {} bytes; 1 to {MAX_BATCH}",
                 data.bytes.len()
             )));
+        }
+        // A packet from a leader that a newer election deposed is refused before anything else.
+        let known = match &part.gate {
+            Some(gate) => gate.leader_term().1,
+            None => {
+                let raft = self.raft().map_err(DataError::Io)?;
+                raft.leader_term(part.id.0)
+                    .await
+                    .map_err(|e| DataError::Io(e.to_string()))?
+                    .1
+            }
+        };
+        if let Err(StaleTerm { sent, known }) = check_term(req.term, known) {
+            return Err(DataError::StaleTerm {
+                sent,
+                current: known,
+            });
         }
         let epoch = part.store.epoch();
         let tiny = ExtentStore::is_tiny(req.extent);
@@ -151,6 +210,24 @@ impl DataNode {
     }
 }
 
+/// Why a follower did not take a packet.
+#[derive(Debug)]
+pub(super) enum Failure {
+    /// It answered with a refusal.
+    Refused(DataError),
+    /// No answer: it is gone, or silent past the limits.
+    Lost(String),
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Refused(e) => e.fmt(f),
+            Self::Lost(why) => f.write_str(why),
+        }
+    }
+}
+
 /// Sends one packet to a follower. Past `check_after` without an answer, and every `check_after`
 /// after that, the follower is pinged: a live one is waited for (up to `limit`), a silent one fails
 /// the packet. A saturated disk makes fsyncs take seconds; that is no reason to drop a replica.
@@ -161,7 +238,7 @@ pub(super) async fn replicate_to(
     data: Payload,
     check_after: Duration,
     limit: Duration,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     let opts = CallOptions {
         timeout: Some(limit),
         ..CallOptions::default()
@@ -170,8 +247,8 @@ pub(super) async fn replicate_to(
     tokio::pin!(call);
     let done = |out: Result<(Result<(), DataError>, Payload), MsgrError>| match out {
         Ok((Ok(()), _)) => Ok(()),
-        Ok((Err(e), _)) => Err(e.to_string()),
-        Err(e) => Err(e.to_string()),
+        Ok((Err(e), _)) => Err(Failure::Refused(e)),
+        Err(e) => Err(Failure::Lost(e.to_string())),
     };
     loop {
         tokio::select! {
@@ -181,7 +258,9 @@ pub(super) async fn replicate_to(
         tokio::select! {
             out = &mut call => return done(out),
             alive = alive(client, addr, check_after) => if !alive {
-                return Err(format!("no answer within {check_after:?}, and none to a ping"));
+                return Err(Failure::Lost(format!(
+                    "no answer within {check_after:?}, and none to a ping"
+                )));
             }
         }
     }

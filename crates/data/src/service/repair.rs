@@ -123,7 +123,9 @@ impl DataNode {
         let addr = part
             .addr_of(leader)
             .ok_or_else(|| format!("leader node-{leader} is not a known replica"))?;
-        let list = self.list_extents(&addr, part.id).await?;
+        let list = self
+            .list_extents(&addr, part.id, self.inner.config.replicate_timeout)
+            .await?;
         let all = part.shared.suspect_all.load(Ordering::Acquire);
         let suspects: std::collections::BTreeSet<ExtentId> = lock(&part.shared.suspect).clone();
         let bs = u64::from(part.store.block_size());

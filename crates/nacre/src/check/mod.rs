@@ -13,6 +13,7 @@ pub mod port;
 #[cfg(test)]
 mod port_tests;
 mod probe;
+mod restart;
 pub mod workload;
 
 use nacre_master::MasterAdmin as _;
@@ -256,6 +257,11 @@ struct Summary {
     failover_p50_ms: Option<u64>,
     failover_p99_ms: Option<u64>,
     failover_max_ms: Option<u64>,
+    /// Per data node restart: how long until its partitions were writable again.
+    restarts: Vec<restart::Recovery>,
+    /// The slowest of those (from the node's report to the master until every partition was
+    /// writable, by the master's view and by a write); None: none measured, or one never was.
+    restart_writable_max_ms: Option<u64>,
     corrupt_blocks_detected: usize,
     /// Bad blocks the data nodes' background scrub found (a pass every `SCRUB_PERIOD_SECS`), and
     /// of those the ones no replica could repair.
@@ -420,6 +426,36 @@ fn print_summary(s: &Summary) {
                 f.target, f.kind, f.node
             );
         }
+    }
+    if !s.restarts.is_empty() {
+        println!(
+            "data node restarts ({} measured): from the node's report to the master until every partition on it was writable (view / write), aim {} ms:",
+            s.restarts.len(),
+            restart::WRITABLE_WITHIN.as_millis()
+        );
+        let ms = |v: Option<u64>| v.map_or("never".to_string(), |v| format!("{v} ms"));
+        for r in &s.restarts {
+            println!(
+                "  {} at {} s: reported {} after the restart, {} partitions writable after {} / {} (slowest {}){}",
+                r.node,
+                r.at_ms / 1000,
+                ms(r.reported_ms),
+                r.partitions,
+                ms(r.view_ms),
+                ms(r.write_ms),
+                r.slowest.as_deref().unwrap_or("-"),
+                if r.within_limit() {
+                    ""
+                } else {
+                    "  OVER THE LIMIT"
+                }
+            );
+        }
+        println!(
+            "  max {}",
+            s.restart_writable_max_ms
+                .map_or("never".to_string(), |v| format!("{v} ms"))
+        );
     }
     if s.corrupt_blocks_detected > 0 {
         println!(
@@ -629,6 +665,10 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     });
     let mut faults = Vec::new();
     let mut probes = tokio::task::JoinSet::new();
+    let mut restarts = tokio::task::JoinSet::new();
+    let restart_vol = connect(msgr.client(), &masters).await?;
+    // Counts the faults injected: a restart's measurement ends at the next one.
+    let (faults_tx, faults_rx) = watch::channel(0u64);
     let mut garbage_problems = Vec::new();
     // The fault schedule's randomness, reproducible from the seed.
     let mut rng = fastrand::Rng::with_seed(seed ^ 0x5EED_F00D);
@@ -701,12 +741,25 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
                     led = vec![Target::Master];
                 }
                 let label = kind_label(kind);
+                faults_tx.send_modify(|n| *n += 1);
                 h.kill(k);
                 let t0 = Instant::now();
                 faults.push(fault(start, label, &name, format!("{} led", led.len())));
                 prober.spawn_probes(&mut probes, led, label, &name, t0);
                 tokio::time::sleep(half).await;
+                let restarted = restart::now();
                 h.spawn(k)?;
+                if h.nodes[k].role == Role::Data {
+                    restarts.spawn(restart::measure(
+                        mc.clone(),
+                        restart_vol.clone(),
+                        name.clone(),
+                        h.nodes[k].addr.clone(),
+                        restarted,
+                        start,
+                        faults_rx.clone(),
+                    ));
+                }
                 // One failure at a time: the next fault waits for this node to be back.
                 let _ = h.wait_healthy(&mc, Duration::from_secs(30)).await;
             }
@@ -725,6 +778,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
                 if h.nodes[k].role == Role::Master {
                     led = vec![Target::Master];
                 }
+                faults_tx.send_modify(|n| *n += 1);
                 h.isolate(k)?;
                 let t0 = Instant::now();
                 faults.push(fault(start, "partition", &name, h.isolation.to_string()));
@@ -814,6 +868,16 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     while let Some(Ok(f)) = probes.join_next().await {
         failovers.push(f);
     }
+    let mut recoveries: Vec<restart::Recovery> = Vec::new();
+    while let Some(Ok(r)) = restarts.join_next().await {
+        recoveries.push(r);
+    }
+    recoveries.sort_by_key(|r| r.at_ms);
+    let restart_writable_max_ms = recoveries
+        .iter()
+        .map(restart::Recovery::worst_ms)
+        .try_fold(0, |m, w| w.map(|w| m.max(w)))
+        .filter(|_| !recoveries.is_empty());
     // Nothing writes any more: collect the leaked extents before the checker reads everything
     // back, so that it also shows the sweep deleted nothing a file uses.
     let gc = gc::sweep_at_end(&mc)
@@ -873,6 +937,8 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
             .copied(),
         failover_max_ms: ms.last().copied(),
         failovers,
+        restarts: recoveries,
+        restart_writable_max_ms,
         corrupt_blocks_detected: detected,
         scrub_bad_blocks,
         scrub_unrepaired,
