@@ -249,7 +249,8 @@ impl Inner {
     ) -> FsResult<()> {
         let end = off + data.len() as u64;
         let keys: Vec<ExtentKey> = overlapping(self.extents(f, st).await?, off, end).to_vec();
-        let mut pieces = Vec::new(); // (partition, extent, extent offset, bytes) to write in place
+        // (file offset, partition, extent, extent offset, bytes) to write in place
+        let mut pieces = Vec::new();
         let mut cow: Vec<(u64, u64)> = Vec::new(); // file ranges to rewrite
         let mut pos = off;
         for k in &keys {
@@ -266,7 +267,7 @@ impl Inner {
                     let n = (to - at).min(MAX_PACKET as u64);
                     let piece = data.slice((at - off) as usize..(at - off + n) as usize);
                     let eo = k.extent_offset + (at - k.file_offset);
-                    pieces.push((k.partition, k.extent, eo, piece));
+                    pieces.push((at, k.partition, k.extent, eo, piece));
                     at += n;
                 }
             }
@@ -277,16 +278,48 @@ impl Inner {
         }
         if cow.is_empty() && pieces.len() == 1 {
             // The common small overwrite: one call, without a task of its own.
-            if let Some((p, e, eo, piece)) = pieces.pop() {
-                self.vol.overwrite(p, e, eo, piece).await.map_err(fs_err)?;
+            if let Some((at, p, e, eo, piece)) = pieces.pop() {
+                match self.vol.overwrite(p, e, eo, piece.clone()).await {
+                    Ok(()) => {
+                        st.times_stale = true;
+                        return Ok(());
+                    }
+                    // The partition cannot take it (a replica's disk is full, it turned
+                    // read-only): the bytes go elsewhere, copy-on-write.
+                    Err(err) if err.try_elsewhere() => {
+                        tracing::debug!(partition = %p, error = %err, "overwrite moved elsewhere");
+                        cow.push((at, at + piece.len() as u64));
+                    }
+                    Err(err) => return Err(fs_err(err)),
+                }
             }
-            st.times_stale = true;
-            return Ok(());
         }
         let mut in_place = JoinSet::new();
-        for (p, e, eo, piece) in pieces {
+        for (at, p, e, eo, piece) in pieces {
             let vol = self.vol.clone();
-            in_place.spawn(async move { vol.overwrite(p, e, eo, piece).await });
+            in_place.spawn(async move {
+                let len = piece.len() as u64;
+                (at, len, vol.overwrite(p, e, eo, piece).await)
+            });
+        }
+        let mut first_err = None;
+        while let Some(r) = in_place.join_next().await {
+            match r {
+                Ok((_, _, Ok(()))) => {}
+                Ok((at, len, Err(err))) if err.try_elsewhere() => {
+                    tracing::debug!(error = %err, "overwrite moved elsewhere");
+                    cow.push((at, at + len));
+                }
+                Ok((_, _, Err(err))) => {
+                    first_err.get_or_insert(fs_err(err));
+                }
+                Err(e) => {
+                    first_err.get_or_insert(FsError::WriteFailed(e.to_string()));
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
         }
         let mut new_keys = Vec::new();
         // When the first piece went to a normal extent: its key must be committed in time.
@@ -302,18 +335,8 @@ impl Inner {
                 new_keys.extend(s.finish().await.map_err(fs_err)?);
             }
         }
-        let mut first_err = None;
-        while let Some(r) = in_place.join_next().await {
-            let r = r
-                .map_err(|e| FsError::WriteFailed(e.to_string()))
-                .and_then(|r| r.map_err(fs_err));
-            if let Err(e) = r {
-                first_err.get_or_insert(e);
-            }
-        }
-        if let Some(e) = first_err {
-            return Err(e);
-        }
+        // Pieces moved elsewhere join the holes' ranges out of file order.
+        new_keys.sort_by_key(|k| k.file_offset);
         if new_keys.is_empty() {
             st.times_stale = true;
         } else {
