@@ -634,6 +634,85 @@ async fn the_scrub_repairs_a_flipped_bit_on_a_follower() {
     c.shutdown().await;
 }
 
+/// A node whose disk is full takes no new bytes, whichever replica it is: the partition turns
+/// read-only (appends go to other partitions) and stays so through its leader's re-checks, which
+/// would otherwise find every follower answering and take appends the full replica refuses.
+/// Raft writes (extent creation, overwrites) still go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_node_keeps_its_partition_read_only() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::start_with(24, |cfg| {
+        if cfg.dir.ends_with("data1") {
+            cfg.full_ppm = 0;
+        }
+    })
+    .await;
+    let api = c.api.clone();
+    let l = api.leader().await;
+    let e = api.create().await.unwrap().unwrap();
+    let why = eventually("the full node to refuse appends", || async {
+        // A duty round measures the disk (and degrades the partitions a full node leads).
+        c.node(1).maintain().await;
+        match api.append(e, 0, &pattern(1, 1000)).await.unwrap() {
+            Err(DataError::ReadOnly(why)) => Some(why),
+            Ok(_) => panic!("a full node took an append"),
+            Err(other) => panic!("unexpected refusal: {other:?}"),
+        }
+    })
+    .await;
+    assert!(why.contains("disk is full"), "{why}");
+    for _ in 0..3 {
+        c.node(l).maintain().await;
+        match api.append(e, 0, &pattern(2, 1000)).await.unwrap() {
+            Err(DataError::ReadOnly(why)) => assert!(why.contains("disk is full"), "{why}"),
+            other => panic!("expected ReadOnly, got {other:?}"),
+        }
+    }
+    c.shutdown().await;
+}
+
+/// A follower behind on appends holds a shorter copy of an extent's last block (or none of
+/// it): a repair of the leader's copy never takes it, which would cut acknowledged bytes off. With
+/// only such a follower reachable the pass reports the block and leaves the extent as it is; with
+/// a whole copy back, the next pass repairs the block from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scrub_never_repairs_from_a_shorter_copy() {
+    let _serial = SERIAL.lock().await;
+    // Repairs crawl, so the short follower stays short.
+    let mut c = Cluster::start_with(23, |cfg| cfg.repair_rate = 1).await;
+    let api = c.api.clone();
+    let l = api.leader().await;
+    let (f, g) = ((l + 1) % 3, (l + 2) % 3);
+    let e = api.create().await.unwrap().unwrap();
+    let mut model = Vec::new();
+    fill(&api, e, &mut model, 41, 5, 9000).await; // 10 full blocks and 4040 bytes
+    for i in [f, g] {
+        c.wait_replica(i, e, &model, true).await;
+    }
+    c.crash(f).await;
+    truncate(&c.data_file(f, e), 10_000);
+    c.restart(f).await;
+    assert_eq!(api.local_len(f, e).await, 2 * u64::from(BS));
+
+    // Bit rot in the leader's last block, with only the short copy reachable.
+    let file = c.data_file(l, e);
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[model.len() - 100] ^= 0x20;
+    std::fs::write(&file, &bytes).unwrap();
+    let (lh, gh) = (Cluster::host(l), Cluster::host(g));
+    c.net.partition(&lh, &gh);
+    let r = c.node(l).scrub(u64::MAX).await;
+    assert_eq!((r.bad_blocks, r.repaired), (1, 0), "{r:?}");
+    assert_eq!(api.local_len(l, e).await, model.len() as u64);
+    assert_eq!(std::fs::read(&file).unwrap(), bytes);
+
+    c.net.heal(&lh, &gh);
+    let r = c.node(l).scrub(u64::MAX).await;
+    assert_eq!((r.bad_blocks, r.repaired), (1, 1), "{r:?}");
+    assert_eq!(std::fs::read(&file).unwrap(), model);
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_appends_survive_a_leader_crash_in_the_middle_of_a_pipeline() {
     leader_crash_mid_pipeline(5, 6000, 400, |_| {}).await;

@@ -115,6 +115,10 @@ impl DataNode {
         let Ok(_one) = part.repairing.try_lock() else {
             return Ok(());
         };
+        // Copied bytes would take the room kept for the logs (`room`).
+        if self.disk_full() {
+            return Err(super::room::FULL.into());
+        }
         let raft = self.raft()?;
         let leader = raft.leader(part.id.0).await.map_err(err_str)?;
         if leader == 0 || leader == raft.id() {
@@ -221,7 +225,7 @@ impl DataNode {
                 .await?;
             self.throttle(data.len() as u64).await;
             if self
-                .install_blocks(part, extent, first, data, applied)
+                .install_blocks(part, extent, first, data, applied, false)
                 .await?
             {
                 return Ok(());
@@ -273,6 +277,10 @@ impl DataNode {
     /// read them. Runs on the raft loop (between applies), and only if this replica has applied no
     /// entry past `applied`: then any overwrite the blocks lack is still to be applied here, in
     /// order, on top of them. Returns false (nothing written) otherwise.
+    ///
+    /// With `same_len` (a repair of blocks this replica has, from a follower) the bytes must
+    /// cover exactly the blocks' current length here, else false: a follower behind on appends
+    /// has a shorter copy (or none), which would cut acknowledged bytes off this one.
     pub(super) async fn install_blocks(
         &self,
         part: &Part,
@@ -280,6 +288,7 @@ impl DataNode {
         first: u64,
         data: Bytes,
         applied: u64,
+        same_len: bool,
     ) -> Result<bool, String> {
         let raft = self.raft()?;
         let bs = part.store.block_size() as usize;
@@ -287,6 +296,16 @@ impl DataNode {
             .local_read(part.id.0, move |sm: &DataSm, _| {
                 if sm.shared.applied() > applied {
                     return Ok(false);
+                }
+                if same_len {
+                    let start = first.saturating_mul(bs as u64);
+                    let len = sm.store.len(extent).map_err(err_str)?;
+                    let want = len
+                        .saturating_sub(start)
+                        .min(data.len().div_ceil(bs) as u64 * bs as u64);
+                    if data.is_empty() || data.len() as u64 != want {
+                        return Ok(false);
+                    }
                 }
                 for (i, chunk) in data.chunks(bs).enumerate() {
                     sm.store
@@ -321,7 +340,7 @@ impl DataNode {
             {
                 Ok((data, applied)) => {
                     match self
-                        .install_blocks(part, extent, block, data, applied)
+                        .install_blocks(part, extent, block, data, applied, true)
                         .await
                     {
                         Ok(true) => {

@@ -123,25 +123,26 @@ impl DataNode {
                             0
                         }
                     };
+                    // The same block failing again after a repair is not a new bad block;
+                    // after `REPAIRS_PER_CHUNK` repairs it is left to the next pass.
+                    if tries >= REPAIRS_PER_CHUNK {
+                        tracing::error!(partition = %part.id, %extent, block, repairs = tries, "scrub: no replica could repair the block");
+                        let bs = u64::from(part.store.block_size());
+                        off = off.max((block + 1) * bs);
+                        failing = None;
+                        continue;
+                    }
+                    failing = Some((block, tries + 1));
                     match self.repair_block_from_followers(part, extent, block).await {
                         Ok(()) => {
                             report.repaired += 1;
                             if let Some(m) = &self.inner.config.metrics {
                                 m.scrub_repaired.inc();
                             }
-                            failing = None;
                         }
-                        // Another replica may be catching up on the log: tried again, then
-                        // left to the next pass.
-                        Err(e) if tries + 1 < REPAIRS_PER_CHUNK => {
-                            tracing::debug!(partition = %part.id, %extent, block, error = %e, "scrub: repair failed; trying again");
-                            failing = Some((block, tries + 1));
-                        }
+                        // Another replica may be catching up: tried again.
                         Err(e) => {
-                            tracing::error!(partition = %part.id, %extent, block, error = %e, "scrub: no replica could repair the block");
-                            let bs = u64::from(part.store.block_size());
-                            off = off.max((block + 1) * bs);
-                            failing = None;
+                            tracing::debug!(partition = %part.id, %extent, block, error = %e, "scrub: repair failed; trying again");
                         }
                     }
                 }
