@@ -16,6 +16,10 @@ pub const FIRST_INODE: u64 = 1;
 /// The open end of the last meta partition's inode range.
 pub const OPEN_END: u64 = u64::MAX;
 
+/// A data node using at least this share of its disk (parts per million) is full: the master
+/// places no new data partitions on it and the node takes no new bytes.
+pub const FULL_PPM: u64 = 990_000;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Role {
     Master,

@@ -44,11 +44,13 @@ pub enum DataCallError {
 }
 
 impl DataCallError {
-    /// The partition will not take this write; another one may.
+    /// The partition will not take this write; another one may. A disk error on the leader
+    /// (`Io`: its store failed and reopens) leaves the partition read-only there.
     pub fn try_elsewhere(&self) -> bool {
         matches!(
             self,
-            Self::Data(DataError::ReadOnly(_) | DataError::OutOfRange { .. }) | Self::Call(_)
+            Self::Data(DataError::ReadOnly(_) | DataError::OutOfRange { .. } | DataError::Io(_))
+                | Self::Call(_)
         )
     }
 }

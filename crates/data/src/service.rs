@@ -71,6 +71,7 @@ mod gc;
 mod metrics;
 mod ops;
 mod repair;
+mod room;
 mod router;
 mod scrub;
 #[cfg(test)]
@@ -280,6 +281,8 @@ struct Inner {
     /// Woken once the reports show such a change: the agent heartbeats at once
     /// ([`nacre_cluster::PartitionHost::report_now`]).
     report_now: Arc<tokio::sync::Notify>,
+    /// Whether the data disk is full (`room`).
+    room: room::Room,
 }
 
 /// A running data node. Cheap to clone.
@@ -327,6 +330,7 @@ impl DataNode {
                 gc_running: tokio::sync::Mutex::new(()),
                 writability: Arc::default(),
                 report_now: Arc::default(),
+                room: room::Room::default(),
             }),
         };
         Ok(node)

@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 
 pub use nacre_api::master::{
-    ClusterSpace, FIRST_INODE, MapError, OPEN_END, PartitionKind, PartitionReport, PartitionSpec,
-    PartitionStatus, PartitionView, Replica, Role, Volume, VolumeView,
+    ClusterSpace, FIRST_INODE, FULL_PPM, MapError, OPEN_END, PartitionKind, PartitionReport,
+    PartitionSpec, PartitionStatus, PartitionView, Replica, Role, Volume, VolumeView,
 };
 use nacre_types::{NodeId, PartitionId, VolumeId};
 use serde::{Deserialize, Serialize};
@@ -177,10 +177,6 @@ fn valid_name(name: &str) -> bool {
         && b.iter()
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
 }
-
-/// A data node using at least this share of its capacity (parts per million) is full: new data
-/// partitions are not placed on it.
-pub const FULL_PPM: u64 = 990_000;
 
 impl ClusterMap {
     /// Applies a command. A failed command changes nothing (not even the epoch). The epoch counts

@@ -109,8 +109,7 @@ impl Default for NodeConfig {
             spare_keep_secs: 60,
             direct_streams: 8,
             scrub_rate: 16 << 20,
-            // Off until its false bad blocks are understood (docs/reliability.md, Known gaps).
-            scrub_period_secs: 0,
+            scrub_period_secs: 24 * 3600,
             gc_period_secs: 600,
             gc_grace_secs: 3600,
             msgr: MsgrSection::default(),

@@ -13,7 +13,8 @@ use nacre_types::PartitionId;
 use nacre_types::sync::lock;
 
 use super::Counters;
-use super::{DataNode, Part, off_worker};
+use super::{DataNode, Part, off_worker, room};
+use crate::repl::Event;
 use crate::sm::{DataSm, store_error};
 
 impl DataNode {
@@ -76,6 +77,8 @@ impl DataNode {
     /// repair, and reports are refreshed.
     pub async fn maintain(&self) {
         let parts: Vec<Arc<Part>> = lock(&self.inner.parts).values().cloned().collect();
+        self.measure_room();
+        let full = self.disk_full();
         self.retire_spares(&parts).await;
         let idle_since = Instant::now().checked_sub(self.inner.config.spare_keep);
         for part in &parts {
@@ -119,6 +122,11 @@ impl DataNode {
                 Ok(Some(term)) => {
                     if let Err(e) = self.ensure_aligned(part, term).await {
                         tracing::debug!(partition = %part.id, error = %e, "alignment failed");
+                    }
+                    if full && part.degraded().is_none() {
+                        part.fail(Event::LocalWriteRefused {
+                            why: room::FULL.into(),
+                        });
                     }
                     // Also every `recheck_interval` on their own (`recheck_forever`); one at a
                     // time.
@@ -244,8 +252,12 @@ impl PartitionRole for DataNode {
         lock(&self.inner.reports).clone()
     }
 
+    /// What the partitions' stores take, or what the data directory's file system has in use
+    /// for anyone but root when that is more (`room`): a disk that other files fill is as full
+    /// for new partitions as one the stores fill.
     fn used(&self) -> u64 {
-        lock(&self.inner.parts).values().map(|p| p.used()).sum()
+        let stores: u64 = lock(&self.inner.parts).values().map(|p| p.used()).sum();
+        stores.max(self.measure_room().unwrap_or(0))
     }
 
     fn tick(&self) -> BoxFuture<'_, ()> {
@@ -282,7 +294,7 @@ impl PartitionRole for DataNode {
 }
 
 /// Polls `futs` together on this task until every one is done; their outputs in order.
-async fn join_all<T>(futs: Vec<BoxFuture<'_, T>>) -> Vec<T> {
+pub(super) async fn join_all<T>(futs: Vec<BoxFuture<'_, T>>) -> Vec<T> {
     let mut futs: Vec<Option<BoxFuture<'_, T>>> = futs.into_iter().map(Some).collect();
     let mut out: Vec<Option<T>> = futs.iter().map(|_| None).collect();
     std::future::poll_fn(|cx| {

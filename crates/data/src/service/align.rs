@@ -11,10 +11,12 @@ use nacre_proto::msg::RemoteError;
 use nacre_types::sync::lock;
 use nacre_types::{ExtentId, PartitionId};
 
+use super::agent::join_all;
 use super::append::Track;
 use super::{DataNode, Part, err_str, unavailable};
 use crate::repl::{Action, Event, Lengths, Round};
 use nacre_api::data::*;
+use nacre_cluster::BoxFuture;
 
 impl DataNode {
     /// Checks that this node leads the partition and has aligned it under the current term.
@@ -69,16 +71,13 @@ impl DataNode {
             known,
         });
         while !ready.is_empty() {
+            let (lists, others) = self.list_all(part, &followers, ready).await;
             let mut next = Vec::new();
-            for action in ready {
+            for ev in lists {
+                next.extend(part.step(ev));
+            }
+            for action in others {
                 match action {
-                    Action::ListExtents { round, follower } => {
-                        let timeout = self.inner.config.replicate_timeout;
-                        let ev = self
-                            .list_follower(part, &followers, round, follower, timeout)
-                            .await;
-                        next.extend(part.step(ev));
-                    }
                     Action::Settle { term, extents } => {
                         next.extend(self.settle(part, term, &extents));
                     }
@@ -88,6 +87,29 @@ impl DataNode {
             ready = next;
         }
         Ok(())
+    }
+
+    /// Asks every follower that `actions` name for its extents at once, each waiting at most
+    /// `recheck_timeout` (a follower cut off costs one timeout, not one per follower in turn).
+    /// Returns the answers in the actions' order, and the other actions.
+    async fn list_all(
+        &self,
+        part: &Part,
+        followers: &[Replica],
+        actions: Vec<Action>,
+    ) -> (Vec<Event>, Vec<Action>) {
+        let timeout = self.inner.config.recheck_timeout;
+        let mut asks: Vec<BoxFuture<'_, Event>> = Vec::new();
+        let mut others = Vec::new();
+        for action in actions {
+            match action {
+                Action::ListExtents { round, follower } => asks.push(Box::pin(
+                    self.list_follower(part, followers, round, follower, timeout),
+                )),
+                other => others.push(other),
+            }
+        }
+        (join_all(asks).await, others)
     }
 
     /// Asks a follower for its extents (waiting at most `timeout`), as the answer the core takes.
@@ -221,6 +243,10 @@ impl DataNode {
         let Ok(_one) = part.rechecking.try_lock() else {
             return;
         };
+        // Read-only while this node's disk is full (`room`).
+        if self.disk_full() {
+            return;
+        }
         // Tracks of extents released since they were made (a release this leader applied but did
         // not propose, or one applied after the alignment) would otherwise ask for bytes nobody
         // keeps, and the extent would lag for good.
@@ -243,16 +269,13 @@ impl DataNode {
             local,
         });
         while !ready.is_empty() {
+            let (lists, others) = self.list_all(part, &followers, ready).await;
             let mut next = Vec::new();
-            for action in ready {
+            for ev in lists {
+                next.extend(part.step(ev));
+            }
+            for action in others {
                 match action {
-                    Action::ListExtents { round, follower } => {
-                        let timeout = self.inner.config.recheck_timeout;
-                        let ev = self
-                            .list_follower(part, &followers, round, follower, timeout)
-                            .await;
-                        next.extend(part.step(ev));
-                    }
                     Action::TransferLeader { to, .. } => {
                         let r = raft.transfer_leader(part.id.0, to).await;
                         tracing::warn!(partition = %part.id, to, result = ?r, "this leader lacks committed bytes; handing leadership to a replica that holds them");

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use nacre_api::master::FULL_PPM;
 use nacre_raft::StoreConfig;
 
 use super::DataMetrics;
@@ -30,16 +31,21 @@ pub struct DataNodeConfig {
     /// (each partition on its own, one re-check at a time): a follower back from a restart is
     /// found within about this long, and the partition takes appends again.
     pub recheck_interval: Duration,
-    /// How long a re-check waits for a follower's listing: one that does not answer within it
-    /// keeps the partition read-only until the next re-check.
+    /// How long a new leader's alignment or a re-check waits for a follower's listing (all
+    /// followers are asked at once): one that does not answer within it keeps the partition
+    /// read-only until a re-check hears from it.
     pub recheck_timeout: Duration,
     /// Bytes per second a repair may copy (per node), so foreground IO keeps the bandwidth.
     pub repair_rate: u64,
     /// Bytes per second the background scrub reads (per node; `service::scrub`). 0: no scrub.
     pub scrub_rate: u64,
+    /// Share of the data disk in use (parts per million, as anyone but root sees it) at which
+    /// the node takes no new bytes (`service::room`); [`FULL_PPM`], the master's threshold for
+    /// placing partitions, by default.
+    pub full_ppm: u64,
     /// Time between the starts of two scrub passes (the first starts one period after the
     /// node): every block is read at least once a period while a pass takes less than one.
-    /// Zero (the default): no scrub.
+    /// Zero: no scrub.
     pub scrub_period: Duration,
     /// Most bytes of deleted extents' data files a node keeps for new extents to take
     /// (`StoreOptions::recycle`: their appends then reuse allocated blocks, and no blocks are
@@ -105,12 +111,14 @@ impl DataNodeConfig {
             // A listing is a few hundred bytes per extent from memory; a re-check of a partition
             // whose followers all answer costs one round trip each.
             recheck_interval: Duration::from_millis(200),
-            recheck_timeout: Duration::from_secs(1),
+            // A listing comes from memory in milliseconds; a follower cut off costs a new
+            // leader this much of its fail-over (its partitions' appends wait for the alignment).
+            recheck_timeout: Duration::from_millis(500),
             repair_rate: 64 << 20,
             // A TiB a day takes 12 MiB/s; this disk reads well over 1 GiB/s.
             scrub_rate: 16 << 20,
-            // Off until its false bad blocks are understood (docs/reliability.md, Known gaps).
-            scrub_period: Duration::ZERO,
+            full_ppm: FULL_PPM,
+            scrub_period: Duration::from_secs(24 * 3600),
             // docs/benchmarks.md, "Recycling deleted extents' files".
             spare_bytes: 1 << 30,
             spare_keep: Duration::from_secs(60),

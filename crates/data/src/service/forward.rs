@@ -128,6 +128,10 @@ impl DataNode {
                 data.bytes.len()
             )));
         }
+        // A full disk takes no new bytes (`room`): the leader turns the partition read-only.
+        if self.disk_full() {
+            return Err(DataError::ReadOnly(super::room::FULL.into()));
+        }
         // A packet from a leader that a newer election deposed is refused before anything else.
         let known = match &part.gate {
             Some(gate) => gate.leader_term().1,

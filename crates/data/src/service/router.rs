@@ -209,6 +209,12 @@ async fn list_extents(
     _inc: Incoming,
 ) -> Reply<Result<ExtentList, DataError>> {
     let part = node.hosted_part(req.partition)?;
+    // A full follower cannot take its leader's appends: it does not answer as a healthy replica
+    // (`room`). A leader answers its followers' repairs all the same.
+    if node.disk_full() && !matches!(node.leader_term(&part).await, Ok(Some(_))) {
+        let e = DataError::ReadOnly(super::room::FULL.into());
+        return Ok((Err(e), Payload::none()));
+    }
     let applied = part.shared.applied();
     let known: HashMap<ExtentId, u64> = lock(&part.tracks)
         .iter()
