@@ -47,8 +47,9 @@ const RESERVE_LOW: u64 = 256;
 const QUEUE_MAX: u64 = 8192;
 /// Most names followed in one owned directory; past that it is given up (and changed in step).
 const NAMES_MAX: usize = 200_000;
-/// How long a batch is retried (unavailable partition, unknown outcome) before it is given up.
-const RETRY_FOR: Duration = Duration::from_secs(30);
+/// How long a batch is retried (unavailable partition, unknown outcome) before it is given up:
+/// far longer than any fault the cluster rides out lasts, since its calls were answered already.
+const RETRY_FOR: Duration = Duration::from_secs(600);
 /// How long before a delegation ends the poller renews it.
 const RENEW_BEFORE: Duration = Duration::from_secs(3);
 /// Most names in all owned directories together for which delegations are renewed.

@@ -57,8 +57,9 @@ pub(super) const BEHIND_RUN_MAX: usize = 4 * MAX_PACKET;
 pub(super) const ROUND_MAX: usize = 16 * MAX_PACKET;
 /// Most rounds in flight at once: while one round's keys commit, the next one's packets go out.
 pub(super) const ROUNDS_MAX: usize = 4;
-/// How long a file's bytes are retried before they are given up.
-pub(super) const RETRY_FOR: Duration = Duration::from_secs(30);
+/// How long a file's bytes are retried before they are given up: far longer than any fault the
+/// cluster rides out lasts (a close acknowledged them; meanwhile `dirty_max` holds writers back).
+pub(super) const RETRY_FOR: Duration = Duration::from_secs(600);
 /// The pause after a round in which a packet failed.
 const RETRY_PAUSE: Duration = Duration::from_millis(200);
 

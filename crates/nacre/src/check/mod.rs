@@ -82,8 +82,8 @@ pub enum Schedule {
     Corrupt,
     /// Malformed frames and random bytes to every node's ports, every interval.
     Garbage,
-    /// A random node fault of the above every interval (the soak), with kill-client's client
-    /// killed all along.
+    /// A random node fault of the above every interval, one at a time (a full disk for half an
+    /// interval), with kill-client's client killed all along: the soak.
     All,
 }
 
@@ -674,7 +674,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
     let mut rng = fastrand::Rng::with_seed(seed ^ 0x5EED_F00D);
     let mut turn = 0usize;
     let mut client_turn = 0usize;
-    let kinds = [
+    let mut kinds = vec![
         Schedule::KillData,
         Schedule::KillMeta,
         Schedule::KillMaster,
@@ -682,9 +682,13 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         Schedule::Corrupt,
         Schedule::Garbage,
     ];
-    if matches!(a.schedule, Schedule::FullDisk)
-        || (a.schedule == Schedule::All && h.has_small_disk())
-    {
+    // In the soak a full disk is one fault among the others, for one interval: with it standing
+    // all along, any data node fault beside it leaves two of four data nodes unusable, fewer
+    // than three replicas need.
+    if h.has_small_disk() && a.schedule == Schedule::All {
+        kinds.push(Schedule::FullDisk);
+    }
+    if a.schedule == Schedule::FullDisk {
         let n = h.fill_disk()?;
         faults.push(Fault {
             at_ms: 0,
@@ -700,7 +704,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         for (node, status) in h.restart_exited()? {
             faults.push(fault(start, "supervisor-restart", &node, status));
         }
-        if h.has_small_disk() && !freed && start.elapsed() >= free_at {
+        if a.schedule == Schedule::FullDisk && !freed && start.elapsed() >= free_at {
             h.free_disk()?;
             freed = true;
             // Its node may have stopped on the full disk (a failed raft log write exits): a
@@ -725,7 +729,28 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         };
         let half = a.interval / 2;
         match kind {
-            Schedule::None | Schedule::FullDisk => tokio::time::sleep(half).await,
+            Schedule::None => tokio::time::sleep(half).await,
+            // The full-disk schedule fills the disk once, all along (above).
+            Schedule::FullDisk if a.schedule == Schedule::FullDisk => {
+                tokio::time::sleep(half).await
+            }
+            Schedule::FullDisk => {
+                faults_tx.send_modify(|n| *n += 1);
+                let n = h.fill_disk()?;
+                faults.push(fault(
+                    start,
+                    "full-disk",
+                    "data-0",
+                    format!("filled with {} MiB", n >> 20),
+                ));
+                tokio::time::sleep(half).await;
+                h.free_disk()?;
+                if let Some(&k) = h.of(Role::Data).first() {
+                    h.spawn(k)?;
+                }
+                faults.push(fault(start, "free-disk", "data-0", String::new()));
+                let _ = h.wait_healthy(&mc, Duration::from_secs(30)).await;
+            }
             Schedule::KillData | Schedule::KillMeta | Schedule::KillMaster => {
                 let k = match kind {
                     Schedule::KillMaster => match master_leader(&mc, h).await {
