@@ -1,0 +1,61 @@
+//! Storage functions: pure transforms on bytes that a volume chains on its data path (DESIGN §9).
+//!
+//! Block compression ([`compress_block`], [`decompress_block`]: zstd or lz4) and CRC-32C
+//! ([`checksum`]). No IO, no async, no clocks. Every decoder validates its input and answers a
+//! typed [`FuncError`]; none panics on bad bytes, none returns bytes it could not verify.
+//!
+//! # Block frame
+//!
+//! A compressed block is a self-describing frame: a fixed 24-byte little-endian header, then the
+//! payload.
+//!
+//! ```text
+//! off len field
+//!   0   3 magic "NCB"
+//!   3   1 version (1)
+//!   4   1 codec: 0 none, 1 zstd, 2 lz4
+//!   5   1 flags: bit 0 RAW (the payload is the block itself); other bits must be zero
+//!   6   2 reserved (must be zero)
+//!   8   4 uncompressed length
+//!  12   4 stored (payload) length
+//!  16   4 CRC-32C of the uncompressed block
+//!  20   4 CRC-32C of header bytes 0..20
+//!  24   … payload: the zstd frame, the lz4 block, or the raw block
+//! ```
+//!
+//! Invariants a decoder checks, in this order:
+//! - the frame is at least 24 bytes, starts with the magic and version 1, and its header CRC matches
+//!   (so every header field below is as written);
+//! - the codec is known, unknown flag bits and the reserved bytes are zero;
+//! - both lengths are at most [`MAX_BLOCK_LEN`] (16 MiB), so a decoder never allocates more than that
+//!   whatever a header claims;
+//! - the frame is exactly `24 + stored length` bytes: a truncated frame or trailing bytes are errors;
+//! - RAW ⇒ stored length = uncompressed length; not RAW ⇒ codec is not `none` and stored length <
+//!   uncompressed length (the encoder stores raw whatever does not shrink);
+//! - the payload decodes to exactly the uncompressed length, into a buffer of that capacity;
+//! - the decoded bytes match the data CRC before they are returned.
+//!
+//! Hence a single flipped or missing byte anywhere is an error, except in a compressed payload,
+//! where a change that decodes to the very same bytes (two encodings of one block) is harmless: the
+//! data CRC guarantees the bytes returned are the bytes compressed.
+//!
+//! The encoder stores a block raw when compression saves less than 1/8 of it
+//! ([`MIN_SAVING_SHIFT`]): reading such a block compressed would cost a decompression for almost no
+//! space. A raw frame keeps the codec that was tried, for accounting.
+
+pub mod block;
+mod error;
+
+pub use block::{
+    BlockHeader, Codec, CodecId, FLAG_RAW, HEADER_LEN, MAGIC, MAX_BLOCK_LEN, MIN_SAVING_SHIFT,
+    VERSION, compress_block, decompress_block, read_header,
+};
+pub use error::FuncError;
+
+/// CRC-32C (Castagnoli) of `data`: the workspace's one implementation
+/// ([`nacre_types::crc32c`], hardware accelerated), so a shard or block CRC computed here can be
+/// compared with one computed anywhere else in nacre.
+#[inline]
+pub fn checksum(data: &[u8]) -> u32 {
+    nacre_types::crc32c(data)
+}
