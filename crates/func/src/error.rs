@@ -68,4 +68,25 @@ pub enum FuncError {
     /// The compressor itself failed (out of memory; never the data's fault).
     #[error("{codec} compression failed: {reason}")]
     Compress { codec: CodecId, reason: String },
+
+    // ---- erasure coding ----
+    /// `k` or `m` is zero, or `k + m` exceeds the code's limit.
+    #[error("invalid erasure code {k}+{m}: need k >= 1, m >= 1, k + m <= {max}")]
+    BadEcSpec { k: u8, m: u8, max: usize },
+    /// A stripe with the wrong number of shard slots.
+    #[error("stripe has {actual} shard slots, {k}+{m} needs {expected}", expected = *k as usize + *m as usize)]
+    ShardCount { k: u8, m: u8, actual: usize },
+    /// A shard whose length differs from the stripe's shard length.
+    #[error("shard {index} is {actual} bytes, the stripe's shards are {expected}")]
+    ShardLength {
+        index: usize,
+        expected: u64,
+        actual: u64,
+    },
+    /// More shards missing (or corrupt) than parity shards.
+    #[error("{missing} shards missing or corrupt, a {k}+{m} stripe survives at most {m}")]
+    TooManyMissing { missing: usize, k: u8, m: u8 },
+    /// The library refused a call that the checks above should have caught.
+    #[error("erasure coding failed: {reason}")]
+    Erasure { reason: String },
 }

@@ -1,8 +1,9 @@
 //! Storage functions: pure transforms on bytes that a volume chains on its data path (DESIGN §9).
 //!
-//! Block compression ([`compress_block`], [`decompress_block`]: zstd or lz4) and CRC-32C
-//! ([`checksum`]). No IO, no async, no clocks. Every decoder validates its input and answers a
-//! typed [`FuncError`]; none panics on bad bytes, none returns bytes it could not verify.
+//! Block compression ([`compress_block`], [`decompress_block`]: zstd or lz4), Reed-Solomon erasure
+//! coding ([`ec_encode`], [`ec_reconstruct`], [`ec_rebuild`], …) and CRC-32C ([`checksum`]). No IO,
+//! no async, no clocks. Every decoder validates its input and answers a typed [`FuncError`]; none
+//! panics on bad bytes, none returns bytes it could not verify.
 //!
 //! # Block frame
 //!
@@ -42,13 +43,30 @@
 //! The encoder stores a block raw when compression saves less than 1/8 of it
 //! ([`MIN_SAVING_SHIFT`]): reading such a block compressed would cost a decompression for almost no
 //! space. A raw frame keeps the codec that was tried, for accounting.
+//!
+//! # Stripes
+//!
+//! [`ec_encode`] cuts `len` bytes into `k` data shards of `L = ceil(len / k)` bytes (the last
+//! zero-padded) and computes `m` parity shards of `L` bytes (reed-solomon-erasure, GF(2^8), SIMD):
+//! any `k` of the `k + m` shards rebuild the others. A [`Stripe`] records `len`, since padding
+//! cannot be told from data, and each [`Shard`] carries the CRC-32C of its bytes. Readers hand back
+//! `k + m` slots, `None` for a shard they could not read. [`ec_reconstruct_verified`] and
+//! [`ec_rebuild`] check each shard against its CRC and treat a corrupt one as missing, so a stripe
+//! survives any `m` shards lost *or* corrupt; [`ec_reconstruct`] and [`ec_reconstruct_shards`] take
+//! bare bytes and trust them. An empty stripe has `k + m` empty shards. [`ec_encode_bytes`] lends
+//! the full data shards from the caller's [`bytes::Bytes`] instead of copying them.
 
 pub mod block;
+pub mod ec;
 mod error;
 
 pub use block::{
     BlockHeader, Codec, CodecId, FLAG_RAW, HEADER_LEN, MAGIC, MAX_BLOCK_LEN, MIN_SAVING_SHIFT,
     VERSION, compress_block, decompress_block, read_header,
+};
+pub use ec::{
+    EcSpec, MAX_SHARDS, Rebuilt, Shard, Stripe, ec_encode, ec_encode_bytes, ec_rebuild,
+    ec_reconstruct, ec_reconstruct_shards, ec_reconstruct_verified,
 };
 pub use error::FuncError;
 
