@@ -27,7 +27,7 @@ const KNOWN_FLAGS: u8 = FLAG_RAW;
 /// decompression for almost no space, so the block is stored raw.
 pub const MIN_SAVING_SHIFT: u32 = 3;
 
-/// A compression codec and its parameters, as a volume names it.
+/// A compression codec and its parameters, as a volume or a [`Call`](crate::Call) names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Codec {
     /// Store blocks raw (still framed and checksummed).

@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::block::{CodecId, HEADER_LEN};
+use crate::call::{Function, InputKind};
 
 /// Why a storage function refused its input. Every variant names one failure; none of them is a
 /// panic in disguise, and no function returns data it could not verify.
@@ -89,4 +90,13 @@ pub enum FuncError {
     /// The library refused a call that the checks above should have caught.
     #[error("erasure coding failed: {reason}")]
     Erasure { reason: String },
+
+    // ---- dispatch ----
+    /// [`apply`](crate::apply) got an input of the wrong kind for its call.
+    #[error("{function} takes {expected} input, got {actual}")]
+    WrongInput {
+        function: Function,
+        expected: InputKind,
+        actual: InputKind,
+    },
 }

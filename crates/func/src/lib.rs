@@ -2,8 +2,10 @@
 //!
 //! Block compression ([`compress_block`], [`decompress_block`]: zstd or lz4), Reed-Solomon erasure
 //! coding ([`ec_encode`], [`ec_reconstruct`], [`ec_rebuild`], …) and CRC-32C ([`checksum`]). No IO,
-//! no async, no clocks. Every decoder validates its input and answers a typed [`FuncError`]; none
-//! panics on bad bytes, none returns bytes it could not verify.
+//! no async, no clocks: a client or data node calls them inline, and a function server runs the
+//! same code through [`apply`] for a [`Call`] that arrived over the messenger. Every decoder
+//! validates its input and answers a typed [`FuncError`]; none panics on bad bytes, none returns
+//! bytes it could not verify.
 //!
 //! # Block frame
 //!
@@ -55,8 +57,16 @@
 //! survives any `m` shards lost *or* corrupt; [`ec_reconstruct`] and [`ec_reconstruct_shards`] take
 //! bare bytes and trust them. An empty stripe has `k + m` empty shards. [`ec_encode_bytes`] lends
 //! the full data shards from the caller's [`bytes::Bytes`] instead of copying them.
+//!
+//! # Calls
+//!
+//! A [`Call`] names a function and its parameters and is serde-serializable (postcard-friendly:
+//! externally tagged enums only, nothing that needs a self-describing format); its payload travels
+//! as an [`Input`], and its result or [`FuncError`] comes back the same way. [`apply`] is the one
+//! dispatcher, and [`Function`] the parameterless names a server advertises.
 
 pub mod block;
+pub mod call;
 pub mod ec;
 mod error;
 
@@ -64,6 +74,7 @@ pub use block::{
     BlockHeader, Codec, CodecId, FLAG_RAW, HEADER_LEN, MAGIC, MAX_BLOCK_LEN, MIN_SAVING_SHIFT,
     VERSION, compress_block, decompress_block, read_header,
 };
+pub use call::{Call, Function, Input, InputKind, Output, apply};
 pub use ec::{
     EcSpec, MAX_SHARDS, Rebuilt, Shard, Stripe, ec_encode, ec_encode_bytes, ec_rebuild,
     ec_reconstruct, ec_reconstruct_shards, ec_reconstruct_verified,
