@@ -404,12 +404,14 @@ impl DataNode {
         lock(&shared.suspect).extend(store.recovery_bad_blocks().iter().map(|(e, _)| *e));
         let voters: Vec<u64> = peers.keys().copied().collect();
         let sm = DataSm::new(store.clone(), shared.clone());
-        match raft.add_group(spec.id.0, &voters, sm).await {
-            Ok(()) | Err(RaftError::GroupExists(_)) => {}
+        let gate = match raft.add_group_gated(spec.id.0, &voters, sm).await {
+            Ok(gate) => gate,
+            Err(RaftError::GroupExists(_)) => {
+                raft.read_gate(spec.id.0).await.map_err(|e| e.to_string())?
+            }
             Err(e) => return Err(e.to_string()),
-        }
+        };
         let recovered = started.elapsed();
-        let gate = raft.read_gate(spec.id.0).await.map_err(|e| e.to_string())?;
         let part = Arc::new(Part {
             id: spec.id,
             replicas: Mutex::new(spec.replicas.clone()),

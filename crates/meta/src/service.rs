@@ -202,9 +202,9 @@ impl MetaNode {
         let voters: Vec<u64> = peers.keys().copied().collect();
         let sm = MetaSm::new(MetaPartition::new(start, end));
         let partition = Arc::clone(&sm.partition);
-        match raft.add_group(spec.id.0, &voters, sm).await {
-            Ok(()) => {
-                if let Some(gate) = raft.read_gate(spec.id.0).await? {
+        match raft.add_group_gated(spec.id.0, &voters, sm).await {
+            Ok(gate) => {
+                if let Some(gate) = gate {
                     let direct = Arc::new(Direct { partition, gate });
                     lock(&self.inner.direct).insert(spec.id, direct);
                 }

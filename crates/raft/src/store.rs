@@ -121,7 +121,8 @@ enum Cmd<S> {
         group: GroupId,
         voters: Vec<u64>,
         sm: S,
-        reply: oneshot::Sender<Result<(), RaftError>>,
+        /// With the group's read gate, so that a caller needs no second turn of the loop.
+        reply: oneshot::Sender<Result<Option<Arc<ReadGate>>, RaftError>>,
     },
     Propose {
         group: GroupId,
@@ -236,6 +237,18 @@ impl<S: StateMachine> RaftHandle<S> {
 
     /// Hosts a group (see [`RaftNode::add_group`]).
     pub async fn add_group(&self, group: GroupId, voters: &[u64], sm: S) -> Result<(), RaftError> {
+        self.add_group_gated(group, voters, sm).await.map(drop)
+    }
+
+    /// [`RaftHandle::add_group`], returning the group's [`RaftHandle::read_gate`] from the same
+    /// turn of the loop: a node opening its groups while the loop waits on log writes pays one
+    /// wait per group, not two.
+    pub async fn add_group_gated(
+        &self,
+        group: GroupId,
+        voters: &[u64],
+        sm: S,
+    ) -> Result<Option<Arc<ReadGate>>, RaftError> {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(Cmd::AddGroup {
@@ -745,7 +758,8 @@ impl<S: StateMachine> Loop<S> {
                 sm,
                 reply,
             } => {
-                let _ = reply.send(self.node.add_group(group, &voters, sm));
+                let r = self.node.add_group(group, &voters, sm);
+                let _ = reply.send(r.map(|()| self.node.read_gate(group)));
             }
             Cmd::Propose {
                 group,
