@@ -25,11 +25,16 @@ use nacre_master::map::{NodeStatus, Role as MapRole};
 use rustix::process::{Pid, Signal, kill_process};
 use serde::Serialize;
 
+use super::flips::Flip;
 use super::port::free_port;
+use nacre_types::{ExtentId, PartitionId};
 
 /// Seconds between the starts of the data nodes' scrub passes in a harness cluster (a deployment's
 /// default is a day).
 pub const SCRUB_PERIOD_SECS: u64 = 10;
+/// Bytes per second the data nodes' scrub reads in the harness: a pass over a few GiB takes
+/// seconds, not minutes.
+pub const SCRUB_RATE: u64 = 128 << 20;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -121,6 +126,8 @@ pub struct Harness {
     pub isolation: &'static str,
     /// Blocks already corrupted on some replica: never corrupt the same block twice.
     corrupted: HashSet<(String, String, u64)>,
+    /// Every byte flipped, in order (`flips`).
+    pub flips: Vec<Flip>,
 }
 
 /// Runs a command; its failure is an error naming it.
@@ -181,6 +188,7 @@ impl Harness {
             loop_mount: None,
             isolation: if cfg.netns { "netns" } else { "sigstop" },
             corrupted: HashSet::new(),
+            flips: Vec::new(),
         };
         // Names unique to this run: two harnesses may run at once on one host.
         let tag = std::process::id() % 100_000;
@@ -261,9 +269,10 @@ impl Harness {
                 envs.push(("NACRE_MASTERS", masters_list.clone()));
             }
             if n.role == Role::Data {
-                // The background scrub runs often enough to meet the blocks the `corrupt`
-                // schedule flips within a run.
+                // The background scrub runs often enough, and fast enough, to meet the blocks
+                // the `corrupt` schedule flips within a run (`flips`).
                 envs.push(("NACRE_SCRUB_PERIOD_SECS", SCRUB_PERIOD_SECS.to_string()));
+                envs.push(("NACRE_SCRUB_RATE", SCRUB_RATE.to_string()));
             }
             n.envs = envs.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
         }
@@ -510,14 +519,28 @@ impl Harness {
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_default();
             let key = (part, file, offset / block_size);
-            if !self.corrupted.insert(key) {
+            if self.corrupted.contains(&key) {
                 continue;
             }
+            let (Ok(partition), Some(Ok(extent))) = (
+                key.0.parse::<u64>(),
+                path.file_stem().map(|s| s.to_string_lossy().parse::<u64>()),
+            ) else {
+                continue;
+            };
+            let flip = Flip {
+                node: k,
+                partition: PartitionId(partition),
+                extent: ExtentId(extent),
+                block: key.2,
+            };
+            self.corrupted.insert(key);
             let f = OpenOptions::new().read(true).write(true).open(path)?;
             let mut b = [0u8; 1];
             f.read_exact_at(&mut b, offset)?;
             b[0] ^= 0xFF;
             f.write_all_at(&b, offset)?;
+            self.flips.push(flip);
             return Ok(Some(format!("{} byte {offset}", path.display())));
         }
         Ok(None)

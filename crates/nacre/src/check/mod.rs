@@ -4,6 +4,7 @@
 //! and finally reads everything back: every acknowledged byte must be there, and nothing that was
 //! never written.
 
+mod flips;
 pub mod garbage;
 pub mod gc;
 pub mod harness;
@@ -226,6 +227,9 @@ struct Fault {
 
 /// Fail-overs the summary lists one by one (the slowest).
 const SHOWN_FAILOVERS: usize = 8;
+/// Size of data node 0's loop-mounted disk: room for its share of a 30-minute soak's data and
+/// Raft logs (about 1 GiB), so that only the `full-disk` fault fills it.
+const SMALL_DISK_MIB: u64 = 2048;
 
 /// Time from a fault to the first successful write on a partition its node led.
 #[derive(Clone, Debug, Serialize)]
@@ -267,6 +271,8 @@ struct Summary {
     /// of those the ones no replica could repair.
     scrub_bad_blocks: usize,
     scrub_unrepaired: usize,
+    /// Whether the scrub found every flipped byte in live data (`flips`).
+    flips: flips::FlipReport,
     garbage_problems: Vec<String>,
     report: workload::Report,
     /// For each path with a finding: its lines of the acknowledgement log (what was acknowledged).
@@ -325,7 +331,7 @@ fn run_check(a: RunArgs) -> anyhow::Result<()> {
         netns,
         // Room for what a 30-minute run writes (about 300 MB per data node): the fault fills it
         // to the last byte anyway.
-        small_disk_mib: (small_disk && harness::small_disk_available()).then_some(1024),
+        small_disk_mib: (small_disk && harness::small_disk_available()).then_some(SMALL_DISK_MIB),
         log: a.node_log.clone(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -363,6 +369,7 @@ fn run_check(a: RunArgs) -> anyhow::Result<()> {
         || summary.failovers.iter().any(|f| f.ms.is_none())
         || summary.mount_error.is_some()
         || !summary.gc.ok()
+        || !summary.flips.missed.is_empty()
     {
         bail!("the check failed (see the report above)");
     }
@@ -462,6 +469,29 @@ fn print_summary(s: &Summary) {
             "corrupt blocks detected and repaired on read: {}",
             s.corrupt_blocks_detected
         );
+    }
+    let fl = &s.flips;
+    if fl.repaired + fl.not_live + fl.missed.len() + fl.unknown.len() > 0 {
+        println!(
+            "flipped blocks after the run: {} in live data and repaired, {} no longer live, {} missed by the scrub{}",
+            fl.repaired,
+            fl.not_live,
+            fl.missed.len(),
+            if fl.unknown.is_empty() {
+                String::new()
+            } else {
+                format!(", {} not asked", fl.unknown.len())
+            }
+        );
+        for m in fl.missed.iter().chain(&fl.unknown).take(8) {
+            println!("  {m}");
+        }
+        if !fl.scrub_incomplete.is_empty() {
+            println!(
+                "  scrub passes not completed in time on: {}",
+                fl.scrub_incomplete.join(", ")
+            );
+        }
     }
     if s.scrub_bad_blocks > 0 {
         println!(
@@ -911,6 +941,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
             errors: vec![format!("cannot sweep: {e}")],
             ..gc::GcOutcome::default()
         });
+    let flips = flips::verify(h, &msgr.client(), &h.flips).await;
     let verify_vol = connect(msgr.client(), &masters).await?;
     let mut report = wl.verify(&NetFs::new(verify_vol.clone())).await;
     if let Some(c) = &mut crashes {
@@ -967,6 +998,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         corrupt_blocks_detected: detected,
         scrub_bad_blocks,
         scrub_unrepaired,
+        flips,
         garbage_problems,
         report,
         history,
