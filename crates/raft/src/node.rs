@@ -187,6 +187,11 @@ pub struct NodeConfig {
     pub max_inflight_msgs: usize,
     /// Entries kept in the log beyond the applied index before it is compacted behind a snapshot.
     pub compact_after: u64,
+    /// Bytes of commands applied since the last snapshot past which the log is compacted too,
+    /// however few the entries (`u64::MAX`, the default: never): for groups whose commands carry
+    /// data, where `compact_after` of them would keep gigabytes of log on disk and to replay at a
+    /// restart.
+    pub compact_after_bytes: u64,
     /// Ticks a group must be idle (nothing to replicate, everyone caught up) before it hibernates:
     /// it stops ticking, so its leader sends no heartbeats and its followers start no elections.
     /// Followers hibernate after this many ticks, leaders after twice as many. A follower wakes on
@@ -217,6 +222,7 @@ impl Default for NodeConfig {
             max_size_per_msg: 1 << 20,
             max_inflight_msgs: 256,
             compact_after: 10_000,
+            compact_after_bytes: u64::MAX,
             hibernate_after: 20,
             read_lease: std::time::Duration::ZERO,
             skip_bcast_commit: true,
@@ -284,6 +290,10 @@ struct Group<S> {
     deferred: Vec<(ProposalId, Option<Instant>)>,
     /// A snapshot taken, waiting for its durability barrier: (token, snapshot, barrier done).
     pending_snapshot: Option<(u64, Snapshot, bool)>,
+    /// Entries and their command bytes applied since the last snapshot was taken.
+    since_snapshot: (u64, u64),
+    /// Entries the last snapshot taken keeps in the log behind it ([`keep_behind`]).
+    keep: u64,
 }
 
 impl<S: StateMachine> Group<S> {
@@ -541,6 +551,8 @@ impl<S: StateMachine> RaftNode<S> {
                 read_sent: BTreeMap::new(),
                 deferred: Vec::new(),
                 pending_snapshot: None,
+                since_snapshot: (0, 0),
+                keep: 0,
                 idle_ticks: 0,
                 hibernating: false,
             },
@@ -1112,7 +1124,7 @@ impl<S: StateMachine> RaftNode<S> {
                 continue;
             };
             let mut gw = GroupWrite::new(*gid);
-            Self::install_own_snapshot(g, snap, self.config.compact_after, &mut gw);
+            Self::install_own_snapshot(g, snap, g.keep, &mut gw);
             if !gw.is_empty() {
                 write.groups.push(gw);
             }
@@ -1125,12 +1137,7 @@ impl<S: StateMachine> RaftNode<S> {
 
     /// Saves a snapshot this replica took (in `gw`, with the compaction behind it). Superseded
     /// ones (an older index than the group's current snapshot) change nothing.
-    fn install_own_snapshot(
-        g: &mut Group<S>,
-        snap: Snapshot,
-        compact_after: u64,
-        gw: &mut GroupWrite,
-    ) {
+    fn install_own_snapshot(g: &mut Group<S>, snap: Snapshot, keep: u64, gw: &mut GroupWrite) {
         let index = snap.get_metadata().index;
         let first = g.node.raft.raft_log.first_index();
         if index + 1 < first
@@ -1147,7 +1154,7 @@ impl<S: StateMachine> RaftNode<S> {
         gw.save_snapshot = Some(snap.clone());
         g.node.mut_store().set_snapshot(snap);
         // Keep the last entries so that a follower slightly behind catches up from the log.
-        let compact_to = index.saturating_sub(compact_after / 2);
+        let compact_to = index.saturating_sub(keep);
         if compact_to > first {
             gw.compact_to = Some(compact_to);
         }
@@ -1166,7 +1173,8 @@ impl<S: StateMachine> RaftNode<S> {
         let applied = g.node.raft.raft_log.applied;
         let first = g.node.raft.raft_log.first_index();
         let wanted = g.node.store().take_snapshot_request();
-        if applied < first || (!wanted && applied - first < self.config.compact_after) {
+        let big = g.since_snapshot.1 >= self.config.compact_after_bytes;
+        if applied < first || (!wanted && !big && applied - first < self.config.compact_after) {
             return;
         }
         let Ok(term) = g.node.raft.raft_log.term(applied) else {
@@ -1180,8 +1188,11 @@ impl<S: StateMachine> RaftNode<S> {
         meta.index = applied;
         meta.term = term;
         meta.set_conf_state(g.node.raft.prs().conf().to_conf_state());
+        let keep = keep_behind(&self.config, g.since_snapshot);
+        g.since_snapshot = (0, 0);
+        g.keep = keep;
         match g.sm.durability_barrier() {
-            None => Self::install_own_snapshot(g, snap, self.config.compact_after, gw),
+            None => Self::install_own_snapshot(g, snap, keep, gw),
             Some(run) => {
                 let token = self.next_barrier;
                 self.next_barrier += 1;
@@ -1203,6 +1214,19 @@ fn prefetchable(e: &Entry) -> bool {
     e.get_entry_type() == EntryType::EntryNormal && !e.data.is_empty()
 }
 
+/// Entries a snapshot keeps in the log behind it, so that a follower slightly behind catches up
+/// from the log: half of `compact_after`, and no more than half of `compact_after_bytes` at the
+/// average size of the entries `since` the last snapshot (`(entries, bytes)`).
+fn keep_behind(config: &NodeConfig, (entries, bytes): (u64, u64)) -> u64 {
+    let by_count = config.compact_after / 2;
+    if bytes == 0 {
+        return by_count;
+    }
+    let by_bytes =
+        u128::from(config.compact_after_bytes / 2) * u128::from(entries) / u128::from(bytes);
+    by_count.min(u64::try_from(by_bytes).unwrap_or(u64::MAX))
+}
+
 fn apply_entries<S: StateMachine>(
     gid: GroupId,
     g: &mut Group<S>,
@@ -1214,7 +1238,11 @@ fn apply_entries<S: StateMachine>(
     for e in entries {
         let result = match e.get_entry_type() {
             EntryType::EntryNormal if e.data.is_empty() => Vec::new(),
-            EntryType::EntryNormal => g.sm.apply(e.index, &e.data),
+            EntryType::EntryNormal => {
+                g.since_snapshot.0 += 1;
+                g.since_snapshot.1 += e.data.len() as u64;
+                g.sm.apply(e.index, &e.data)
+            }
             EntryType::EntryConfChange => {
                 let cc = ConfChange::parse_from_bytes(&e.data)
                     .map_err(|err| RaftError::Raft(format!("bad conf change: {err}")))?;

@@ -119,3 +119,42 @@ fn the_log_is_compacted_only_after_the_snapshot_barrier_succeeded() {
     }
     assert_eq!(*applied.lock().unwrap(), total);
 }
+
+/// Commands that carry data compact the log by bytes, however few the entries, and the
+/// snapshot keeps no more than half the byte budget of log behind it.
+#[test]
+fn the_log_is_compacted_past_its_byte_budget() {
+    let log = Arc::new(MemLogStore::new());
+    let config = NodeConfig {
+        compact_after: 10_000,
+        compact_after_bytes: 64 << 10,
+        ..NodeConfig::default()
+    };
+    let mut node = RaftNode::new(1, config, log.clone());
+    node.add_group(1, &[1], Counter::default()).unwrap();
+    node.campaign(1).unwrap();
+    for _ in 0..10 {
+        node.process_ready().unwrap();
+    }
+    let first = log.first_index(1).unwrap();
+    // 15 commands of 4 KiB stay under the budget: nothing taken.
+    let mut barriers = Vec::new();
+    for _ in 0..15 {
+        node.propose(1, vec![7; 4096]).unwrap();
+        barriers.extend(node.process_ready().unwrap().barriers);
+    }
+    assert!(barriers.is_empty(), "under the byte budget");
+    // The 16th reaches 64 KiB.
+    node.propose(1, vec![7; 4096]).unwrap();
+    barriers.extend(node.process_ready().unwrap().barriers);
+    assert_eq!(barriers.len(), 1, "a snapshot past the byte budget");
+    let b = barriers.remove(0);
+    (b.run)().unwrap();
+    node.barrier_done(b.group, b.token, Ok(()));
+    node.process_ready().unwrap();
+    let snap = log.saved_snapshot(1).unwrap().expect("snapshot saved");
+    let kept = snap.get_metadata().index + 1 - log.first_index(1).unwrap();
+    assert!(log.first_index(1).unwrap() > first, "log compacted");
+    // Half the budget at 4 KiB an entry: 8 entries (not the 5,000 `compact_after` keeps).
+    assert!(kept <= 9, "{kept} entries kept behind the snapshot");
+}
