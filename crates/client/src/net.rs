@@ -70,6 +70,10 @@ pub struct NetVolume {
     append_slots: Arc<tokio::sync::Semaphore>,
     /// This handle's call session with the meta partitions (see the module doc).
     calls: Calls,
+    /// Sends meta writes as [`Command::Once`] (true, the default). False sends them bare, so a
+    /// retried call may apply twice: only for measuring what exactly-once costs
+    /// (`nacre bench meta --calls`).
+    pub exactly_once: bool,
     /// Nodes that timed out or refused a connection, until when they are skipped.
     suspects: Mutex<HashMap<String, Instant>>,
 }
@@ -156,6 +160,7 @@ impl NetVolume {
             retry_for: Duration::from_secs(15),
             append_slots: Arc::new(tokio::sync::Semaphore::new(APPEND_WINDOW)),
             calls: Calls::new(),
+            exactly_once: true,
             suspects: Mutex::default(),
         };
         m.refresh().await?;
@@ -411,6 +416,13 @@ impl MetaTransport for NetVolume {
         partition: PartitionId,
         cmd: Command,
     ) -> Result<Result<Reply, MetaError>, CallError> {
+        if !self.exactly_once {
+            let req = WriteRequest { partition, cmd };
+            return Ok(self
+                .call::<MetaWrite>(partition, &req, Payload::none(), false)
+                .await?
+                .0);
+        }
         let call = self.calls.begin();
         let cmd = Command::Once {
             client: self.calls.client,

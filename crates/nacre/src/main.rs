@@ -252,6 +252,10 @@ struct BenchMetaArgs {
     /// Meta partitions of the benchmark volume.
     #[arg(long, default_value_t = 3)]
     meta_partitions: u32,
+    /// How the clients send meta writes, a run each: `once` (exactly-once calls, as every client
+    /// does) and `plain` (bare commands: what exactly-once costs).
+    #[arg(long, value_delimiter = ',', default_value = "once")]
+    calls: Vec<bench::meta::Calls>,
     /// Measure memory per small file with this many files in a bare partition instead.
     #[arg(long)]
     memory: Option<u64>,
@@ -866,6 +870,7 @@ fn bench_meta(a: BenchMetaArgs) -> anyhow::Result<()> {
         branch: a.branch,
         depth: a.depth,
         meta_partitions: a.meta_partitions,
+        calls: a.calls,
     };
     let json = a.json;
     let rows = runtime()?.block_on(bench::meta::run(&p, |r| {

@@ -45,6 +45,27 @@ pub struct Params {
     pub branch: usize,
     pub depth: usize,
     pub meta_partitions: u32,
+    /// How clients send meta writes, each in a run of its own: `once` (exactly-once calls, what
+    /// every client does) and `plain` (bare commands, for the cost of `once`).
+    pub calls: Vec<Calls>,
+}
+
+/// How a run's clients send meta writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Calls {
+    /// `Command::Once`: every write applies once however often it is sent.
+    Once,
+    /// Bare commands.
+    Plain,
+}
+
+impl Calls {
+    fn implementation(self) -> &'static str {
+        match self {
+            Calls::Once => "nacre",
+            Calls::Plain => "nacre-plain-calls",
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -94,18 +115,30 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&MetaRow)) -> anyhow::Result
         Arc::new(TcpTransport),
     )?;
     let mc = MasterClient::new(msgr.client(), vec![cluster.master.clone()]);
-    cluster
-        .create_volume(&mc, "mdtest", p.meta_partitions, 0)
-        .await?;
-
-    let mut clients = Vec::new();
-    for _ in 0..p.clients {
-        let meta = NetVolume::connect(msgr.client(), mc.clone(), "mdtest")
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot open the volume: {e}"))?;
-        clients.push(Arc::new(MetaFs::new(meta)));
+    let (mut rows, mut failed) = (Vec::new(), None);
+    // Each mode on a volume of its own, one after the other on the same cluster.
+    for (k, &calls) in p.calls.iter().enumerate() {
+        let volume = format!("mdtest{k}");
+        cluster
+            .create_volume(&mc, &volume, p.meta_partitions, 0)
+            .await?;
+        let mut clients = Vec::new();
+        for _ in 0..p.clients {
+            let mut meta = NetVolume::connect(msgr.client(), mc.clone(), &volume)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot open the volume: {e}"))?;
+            meta.exactly_once = calls == Calls::Once;
+            clients.push(Arc::new(MetaFs::new(meta)));
+        }
+        match phases(p, calls.implementation(), &clients, &mut on_row).await {
+            Ok(r) => rows.extend(r),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
     }
-    let rows = phases(p, &clients, &mut on_row).await;
+    let rows = failed.map_or(Ok(rows), Err);
     let m = msgr.clone();
     tokio::task::spawn_blocking(move || m.shutdown()).await?;
     cluster.stop().await?;
@@ -114,6 +147,7 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&MetaRow)) -> anyhow::Result
 
 async fn phases(
     p: &Params,
+    implementation: &'static str,
     clients: &[Arc<MetaFs<NetVolume>>],
     on_row: &mut impl FnMut(&MetaRow),
 ) -> anyhow::Result<Vec<MetaRow>> {
@@ -164,7 +198,7 @@ async fn phases(
         let secs = (end - start).as_secs_f64().max(1e-9);
         let row = MetaRow {
             bench: "meta",
-            implementation: "nacre",
+            implementation,
             phase,
             clients: clients.len(),
             items: p.items,
