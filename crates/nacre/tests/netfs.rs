@@ -704,6 +704,73 @@ fn a_file_rewritten_at_once_is_never_seen_empty() {
     });
 }
 
+/// A file of 128-512 KiB closed behind (a run the flusher packs into tiny extents, or a
+/// truncating open streams to a normal extent), truncated on open at once and written small
+/// again, then its directory synced: another client reads the second version, never an empty
+/// file.
+#[test]
+fn a_larger_file_rewritten_small_at_once_keeps_its_second_version() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = start_cluster(dir.path());
+    runtime().block_on(async {
+        let (msgr, mc) = client_with_volume(&cluster.master_addr).await;
+        let cfg = NetFsConfig {
+            write_behind: true,
+            flush_delay: Some(std::time::Duration::from_millis(10)),
+            ..NetFsConfig::default()
+        };
+        let fs = NetFs::with_config(open_volume(&msgr, &mc).await, cfg);
+        let me = Caller { uid: 0, gid: 0 };
+        let d = fs.mkdir(ROOT_INO, b"r", 0o755, me).await.unwrap().attr.ino;
+        let mut rng = Rng::with_seed(42);
+        let mut files = Vec::new();
+        for i in 0..60 {
+            let name = format!("f{i}");
+            let (a, h) = fs
+                .create(d, name.as_bytes(), 0o644, me, OpenFlags::WRITE)
+                .await
+                .unwrap();
+            let n1 = rng.usize(131_073..300_000);
+            let v1 = random_bytes(&mut rng, n1);
+            for (k, piece) in v1.chunks(65_536).enumerate() {
+                fs.write(h, (k * 65_536) as u64, Bytes::copy_from_slice(piece))
+                    .await
+                    .unwrap();
+            }
+            fs.flush(h).await.unwrap();
+            fs.release(h).await.unwrap();
+            // Sometimes let the flusher take the first version first.
+            if i % 3 == 1 {
+                tokio::time::sleep(std::time::Duration::from_millis(rng.u64(1..30))).await;
+            }
+            let trunc = OpenFlags {
+                truncate: true,
+                ..OpenFlags::WRITE
+            };
+            let h = fs.open(a.attr.ino, trunc).await.unwrap();
+            let n2 = rng.usize(1..120_000);
+            let v2 = random_bytes(&mut rng, n2);
+            fs.write(h, 0, v2.clone()).await.unwrap();
+            fs.flush(h).await.unwrap();
+            fs.release(h).await.unwrap();
+            files.push((a.attr.ino, name, v2));
+        }
+        fs.sync_dir(d).await.unwrap();
+        // Another client, with nothing cached.
+        let other = NetFs::new(open_volume(&msgr, &mc).await);
+        for (ino, name, v2) in &files {
+            let size = other.getattr(*ino).await.unwrap().size;
+            assert_eq!(size, v2.len() as u64, "{name}: size");
+            let r = other.open(*ino, OpenFlags::READ).await.unwrap();
+            let got = read_all(&other, r, v2.len() + 1).await;
+            other.release(r).await.unwrap();
+            assert!(got == v2[..], "{name}: {}", first_diff(&got, v2));
+        }
+        shut_down(&msgr).await;
+    });
+}
+
 /// A file allocated ahead (`fallocate`, as fio and downloaders do) and then written in 128 KiB
 /// chunks that arrive out of order (FUSE sends the chunks of one large `O_DIRECT` write in
 /// parallel): the bytes read back right, and they land in a few normal extents, so later

@@ -389,14 +389,6 @@ impl Inner {
         Ok(Bytes::from(out))
     }
 
-    /// Flushes open state of `ino` (before a truncate or an attribute read that must be exact).
-    pub(super) async fn flush_ino(&self, ino: Ino) -> FsResult<()> {
-        if let Some(f) = self.open_file(ino) {
-            let mut st = f.state.lock().await;
-            self.flush_file(&f, &mut st).await?;
-        }
-        Ok(())
-    }
 
     /// Attributes as this client sees them: a file it has open is at least as long as its open
     /// state says (bytes written but not committed yet, or committed after the meta node was

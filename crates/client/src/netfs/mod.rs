@@ -398,7 +398,9 @@ impl Inner {
         self.flush_file(&f, &mut st).await?;
         let attr = self.meta.setattr(ino, set).await?;
         st.size = size;
-        st.extents = None;
+        // The truncate drops the keys past `size`, and those an idle stream would continue
+        // after; to 0 there are none left.
+        st.extents = (size == 0).then(Vec::new);
         st.ahead = None;
         st.idle_stream = None;
         Ok(attr)
@@ -564,25 +566,17 @@ impl Inner {
             && flags.kill_suidgid
             && attr.kind != FileType::Dir
             && without_suidgid(attr.mode) != attr.mode;
-        if resize {
-            self.flush_ino(ino).await?;
-            if let Some(f) = self.open_file(ino) {
-                // The truncate drops the keys an idle stream would continue after.
-                f.state.lock().await.idle_stream = None;
-            }
-        }
         if resize || kill {
-            attr = self
-                .meta
-                .setattr(
-                    ino,
-                    SetAttr {
-                        size: resize.then_some(0),
-                        kill_suidgid: kill,
-                        ..SetAttr::default()
-                    },
-                )
-                .await?;
+            let set = SetAttr {
+                size: resize.then_some(0),
+                kill_suidgid: kill,
+                ..SetAttr::default()
+            };
+            // A truncate commits what this client holds of the file first and leaves its state
+            // empty (`setattr`): the file may still be on the write-behind list, and `open_attr`
+            // keeps the state of such a file as it is, so a size or keys from before the
+            // truncate would send the next write in place into freed extents.
+            attr = self.setattr(ino, set).await?;
         }
         self.open_attr(&attr, flags, keys).await
     }
