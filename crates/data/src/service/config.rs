@@ -82,9 +82,12 @@ impl DataNodeConfig {
         let mut raft = StoreConfig::default().with_read_lease();
         // Overwrites carry data: keep the log short behind the snapshots, in entries and in
         // bytes (2,000 overwrites of up to a packet each kept 700 MiB of log per node in the
-        // soak).
+        // soak), since a restarted node applies its groups' logs again from their snapshots on
+        // its Raft loop before that loop opens its next partition (64 MiB a group kept a node's
+        // last partitions from opening for 6 s). A snapshot costs a sync of the store, off the
+        // loop.
         raft.node.compact_after = 2_000;
-        raft.node.compact_after_bytes = 64 << 20;
+        raft.node.compact_after_bytes = 8 << 20;
         // A leader's appends leave before its own log write, so a lone overwrite waits for one
         // sync instead of the leader's then a follower's (docs/benchmarks.md, "Data partitions
         // send their appends early").
