@@ -389,7 +389,6 @@ impl Inner {
         Ok(Bytes::from(out))
     }
 
-
     /// Attributes as this client sees them: a file it has open is at least as long as its open
     /// state says (bytes written but not committed yet, or committed after the meta node was
     /// asked), and a hidden (unlinked while open) file has one link less.

@@ -84,12 +84,15 @@ impl LocalCluster {
             anyhow::ensure!(Instant::now() < deadline, "nodes did not register in 60 s");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        mc.execute(&MapCommand::CreateTenant {
-            name: "bench".into(),
-            access_key: "BENCH".into(),
-            secret_key: "bench-secret-0123456789".into(),
-        })
-        .await?;
+        // The tenant is made by the first volume; later ones find it.
+        if !mc.cluster_map().await?.tenants.contains_key("bench") {
+            mc.execute(&MapCommand::CreateTenant {
+                name: "bench".into(),
+                access_key: "BENCH".into(),
+                secret_key: "bench-secret-0123456789".into(),
+            })
+            .await?;
+        }
         mc.execute(&MapCommand::CreateVolume {
             name: name.into(),
             owner: "bench".into(),
