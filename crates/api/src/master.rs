@@ -1,9 +1,11 @@
 //! The master's vocabulary: what nodes and clients send to the master (`0x010x`), what the master
-//! sends to nodes (`0x011x`), and the client's view of a volume and its partitions. The master's own
-//! state (the cluster map and its commands) lives in `nacre-master`.
+//! sends to nodes (`0x011x`), the client's view of a volume and its partitions, and the function
+//! servers' registration and the callers' view of them. The master's own state (the cluster map
+//! and its commands) lives in `nacre-master`.
 
 use std::collections::BTreeMap;
 
+use nacre_func::Function;
 use nacre_proto::Op;
 use nacre_proto::msg::Rpc;
 use nacre_types::{NodeId, PartitionId, VolumeId};
@@ -25,6 +27,9 @@ pub enum Role {
     Master,
     Meta,
     Data,
+    /// A function server (appended last: variants are numbered in order on the wire and in the
+    /// master's snapshot).
+    Func,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -324,4 +329,91 @@ impl Rpc for GetGc {
     const NAME: &'static str = "master_get_gc";
     type Request = GetGcRequest;
     type Response = Vec<crate::data::SweepReport>;
+}
+
+/// What a function server reports about its work in every heartbeat.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FuncLoad {
+    /// Calls admitted and not yet answered (running or waiting for a worker).
+    pub outstanding: u32,
+    /// Calls answered per second since the previous heartbeat.
+    pub calls_per_s: u64,
+    /// Input bytes per second since the previous heartbeat.
+    pub bytes_per_s: u64,
+}
+
+/// A function server announces itself (op `0x010a`); the answer is its node id, kept across
+/// restarts at the same address. Registering again replaces the functions and capacity.
+#[derive(Debug)]
+pub struct RegisterFunc;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegisterFuncRequest {
+    pub addr: String,
+    pub zone: String,
+    /// The functions it serves.
+    pub functions: Vec<Function>,
+    /// Calls it admits at once; beyond them it answers `Unavailable`.
+    pub capacity: u32,
+}
+
+impl Rpc for RegisterFunc {
+    const OP: Op = Op(0x010a);
+    const NAME: &'static str = "master_register_func";
+    type Request = RegisterFuncRequest;
+    type Response = Result<NodeId, MapError>;
+}
+
+/// A function server's periodic report (op `0x010b`). `UnknownNode` tells the server to register
+/// again.
+#[derive(Debug)]
+pub struct FuncHeartbeat;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FuncHeartbeatRequest {
+    pub node: NodeId,
+    pub load: FuncLoad,
+}
+
+impl Rpc for FuncHeartbeat {
+    const OP: Op = Op(0x010b);
+    const NAME: &'static str = "master_func_heartbeat";
+    type Request = FuncHeartbeatRequest;
+    type Response = Result<(), MapError>;
+}
+
+/// The function servers a caller may use (op `0x010c`): every instance the map has up.
+#[derive(Debug)]
+pub struct GetFuncs;
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct GetFuncsRequest {}
+
+/// The function servers that are up, at a map epoch (an instance registering or changing status
+/// bumps it; load figures do not).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FuncView {
+    pub epoch: u64,
+    /// In node id order.
+    pub instances: Vec<FuncInstance>,
+}
+
+/// One function server as callers and `nacre func ls` see it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FuncInstance {
+    pub node: NodeId,
+    pub addr: String,
+    pub zone: String,
+    pub functions: Vec<Function>,
+    /// Calls it admits at once.
+    pub capacity: u32,
+    /// As of its last heartbeat.
+    pub load: FuncLoad,
+}
+
+impl Rpc for GetFuncs {
+    const OP: Op = Op(0x010c);
+    const NAME: &'static str = "master_get_funcs";
+    type Request = GetFuncsRequest;
+    type Response = FuncView;
 }

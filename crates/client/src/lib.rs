@@ -1,9 +1,11 @@
 //! The nacre client SDK (docs/design.md §8): the volume view and partition routing, the CFS metadata
-//! workflows over meta partitions, the data path, and the [`FileSystem`] trait with the network
-//! file system ([`NetFs`]) at the bottom of every stack of layers.
+//! workflows over meta partitions, the data path, the [`FileSystem`] trait with the network
+//! file system ([`NetFs`]) at the bottom of every stack of layers, and storage function calls,
+//! inline or on the function servers ([`FuncClient`]).
 
 pub mod data;
 pub mod fs;
+pub mod func;
 pub mod layers;
 pub mod master;
 pub mod meta;
@@ -13,6 +15,7 @@ pub mod task;
 
 pub use data::{DataCallError, SeqWriter};
 pub use fs::{Caller, DirEntryPlus, Falloc, Fh, FileSystem, OpenFlags, StatFs};
+pub use func::{FuncAt, FuncCallError, FuncClient, FuncClientConfig, FuncPolicy, InstanceState};
 pub use layers::{MetaCache, MetaCacheConfig, Metrics};
 pub use master::MasterClient;
 pub use meta::{CallError, Entry, FsError, FsResult, MetaFs, MetaRange, MetaTransport, NewInode};

@@ -9,9 +9,10 @@ use nacre_proto::msg::Rpc;
 use nacre_types::{ErrorCode, NodeId};
 
 use nacre_api::master::{
-    ClusterSpace, GetSpace, GetSpaceRequest, GetVolume, GetVolumeRequest, Heartbeat,
+    ClusterSpace, FuncHeartbeat, FuncHeartbeatRequest, FuncLoad, FuncView, GetFuncs,
+    GetFuncsRequest, GetSpace, GetSpaceRequest, GetVolume, GetVolumeRequest, Heartbeat,
     HeartbeatReply, HeartbeatRequest, MasterError, MasterStatus, PartitionReport, Register,
-    RegisterRequest, Status, StatusRequest, VolumeView,
+    RegisterFunc, RegisterFuncRequest, RegisterRequest, Status, StatusRequest, VolumeView,
 };
 
 /// Talks to whichever master leads: follows `NotLeader` hints and otherwise tries the masters in turn,
@@ -168,5 +169,24 @@ impl MasterClient {
     /// The leader's status.
     pub async fn status(&self) -> Result<MasterStatus, MasterError> {
         self.call::<Status>(&StatusRequest {}).await
+    }
+
+    /// Registers a function server; returns its id.
+    pub async fn register_func(&self, req: &RegisterFuncRequest) -> Result<NodeId, MasterError> {
+        self.call::<RegisterFunc>(req)
+            .await?
+            .map_err(MasterError::from)
+    }
+
+    /// Sends a function server's heartbeat.
+    pub async fn func_heartbeat(&self, node: NodeId, load: FuncLoad) -> Result<(), MasterError> {
+        self.call::<FuncHeartbeat>(&FuncHeartbeatRequest { node, load })
+            .await?
+            .map_err(MasterError::from)
+    }
+
+    /// The function servers that are up.
+    pub async fn funcs(&self) -> Result<FuncView, MasterError> {
+        self.call::<GetFuncs>(&GetFuncsRequest {}).await
     }
 }

@@ -75,6 +75,7 @@ pub fn role_name(role: Role) -> &'static str {
         Role::Master => "master",
         Role::Meta => "meta",
         Role::Data => "data",
+        Role::Func => "func",
     }
 }
 

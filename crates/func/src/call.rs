@@ -6,10 +6,7 @@ use std::fmt;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    Codec, EcSpec, FuncError, Rebuilt, Shard, Stripe, checksum, compress_block, decompress_block,
-    ec_encode_bytes, ec_rebuild, ec_reconstruct_verified,
-};
+use crate::{Codec, EcSpec, Rebuilt, Shard, Stripe};
 
 /// The name of a storage function, without parameters: what a function server advertises and
 /// what metrics are labelled with.
@@ -104,7 +101,7 @@ impl Input {
     }
 }
 
-/// The two shapes of [`Input`], for [`FuncError::WrongInput`].
+/// The two shapes of [`Input`], for [`FuncError::WrongInput`](crate::FuncError::WrongInput).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum InputKind {
     Bytes,
@@ -130,8 +127,14 @@ pub enum Output {
     Checksum(u32),
 }
 
-/// Runs `call` on `input`. The only entry point a function server needs.
-pub fn apply(call: &Call, input: Input) -> Result<Output, FuncError> {
+/// Runs `call` on `input`. The only entry point a function server needs. Built with the `codecs`
+/// feature.
+#[cfg(feature = "codecs")]
+pub fn apply(call: &Call, input: Input) -> Result<Output, crate::FuncError> {
+    use crate::{
+        FuncError, checksum, compress_block, decompress_block, ec_encode_bytes, ec_rebuild,
+        ec_reconstruct_verified,
+    };
     let function = call.function();
     match (call, input) {
         (Call::Compress { codec }, Input::Bytes(b)) => {

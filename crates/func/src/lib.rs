@@ -64,6 +64,15 @@
 //! externally tagged enums only, nothing that needs a self-describing format); its payload travels
 //! as an [`Input`], and its result or [`FuncError`] comes back the same way. [`apply`] is the one
 //! dispatcher, and [`Function`] the parameterless names a server advertises.
+//!
+//! # Features
+//!
+//! `codecs` (default) builds the transforms: zstd, lz4 and Reed-Solomon, two of which compile C
+//! code. Without it the crate is the vocabulary alone — [`Call`], [`Function`], [`Input`],
+//! [`Output`], [`Codec`], [`EcSpec`], [`Shard`], [`Stripe`], [`FuncError`], [`read_header`] and
+//! [`checksum`] — so that `nacre-api` can carry calls on the wire without every front end
+//! building the codecs; whoever runs a function (a function server, a client running it inline)
+//! turns the feature on.
 
 pub mod block;
 pub mod call;
@@ -72,12 +81,18 @@ mod error;
 
 pub use block::{
     BlockHeader, Codec, CodecId, FLAG_RAW, HEADER_LEN, MAGIC, MAX_BLOCK_LEN, MIN_SAVING_SHIFT,
-    VERSION, compress_block, decompress_block, read_header,
+    VERSION, read_header,
 };
-pub use call::{Call, Function, Input, InputKind, Output, apply};
+#[cfg(feature = "codecs")]
+pub use block::{compress_block, decompress_block};
+#[cfg(feature = "codecs")]
+pub use call::apply;
+pub use call::{Call, Function, Input, InputKind, Output};
+pub use ec::{EcSpec, MAX_SHARDS, Rebuilt, Shard, Stripe};
+#[cfg(feature = "codecs")]
 pub use ec::{
-    EcSpec, MAX_SHARDS, Rebuilt, Shard, Stripe, ec_encode, ec_encode_bytes, ec_rebuild,
-    ec_reconstruct, ec_reconstruct_shards, ec_reconstruct_verified,
+    ec_encode, ec_encode_bytes, ec_rebuild, ec_reconstruct, ec_reconstruct_shards,
+    ec_reconstruct_verified,
 };
 pub use error::FuncError;
 

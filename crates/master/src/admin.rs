@@ -1,4 +1,5 @@
-//! The admin API: what `nacre cluster|node|vol|partition|tenant` and the HTTP/JSON API show and do.
+//! The admin API: what `nacre cluster|node|func|vol|partition|tenant` and the HTTP/JSON API show
+//! and do.
 //!
 //! Both front ends call these functions and print (or serve) the same serializable answers, so the
 //! CLI's `--json` output and the HTTP API agree field for field.
@@ -8,9 +9,11 @@ use serde::{Deserialize, Serialize};
 
 use nacre_api::data::{Sweep, SweepReport, SweepRequest};
 use nacre_api::master::{
-    GetGc, GetGcRequest, MapError, MasterError, OPEN_END, PartitionStatus, PendingReplica, Role,
+    FuncLoad, GetGc, GetGcRequest, MapError, MasterError, OPEN_END, PartitionStatus,
+    PendingReplica, Role,
 };
 use nacre_client::MasterClient;
+use nacre_func::Function;
 use nacre_msgr::{CallOptions, Payload};
 
 use crate::map::{ClusterMap, Command, NodeStatus, Outcome, Tenant};
@@ -49,6 +52,22 @@ pub struct NodeInfo {
     pub capacity: u64,
     pub used: u64,
     pub partitions: usize,
+    /// Milliseconds since the last heartbeat, by the leader's clock.
+    pub last_heartbeat_ms_ago: u64,
+}
+
+/// A function server as listed.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FuncInfo {
+    pub id: NodeId,
+    pub addr: String,
+    pub zone: String,
+    pub status: NodeStatus,
+    pub functions: Vec<Function>,
+    /// Calls it admits at once.
+    pub capacity: u32,
+    /// As of its last heartbeat: calls outstanding, calls/s and input bytes/s.
+    pub load: FuncLoad,
     /// Milliseconds since the last heartbeat, by the leader's clock.
     pub last_heartbeat_ms_ago: u64,
 }
@@ -212,6 +231,25 @@ impl Admin {
                 capacity: n.capacity,
                 used: n.used,
                 partitions: map.assigned(n.id).len(),
+                last_heartbeat_ms_ago: now.saturating_sub(n.last_heartbeat_ms),
+            })
+            .collect())
+    }
+
+    /// Every registered function server, up or down.
+    pub async fn funcs(&self) -> Result<Vec<FuncInfo>, MasterError> {
+        let map = self.mc.cluster_map().await?;
+        let now = Master::now_ms();
+        Ok(map
+            .func_instances()
+            .map(|(n, f)| FuncInfo {
+                id: n.id,
+                addr: f.addr,
+                zone: f.zone,
+                status: n.status,
+                functions: f.functions,
+                capacity: f.capacity,
+                load: f.load,
                 last_heartbeat_ms_ago: now.saturating_sub(n.last_heartbeat_ms),
             })
             .collect())

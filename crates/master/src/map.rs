@@ -8,9 +8,11 @@
 use std::collections::BTreeMap;
 
 pub use nacre_api::master::{
-    ClusterSpace, FIRST_INODE, FULL_PPM, MapError, OPEN_END, PartitionKind, PartitionReport,
-    PartitionSpec, PartitionStatus, PartitionView, Replica, Role, Volume, VolumeView,
+    ClusterSpace, FIRST_INODE, FULL_PPM, FuncInstance, FuncLoad, FuncView, MapError, OPEN_END,
+    PartitionKind, PartitionReport, PartitionSpec, PartitionStatus, PartitionView, Replica, Role,
+    Volume, VolumeView,
 };
+pub use nacre_func::Function;
 use nacre_types::{NodeId, PartitionId, VolumeId};
 use serde::{Deserialize, Serialize};
 
@@ -75,6 +77,16 @@ pub struct DataPartition {
     pub created_epoch: u64,
 }
 
+/// What a function server offers and its latest load; the server itself is a node of role
+/// [`Role::Func`] in [`ClusterMap::nodes`] (address, zone, liveness).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FuncService {
+    pub functions: Vec<Function>,
+    /// Calls it admits at once.
+    pub capacity: u32,
+    pub load: FuncLoad,
+}
+
 /// A tenant: owns volumes and signs requests with its access key.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Tenant {
@@ -137,6 +149,22 @@ pub enum Command {
     DeleteTenant {
         name: String,
     },
+    // Appended below the commands above: variants are numbered in order in the Raft log.
+    /// A function server registers (or registers again, keeping its id): a node of role
+    /// [`Role::Func`] and what it offers.
+    RegisterFunc {
+        addr: String,
+        zone: String,
+        functions: Vec<Function>,
+        capacity: u32,
+        now_ms: u64,
+    },
+    /// A function server's periodic report: liveness and load.
+    FuncHeartbeat {
+        node: NodeId,
+        load: FuncLoad,
+        now_ms: u64,
+    },
 }
 
 /// What a command produced.
@@ -155,7 +183,11 @@ pub enum Outcome {
 }
 
 /// The cluster map.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// Serialized as the master's Raft snapshot and in `GetMap` answers. Fields are only ever
+/// appended: the last one, `funcs`, may be missing from bytes written by a master built before it
+/// (the decoder then starts with none; function servers register again at their next heartbeat).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct ClusterMap {
     /// Bumped by every change.
     pub epoch: u64,
@@ -167,6 +199,55 @@ pub struct ClusterMap {
     next_node: u64,
     next_volume: u64,
     next_partition: u64,
+    /// What each function server (a node of role [`Role::Func`]) offers, and its load.
+    pub funcs: BTreeMap<NodeId, FuncService>,
+}
+
+impl<'de> Deserialize<'de> for ClusterMap {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = ClusterMap;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a cluster map")
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let missing = |i| serde::de::Error::invalid_length(i, &"at least 9 fields");
+                Ok(ClusterMap {
+                    epoch: seq.next_element()?.ok_or_else(|| missing(0))?,
+                    nodes: seq.next_element()?.ok_or_else(|| missing(1))?,
+                    volumes: seq.next_element()?.ok_or_else(|| missing(2))?,
+                    meta_partitions: seq.next_element()?.ok_or_else(|| missing(3))?,
+                    data_partitions: seq.next_element()?.ok_or_else(|| missing(4))?,
+                    tenants: seq.next_element()?.ok_or_else(|| missing(5))?,
+                    next_node: seq.next_element()?.ok_or_else(|| missing(6))?,
+                    next_volume: seq.next_element()?.ok_or_else(|| missing(7))?,
+                    next_partition: seq.next_element()?.ok_or_else(|| missing(8))?,
+                    // The bytes end here when a master built before function servers wrote
+                    // them: postcard reports the end of its input as an error.
+                    funcs: seq.next_element().ok().flatten().unwrap_or_default(),
+                })
+            }
+        }
+        const FIELDS: &[&str] = &[
+            "epoch",
+            "nodes",
+            "volumes",
+            "meta_partitions",
+            "data_partitions",
+            "tenants",
+            "next_node",
+            "next_volume",
+            "next_partition",
+            "funcs",
+        ];
+        d.deserialize_struct("ClusterMap", FIELDS, Fields)
+    }
 }
 
 fn valid_name(name: &str) -> bool {
@@ -208,6 +289,11 @@ impl ClusterMap {
                 if self.check_liveness(*now_ms, *timeout_ms) {
                     self.epoch += 1;
                 }
+                Ok(Outcome::Done)
+            }
+            // Load and liveness only: never changes the map's shape.
+            Command::FuncHeartbeat { node, load, now_ms } => {
+                self.func_heartbeat(*node, *load, *now_ms)?;
                 Ok(Outcome::Done)
             }
             _ => {
@@ -295,6 +381,65 @@ impl ClusterMap {
         changed
     }
 
+    /// Records a function server's load and heartbeat time; `UnknownNode` when `node` is not a
+    /// registered function server (it registers again).
+    fn func_heartbeat(
+        &mut self,
+        node: NodeId,
+        load: FuncLoad,
+        now_ms: u64,
+    ) -> Result<(), MapError> {
+        let (Some(n), Some(f)) = (self.nodes.get_mut(&node), self.funcs.get_mut(&node)) else {
+            return Err(MapError::UnknownNode(node));
+        };
+        n.last_heartbeat_ms = now_ms.max(n.last_heartbeat_ms);
+        f.load = load;
+        Ok(())
+    }
+
+    /// Registers a node, or refreshes the one registered from the same address with the same
+    /// role: it keeps its id and is up again.
+    fn register(
+        &mut self,
+        addr: &str,
+        role: Role,
+        zone: &str,
+        capacity: u64,
+        now_ms: u64,
+    ) -> NodeId {
+        if let Some(n) = self
+            .nodes
+            .values_mut()
+            .find(|n| n.addr == addr && n.role == role)
+        {
+            n.zone = zone.to_string();
+            n.capacity = capacity;
+            n.last_heartbeat_ms = now_ms;
+            n.status = NodeStatus::Up;
+            let id = n.id;
+            // A node back from the dead: its partitions are writable again now, not at the next
+            // change that happens to refresh the statuses.
+            self.refresh_partition_status();
+            return id;
+        }
+        self.next_node += 1;
+        let id = NodeId(self.next_node);
+        self.nodes.insert(
+            id,
+            Node {
+                id,
+                addr: addr.to_string(),
+                role,
+                zone: zone.to_string(),
+                capacity,
+                used: 0,
+                last_heartbeat_ms: now_ms,
+                status: NodeStatus::Up,
+            },
+        );
+        id
+    }
+
     fn apply_in_place(&mut self, cmd: &Command) -> Result<Outcome, MapError> {
         match cmd {
             Command::RegisterNode {
@@ -304,38 +449,47 @@ impl ClusterMap {
                 capacity,
                 now_ms,
             } => {
-                // A node re-registering from the same address keeps its id.
-                if let Some(n) = self
-                    .nodes
-                    .values_mut()
-                    .find(|n| n.addr == *addr && n.role == *role)
-                {
-                    n.zone = zone.clone();
-                    n.capacity = *capacity;
-                    n.last_heartbeat_ms = *now_ms;
-                    n.status = NodeStatus::Up;
-                    let id = n.id;
-                    // A node back from the dead: its partitions are writable again now, not at
-                    // the next change that happens to refresh the statuses.
-                    self.refresh_partition_status();
-                    return Ok(Outcome::NodeRegistered(id));
+                if *role == Role::Func {
+                    return Err(MapError::Invalid(
+                        "function servers register with RegisterFunc".into(),
+                    ));
                 }
-                self.next_node += 1;
-                let id = NodeId(self.next_node);
-                self.nodes.insert(
+                Ok(Outcome::NodeRegistered(
+                    self.register(addr, *role, zone, *capacity, *now_ms),
+                ))
+            }
+            Command::RegisterFunc {
+                addr,
+                zone,
+                functions,
+                capacity,
+                now_ms,
+            } => {
+                if addr.is_empty() || functions.is_empty() || *capacity == 0 {
+                    return Err(MapError::Invalid(
+                        "a function server needs an address, at least one function and a \
+                         capacity of at least 1"
+                            .into(),
+                    ));
+                }
+                let id = self.register(addr, Role::Func, zone, 0, *now_ms);
+                let mut functions = functions.clone();
+                functions.sort_unstable();
+                functions.dedup();
+                let load = self.funcs.get(&id).map(|f| f.load).unwrap_or_default();
+                self.funcs.insert(
                     id,
-                    Node {
-                        id,
-                        addr: addr.clone(),
-                        role: *role,
-                        zone: zone.clone(),
+                    FuncService {
+                        functions,
                         capacity: *capacity,
-                        used: 0,
-                        last_heartbeat_ms: *now_ms,
-                        status: NodeStatus::Up,
+                        load,
                     },
                 );
                 Ok(Outcome::NodeRegistered(id))
+            }
+            Command::FuncHeartbeat { node, load, now_ms } => {
+                self.func_heartbeat(*node, *load, *now_ms)?;
+                Ok(Outcome::Done)
             }
             Command::Heartbeat {
                 node,
@@ -531,7 +685,7 @@ impl ClusterMap {
                 .flat_map(|p| p.replicas.iter())
                 .copied()
                 .collect(),
-            Role::Master => Vec::new(),
+            Role::Master | Role::Func => Vec::new(),
         };
         for r in replicas {
             *hosted.entry(r).or_default() += 1;
@@ -755,6 +909,36 @@ impl ClusterMap {
             volume: volume.clone(),
             meta_partitions: volume.meta_partitions.iter().filter_map(view).collect(),
             data_partitions: volume.data_partitions.iter().filter_map(view).collect(),
+        })
+    }
+
+    /// The function servers that are up, for callers.
+    pub fn func_view(&self) -> FuncView {
+        FuncView {
+            epoch: self.epoch,
+            instances: self
+                .func_instances()
+                .filter(|(n, _)| n.status == NodeStatus::Up)
+                .map(|(_, i)| i)
+                .collect(),
+        }
+    }
+
+    /// Every registered function server, up or down, in node id order.
+    pub fn func_instances(&self) -> impl Iterator<Item = (&Node, FuncInstance)> {
+        self.funcs.iter().filter_map(|(id, f)| {
+            let n = self.nodes.get(id)?;
+            Some((
+                n,
+                FuncInstance {
+                    node: *id,
+                    addr: n.addr.clone(),
+                    zone: n.zone.clone(),
+                    functions: f.functions.clone(),
+                    capacity: f.capacity,
+                    load: f.load,
+                },
+            ))
         })
     }
 

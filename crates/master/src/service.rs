@@ -24,8 +24,9 @@ use tokio::sync::{Notify, watch};
 
 use nacre_api::data::SweepReport;
 use nacre_api::master::{
-    CreatePartition, GetGc, GetSpace, GetVolume, Heartbeat, HeartbeatReply, MapError, MasterError,
-    MasterStatus, PartitionStatus, PendingReplica, Register, ReportGc, ReportGcRequest, Status,
+    CreatePartition, FuncHeartbeat, FuncHeartbeatRequest, GetFuncs, GetGc, GetSpace, GetVolume,
+    Heartbeat, HeartbeatReply, MapError, MasterError, MasterStatus, PartitionStatus,
+    PendingReplica, Register, RegisterFunc, RegisterFuncRequest, ReportGc, ReportGcRequest, Status,
 };
 
 use crate::map::{ClusterMap, Command, Outcome};
@@ -596,6 +597,51 @@ impl Master {
                         m.gc_reports()
                             .await
                             .map(|r| (r, Payload::none()))
+                            .map_err(remote)
+                    }
+                }
+            })
+            .route::<RegisterFunc, _, _>({
+                let m = self.clone();
+                move |req: RegisterFuncRequest, _inc| {
+                    let m = m.clone();
+                    async move {
+                        let cmd = Command::RegisterFunc {
+                            addr: req.addr,
+                            zone: req.zone,
+                            functions: req.functions,
+                            capacity: req.capacity,
+                            now_ms: Self::now_ms(),
+                        };
+                        map_result(m.execute(&cmd).await.and_then(|o| match o {
+                            Outcome::NodeRegistered(id) => Ok(id),
+                            other => Err(unexpected(&other)),
+                        }))
+                    }
+                }
+            })
+            .route::<FuncHeartbeat, _, _>({
+                let m = self.clone();
+                move |req: FuncHeartbeatRequest, _inc| {
+                    let m = m.clone();
+                    async move {
+                        let cmd = Command::FuncHeartbeat {
+                            node: req.node,
+                            load: req.load,
+                            now_ms: Self::now_ms(),
+                        };
+                        map_result(m.execute(&cmd).await.map(|_| ()))
+                    }
+                }
+            })
+            .route::<GetFuncs, _, _>({
+                let m = self.clone();
+                move |_req, _inc| {
+                    let m = m.clone();
+                    async move {
+                        m.read(|map| map.func_view())
+                            .await
+                            .map(|v| (v, Payload::none()))
                             .map_err(remote)
                     }
                 }

@@ -2,8 +2,8 @@
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
 use nacre_master::map::{
-    ClusterMap, Command, MapError, NodeStatus, OPEN_END, Outcome, PartitionKind, PartitionReport,
-    PartitionStatus, Role,
+    ClusterMap, Command, FuncLoad, Function, MapError, NodeStatus, OPEN_END, Outcome,
+    PartitionKind, PartitionReport, PartitionStatus, Role,
 };
 use nacre_types::NodeId;
 use proptest::prelude::*;
@@ -429,4 +429,187 @@ fn new_data_partitions_avoid_dead_and_full_nodes() {
             .iter()
             .all(|p| m.data_partitions[p].status == PartitionStatus::Rw)
     );
+}
+
+// ---- function servers ----
+
+fn register_func(m: &mut ClusterMap, addr: &str, now_ms: u64) -> NodeId {
+    match m
+        .apply(&Command::RegisterFunc {
+            addr: addr.into(),
+            zone: "z0".into(),
+            functions: vec![Function::Decompress, Function::Compress, Function::Compress],
+            capacity: 64,
+            now_ms,
+        })
+        .unwrap()
+    {
+        Outcome::NodeRegistered(id) => id,
+        other => panic!("unexpected outcome {other:?}"),
+    }
+}
+
+fn func_heartbeat(m: &mut ClusterMap, node: NodeId, outstanding: u32, now_ms: u64) {
+    m.apply(&Command::FuncHeartbeat {
+        node,
+        load: FuncLoad {
+            outstanding,
+            calls_per_s: 100 * u64::from(outstanding),
+            bytes_per_s: 0,
+        },
+        now_ms,
+    })
+    .unwrap();
+}
+
+fn listed(m: &ClusterMap) -> Vec<NodeId> {
+    m.func_view().instances.iter().map(|i| i.node).collect()
+}
+
+#[test]
+fn function_servers_register_heartbeat_and_are_listed_while_up() {
+    let mut m = cluster(3, 3, 1);
+    let e0 = m.epoch;
+    let f1 = register_func(&mut m, "f1:7000", 0);
+    let f2 = register_func(&mut m, "f2:7000", 0);
+    assert_eq!(m.epoch, e0 + 2, "a registration changes the map's shape");
+    assert_eq!(m.nodes[&f1].role, Role::Func);
+    assert_eq!(listed(&m), [f1, f2]);
+    let view = m.func_view();
+    assert_eq!(view.epoch, m.epoch);
+    assert_eq!(view.instances[0].addr, "f1:7000");
+    assert_eq!(
+        view.instances[0].functions,
+        [Function::Compress, Function::Decompress],
+        "sorted, without duplicates"
+    );
+    assert_eq!(view.instances[0].capacity, 64);
+
+    // Heartbeats carry the load and leave the epoch alone.
+    let e = m.epoch;
+    func_heartbeat(&mut m, f1, 3, 5_000);
+    func_heartbeat(&mut m, f2, 1, 5_000);
+    assert_eq!(m.epoch, e);
+    let view = m.func_view();
+    assert_eq!(view.instances[0].load.outstanding, 3);
+    assert_eq!(view.instances[0].load.calls_per_s, 300);
+    assert_eq!(m.nodes[&f1].last_heartbeat_ms, 5_000);
+
+    // f2 falls silent: down, no longer listed, and the epoch says so.
+    func_heartbeat(&mut m, f1, 0, 12_000);
+    m.apply(&Command::CheckLiveness {
+        now_ms: 16_000,
+        timeout_ms: 10_000,
+    })
+    .unwrap();
+    assert_eq!(m.nodes[&f2].status, NodeStatus::Down);
+    assert_eq!(m.nodes[&f1].status, NodeStatus::Up);
+    assert_eq!(listed(&m), [f1]);
+    assert_eq!(m.func_view().epoch, e + 1);
+    assert_eq!(
+        m.func_instances().count(),
+        2,
+        "still known, for `nacre func ls`"
+    );
+
+    // Heard from again: up at the next check. Restarted: same id, up at once, load kept.
+    func_heartbeat(&mut m, f2, 2, 17_000);
+    assert_eq!(listed(&m), [f1]);
+    m.apply(&Command::CheckLiveness {
+        now_ms: 17_500,
+        timeout_ms: 10_000,
+    })
+    .unwrap();
+    assert_eq!(listed(&m), [f1, f2]);
+    m.apply(&Command::CheckLiveness {
+        now_ms: 40_000,
+        timeout_ms: 10_000,
+    })
+    .unwrap();
+    assert!(listed(&m).is_empty());
+    assert_eq!(register_func(&mut m, "f2:7000", 40_000), f2);
+    assert_eq!(listed(&m), [f2]);
+    assert_eq!(m.func_view().instances[0].load.outstanding, 2);
+}
+
+#[test]
+fn bad_function_server_requests_fail_and_change_nothing() {
+    let mut m = cluster(3, 3, 1);
+    let f = register_func(&mut m, "f:7000", 0);
+    let meta = *m.nodes.keys().next().unwrap();
+    let before = m.clone();
+    for node in [NodeId(999), meta] {
+        let err = m
+            .apply(&Command::FuncHeartbeat {
+                node,
+                load: FuncLoad::default(),
+                now_ms: 1,
+            })
+            .unwrap_err();
+        assert_eq!(
+            err,
+            MapError::UnknownNode(node),
+            "the server registers again"
+        );
+    }
+    let bad = [
+        Command::RegisterNode {
+            addr: "x:1".into(),
+            role: Role::Func,
+            zone: "z".into(),
+            capacity: 1,
+            now_ms: 0,
+        },
+        Command::RegisterFunc {
+            addr: "x:1".into(),
+            zone: "z".into(),
+            functions: vec![],
+            capacity: 8,
+            now_ms: 0,
+        },
+        Command::RegisterFunc {
+            addr: "x:1".into(),
+            zone: "z".into(),
+            functions: vec![Function::Checksum],
+            capacity: 0,
+            now_ms: 0,
+        },
+    ];
+    for cmd in &bad {
+        assert!(matches!(m.apply(cmd), Err(MapError::Invalid(_))), "{cmd:?}");
+    }
+    assert_eq!(m, before);
+    // A meta node's heartbeat path knows nothing of function servers.
+    assert_eq!(m.nodes[&f].role, Role::Func);
+}
+
+#[test]
+fn function_servers_host_no_partitions() {
+    let mut m = cluster(3, 3, 1);
+    let funcs: Vec<NodeId> = (0..4)
+        .map(|i| register_func(&mut m, &format!("f{i}:7000"), 0))
+        .collect();
+    create(&mut m, "vol", 3, 6).unwrap();
+    for f in &funcs {
+        assert!(m.assigned(*f).is_empty());
+    }
+}
+
+#[test]
+fn a_map_with_function_servers_survives_a_snapshot_and_an_older_snapshot_decodes() {
+    let mut m = cluster(3, 3, 1);
+    create(&mut m, "vol", 2, 3).unwrap();
+    // Written by a master built before function servers: the same fields, without the
+    // trailing (empty) map of them.
+    let older = m.snapshot();
+    assert_eq!(older.last(), Some(&0), "an empty map is one zero byte");
+    assert_eq!(ClusterMap::restore(&older[..older.len() - 1]).unwrap(), m);
+
+    let f = register_func(&mut m, "f:7000", 0);
+    func_heartbeat(&mut m, f, 5, 1);
+    let back = ClusterMap::restore(&m.snapshot()).unwrap();
+    assert_eq!(back, m);
+    assert_eq!(back.func_view().instances.len(), 1);
+    // Cut inside the fields every master writes: refused.
+    assert!(ClusterMap::restore(&older[..older.len() / 2]).is_err());
 }

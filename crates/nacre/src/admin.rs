@@ -1,5 +1,5 @@
 //! The admin front ends: the HTTP/JSON API served by masters (`/api/v1/…`) and the CLI commands
-//! `nacre cluster|node|vol|partition|tenant`. Both call `nacre_master::admin::Admin` and show the
+//! `nacre cluster|node|func|vol|partition|tenant`. Both call `nacre_master::admin::Admin` and show the
 //! same answers; the CLI prints tables, or the API's JSON with `--json`.
 
 use std::path::Path;
@@ -17,7 +17,7 @@ use comfy_table::Table;
 use nacre_client::MasterClient;
 use nacre_master::MasterError;
 use nacre_master::admin::{Admin, CreateVolume, PartitionInfo, VolumeInfo};
-use nacre_master::map::MapError;
+use nacre_master::map::{Function, MapError, Role};
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use serde::{Deserialize, Serialize};
 
@@ -31,6 +31,7 @@ pub fn http_router(admin: Admin) -> Router {
     Router::new()
         .route("/api/v1/status", get(status))
         .route("/api/v1/nodes", get(nodes))
+        .route("/api/v1/funcs", get(funcs))
         .route("/api/v1/volumes", get(volumes).post(create_volume))
         .route("/api/v1/volumes/{name}", get(volume).delete(delete_volume))
         .route(
@@ -86,6 +87,10 @@ async fn status(State(a): State<Admin>) -> impl IntoResponse {
 
 async fn nodes(State(a): State<Admin>) -> impl IntoResponse {
     api(a.nodes().await)
+}
+
+async fn funcs(State(a): State<Admin>) -> impl IntoResponse {
+    api(a.funcs().await)
 }
 
 async fn volumes(State(a): State<Admin>) -> impl IntoResponse {
@@ -196,8 +201,23 @@ pub struct NodeArgs {
 
 #[derive(Debug, Subcommand)]
 enum NodeCmd {
-    /// Every registered meta and data node.
+    /// Every registered meta, data and func node.
     List,
+}
+
+#[derive(Debug, Args)]
+pub struct FuncArgs {
+    #[command(flatten)]
+    common: Common,
+    #[command(subcommand)]
+    cmd: FuncCmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum FuncCmd {
+    /// Every registered function server: address, status, functions, load and calls/s.
+    #[command(visible_alias = "list")]
+    Ls,
 }
 
 #[derive(Debug, Args)]
@@ -296,6 +316,7 @@ enum TenantCmd {
 pub enum AdminCmd {
     Cluster(ClusterArgs),
     Node(NodeArgs),
+    Func(FuncArgs),
     Vol(VolArgs),
     Partition(PartitionArgs),
     Tenant(TenantArgs),
@@ -306,6 +327,7 @@ pub fn run(cmd: AdminCmd) -> anyhow::Result<()> {
     let common = match &cmd {
         AdminCmd::Cluster(a) => &a.common,
         AdminCmd::Node(a) => &a.common,
+        AdminCmd::Func(a) => &a.common,
         AdminCmd::Vol(a) => &a.common,
         AdminCmd::Partition(a) => &a.common,
         AdminCmd::Tenant(a) => &a.common,
@@ -388,6 +410,14 @@ fn bytes(n: u64) -> String {
     }
 }
 
+/// A function server's offer: `all`, or the names.
+fn functions(fs: &[Function]) -> String {
+    if Function::ALL.iter().all(|f| fs.contains(f)) {
+        return "all".into();
+    }
+    ids(fs)
+}
+
 fn ids<T: std::fmt::Display>(v: &[T]) -> String {
     v.iter()
         .map(|x| x.to_string())
@@ -462,19 +492,66 @@ async fn dispatch(admin: &Admin, cmd: AdminCmd, json: bool) -> anyhow::Result<()
                 "heartbeat",
             ]);
             for n in &nodes {
+                // A function server's capacity is calls, not bytes (`nacre func ls`).
+                let sized = |b: u64| {
+                    if n.role == Role::Func {
+                        "-".to_string()
+                    } else {
+                        bytes(b)
+                    }
+                };
                 t.add_row(vec![
                     n.id.to_string(),
                     n.addr.clone(),
                     format!("{:?}", n.role).to_lowercase(),
                     n.zone.clone(),
                     format!("{:?}", n.status).to_lowercase(),
-                    bytes(n.used),
-                    bytes(n.capacity),
+                    sized(n.used),
+                    sized(n.capacity),
                     n.partitions.to_string(),
                     format!("{:.1}s ago", n.last_heartbeat_ms_ago as f64 / 1000.0),
                 ]);
             }
             println!("{t}");
+            Ok(())
+        }
+        AdminCmd::Func(FuncArgs {
+            cmd: FuncCmd::Ls, ..
+        }) => {
+            let funcs = admin.funcs().await?;
+            if json {
+                return print_json(&funcs);
+            }
+            let mut t = table(&[
+                "id",
+                "address",
+                "zone",
+                "status",
+                "load",
+                "calls/s",
+                "in/s",
+                "functions",
+                "heartbeat",
+            ]);
+            for f in &funcs {
+                t.add_row(vec![
+                    f.id.to_string(),
+                    f.addr.clone(),
+                    f.zone.clone(),
+                    format!("{:?}", f.status).to_lowercase(),
+                    format!("{}/{}", f.load.outstanding, f.capacity),
+                    f.load.calls_per_s.to_string(),
+                    bytes(f.load.bytes_per_s),
+                    functions(&f.functions),
+                    format!("{:.1}s ago", f.last_heartbeat_ms_ago as f64 / 1000.0),
+                ]);
+            }
+            println!("{t}");
+            if funcs.is_empty() {
+                println!(
+                    "no function server registered (`nacre up --funcs N`, or `nacre server` with role = \"func\")"
+                );
+            }
             Ok(())
         }
         AdminCmd::Vol(VolArgs { cmd, .. }) => vol(admin, cmd, json).await,

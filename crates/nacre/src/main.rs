@@ -63,19 +63,19 @@ enum Cmd {
     /// Run one nacre node from a TOML config file (NACRE_* variables override its keys).
     ///
     /// Example: `NACRE_ROLE=master NACRE_MSGR__WORKERS=4 nacre server --config node.toml`. Keys:
-    /// name, role (master|meta|data|none), listen, advertise, http_listen, data_dir, zone, masters,
+    /// name, role (master|meta|data|func|none), listen, advertise, http_listen, data_dir, zone, masters,
     /// heartbeat_ms, capacity, raft_early_appends, spare_bytes, spare_keep_secs, direct_streams,
     /// scrub_rate, scrub_period_secs, gc_period_secs, gc_grace_secs; [master] id, peers, tick_ms, duty_interval_ms,
     /// node_timeout_ms, min_writable_data_partitions, data_partitions_step, meta_split_inodes,
     /// meta_split_memory, meta_split_step, default_tenant; [msgr] workers, assign, max_frame, conns_per_peer,
     /// max_inflight_per_conn, max_inflight_bytes_per_conn, max_inflight_total,
-    /// max_inflight_bytes_total, connect_timeout_ms, default_deadline_ms. `--print-config` shows
-    /// them all with their values.
+    /// max_inflight_bytes_total, connect_timeout_ms, default_deadline_ms; [func] workers,
+    /// max_inflight. `--print-config` shows them all with their values.
     Server(ServerArgs),
     /// Start a local cluster in this process and keep it running until Ctrl-C.
     ///
-    /// One master, three meta nodes and three data nodes, each on its own loopback port with its
-    /// own directory under DIR. Addresses are printed and written to DIR/up.json, where the admin
+    /// One master, three meta nodes, three data nodes and one function server (--funcs), each on
+    /// its own loopback port with its own directory under DIR. Addresses are printed and written to DIR/up.json, where the admin
     /// commands (`nacre vol create …`) run in the same directory find them.
     Up(UpArgs),
     /// Stop the `nacre up` running in DIR (SIGTERM, then wait until it has unmounted and stopped).
@@ -87,8 +87,10 @@ enum Cmd {
     Mount(mount::MountArgs),
     /// Cluster-wide status from the master leader.
     Cluster(admin::ClusterArgs),
-    /// Meta and data nodes.
+    /// Meta, data and func nodes.
     Node(admin::NodeArgs),
+    /// Function servers: the storage functions callers may run remotely.
+    Func(admin::FuncArgs),
     /// Volumes: create, list, info, delete.
     Vol(admin::VolArgs),
     /// Meta and data partitions.
@@ -141,6 +143,9 @@ struct UpArgs {
     /// The volume --mount mounts.
     #[arg(long, default_value = "default")]
     volume: String,
+    /// Function servers to start (0 for none).
+    #[arg(long, default_value_t = 1)]
+    funcs: usize,
     #[command(flatten)]
     mount_flags: mount::MountFlags,
 }
@@ -362,6 +367,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Mount(a) => mount::run_mount(a),
         Cmd::Cluster(a) => admin_cli(admin::AdminCmd::Cluster(a)),
         Cmd::Node(a) => admin_cli(admin::AdminCmd::Node(a)),
+        Cmd::Func(a) => admin_cli(admin::AdminCmd::Func(a)),
         Cmd::Vol(a) => admin_cli(admin::AdminCmd::Vol(a)),
         Cmd::Partition(a) => admin_cli(admin::AdminCmd::Partition(a)),
         Cmd::Tenant(a) => admin_cli(admin::AdminCmd::Tenant(a)),
@@ -520,8 +526,12 @@ fn up(a: UpArgs) -> anyhow::Result<()> {
         })
         .await?;
         let mut nodes = vec![];
-        for role in [RoleName::Meta, RoleName::Data] {
-            for i in 1..=3 {
+        for (role, count) in [
+            (RoleName::Meta, 3),
+            (RoleName::Data, 3),
+            (RoleName::Func, a.funcs),
+        ] {
+            for i in 1..=count {
                 let name = format!("{role:?}-{i}").to_lowercase();
                 let started = Node::start(&NodeConfig {
                     name: name.clone(),

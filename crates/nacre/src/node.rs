@@ -1,4 +1,5 @@
-//! A nacre process: messenger, system ops, HTTP endpoint, and one role (master, meta or data).
+//! A nacre process: messenger, system ops, HTTP endpoint, and one role (master, meta, data or
+//! func).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -6,10 +7,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use nacre_api::master::RegisterRequest;
+use nacre_api::master::{RegisterFuncRequest, RegisterRequest};
 use nacre_client::MasterClient;
 use nacre_cluster::{AgentConfig, PartitionHost, node_router, run_agent};
 use nacre_data::{DataNode, DataNodeConfig};
+use nacre_funcsvc::{FuncAgentConfig, FuncMetrics, FuncServer, FuncServerConfig, run_func_agent};
 use nacre_master::map::Role;
 use nacre_master::{MASTER_GROUP, Master, MasterConfig, MasterSm};
 use nacre_meta::{MetaNode, MetaNodeConfig};
@@ -32,6 +34,8 @@ pub enum RoleName {
     Master,
     Meta,
     Data,
+    /// A function server: storage functions for callers, registered with the masters.
+    Func,
 }
 
 /// Configuration of one `nacre server` process (TOML, with `NACRE_*` overrides).
@@ -40,7 +44,7 @@ pub enum RoleName {
 pub struct NodeConfig {
     /// Name reported by `ping` and used in logs and thread names.
     pub name: String,
-    /// `master`, `meta`, `data` or `none`.
+    /// `master`, `meta`, `data`, `func` or `none`.
     pub role: RoleName,
     /// Messenger listen address (`host:port`; port 0 picks a free one).
     pub listen: String,
@@ -53,9 +57,9 @@ pub struct NodeConfig {
     pub data_dir: PathBuf,
     /// Failure domain; replicas go to distinct zones when there are enough.
     pub zone: String,
-    /// Messenger addresses of the masters (meta and data nodes).
+    /// Messenger addresses of the masters (meta, data and func nodes).
     pub masters: Vec<String>,
-    /// Milliseconds between heartbeats to the master (meta and data nodes).
+    /// Milliseconds between heartbeats to the master (meta, data and func nodes).
     pub heartbeat_ms: u64,
     /// Bytes offered to the cluster: memory on meta nodes, disk on data nodes. 0 measures it (total
     /// memory, or the size of the file system holding `data_dir`).
@@ -89,6 +93,7 @@ pub struct NodeConfig {
     pub gc_grace_secs: u64,
     pub msgr: MsgrSection,
     pub master: MasterSection,
+    pub func: FuncSection,
 }
 
 impl Default for NodeConfig {
@@ -114,6 +119,7 @@ impl Default for NodeConfig {
             gc_grace_secs: 3600,
             msgr: MsgrSection::default(),
             master: MasterSection::default(),
+            func: FuncSection::default(),
         }
     }
 }
@@ -204,6 +210,41 @@ impl MasterSection {
                 self.id
             ),
             None => anyhow::bail!("master.id {} is not among master.peers", self.id),
+        }
+    }
+}
+
+/// The `[func]` table: settings of a function server.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FuncSection {
+    /// Calls running at once, each on its own thread; 0: one per CPU.
+    pub workers: usize,
+    /// Calls admitted at once (running or waiting for a worker); beyond, callers are told to
+    /// go elsewhere. Registered with the master as the server's capacity.
+    pub max_inflight: usize,
+}
+
+impl Default for FuncSection {
+    fn default() -> Self {
+        Self {
+            workers: 0,
+            max_inflight: FuncServerConfig::default().max_inflight,
+        }
+    }
+}
+
+impl FuncSection {
+    fn to_config(&self) -> FuncServerConfig {
+        let d = FuncServerConfig::default();
+        FuncServerConfig {
+            workers: if self.workers == 0 {
+                d.workers
+            } else {
+                self.workers
+            },
+            max_inflight: self.max_inflight.max(1),
+            ..d
         }
     }
 }
@@ -315,6 +356,8 @@ impl Node {
         // Registered on every node (zero where no data node runs), like the Raft histogram.
         let data_metrics = nacre_data::DataMetrics::default();
         data_metrics.register(&mut registry);
+        let func_metrics = FuncMetrics::default();
+        func_metrics.register(&mut registry);
         let registry = Arc::new(registry);
         let (stop, _) = watch::channel(false);
         let stopped = |stop: &watch::Sender<bool>| {
@@ -471,6 +514,30 @@ impl Node {
                 let done = stopped(&stop);
                 tasks.push(tokio::spawn(async move {
                     run_agent(mc, agent, host, id_tx, done).await;
+                    Ok(())
+                }));
+            }
+            RoleName::Func => {
+                anyhow::ensure!(
+                    !cfg.masters.is_empty(),
+                    "a func node needs the masters' addresses (masters = [\"host:port\", …])"
+                );
+                let server = FuncServer::new(cfg.func.to_config(), func_metrics.clone());
+                router = router.merge(server.router());
+                let agent = FuncAgentConfig {
+                    register: RegisterFuncRequest {
+                        addr: addr.clone(),
+                        zone: cfg.zone.clone(),
+                        functions: server.config().functions.clone(),
+                        capacity: u32::try_from(server.config().max_inflight).unwrap_or(u32::MAX),
+                    },
+                    heartbeat_interval: Duration::from_millis(cfg.heartbeat_ms.max(10)),
+                };
+                let mc = MasterClient::new(msgr.client(), cfg.masters.clone());
+                let (id_tx, _) = watch::channel(None);
+                let done = stopped(&stop);
+                tasks.push(tokio::spawn(async move {
+                    run_func_agent(mc, agent, server, id_tx, done).await;
                     Ok(())
                 }));
             }

@@ -278,7 +278,15 @@ fn up_starts_a_cluster_the_admin_commands_find() {
     assert_eq!(info["gc"]["unswept"], 0, "{info}");
     assert_eq!(info["gc"]["unreferenced_bytes"], 0, "{info}");
     let nodes = admin(&["node", "list"]);
-    assert_eq!(nodes.matches(" up ").count(), 6, "{nodes}");
+    assert_eq!(nodes.matches(" up ").count(), 7, "{nodes}");
+    // The function server `up` starts by default.
+    let funcs: serde_json::Value = serde_json::from_str(&admin(&["func", "ls", "--json"])).unwrap();
+    let funcs = funcs.as_array().unwrap();
+    assert_eq!(funcs.len(), 1, "{funcs:?}");
+    assert_eq!(funcs[0]["status"], "Up");
+    assert_eq!(funcs[0]["capacity"], 64);
+    let table = admin(&["func", "ls"]);
+    assert!(table.contains(" up ") && table.contains("all"), "{table}");
 
     let st = Command::new("kill")
         .args(["-TERM", &child.0.id().to_string()])
