@@ -635,9 +635,9 @@ async fn the_scrub_repairs_a_flipped_bit_on_a_follower() {
 }
 
 /// A node whose disk is full takes no new bytes, whichever replica it is: the partition turns
-/// read-only (appends go to other partitions) and stays so through its leader's re-checks, which
-/// would otherwise find every follower answering and take appends the full replica refuses.
-/// Raft writes (extent creation, overwrites) still go through.
+/// read-only (new extents and appends go to other partitions) and stays so through its leader's
+/// re-checks, which would otherwise find every follower answering and take appends the full
+/// replica refuses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_node_keeps_its_partition_read_only() {
     let _serial = SERIAL.lock().await;
@@ -649,24 +649,30 @@ async fn a_full_node_keeps_its_partition_read_only() {
     .await;
     let api = c.api.clone();
     let l = api.leader().await;
-    let e = api.create().await.unwrap().unwrap();
-    let why = eventually("the full node to refuse appends", || async {
-        // A duty round measures the disk (and degrades the partitions a full node leads).
-        c.node(1).maintain().await;
+    // A new extent, then an append to it: refused as soon as the node has measured its disk.
+    let refused = || async {
+        let e = match api.create().await.unwrap() {
+            Ok(e) => e,
+            Err(DataError::ReadOnly(why)) => return Some(why),
+            Err(other) => panic!("unexpected refusal: {other:?}"),
+        };
         match api.append(e, 0, &pattern(1, 1000)).await.unwrap() {
             Err(DataError::ReadOnly(why)) => Some(why),
-            Ok(_) => panic!("a full node took an append"),
+            Ok(_) => None,
             Err(other) => panic!("unexpected refusal: {other:?}"),
         }
+    };
+    let why = eventually("the full node to refuse new bytes", || async {
+        // A duty round measures the disk (and degrades the partitions a full node leads).
+        c.node(1).maintain().await;
+        refused().await
     })
     .await;
     assert!(why.contains("disk is full"), "{why}");
     for _ in 0..3 {
         c.node(l).maintain().await;
-        match api.append(e, 0, &pattern(2, 1000)).await.unwrap() {
-            Err(DataError::ReadOnly(why)) => assert!(why.contains("disk is full"), "{why}"),
-            other => panic!("expected ReadOnly, got {other:?}"),
-        }
+        let why = refused().await.expect("a full node took new bytes");
+        assert!(why.contains("disk is full"), "{why}");
     }
     c.shutdown().await;
 }
