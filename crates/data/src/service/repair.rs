@@ -279,14 +279,16 @@ impl DataNode {
     /// order, on top of them. Returns false (nothing written) otherwise.
     ///
     /// With `same_len` (a repair of blocks this replica has, from a follower) the bytes must
-    /// cover exactly the blocks' current length here, else false: a follower behind on appends
-    /// has a shorter copy (or none), which would cut acknowledged bytes off this one.
+    /// cover at least the blocks' current length here, and only that much is written, else
+    /// false: a follower behind on appends has a shorter copy (or none), which would cut
+    /// acknowledged bytes off this one; one ahead (a packet it wrote before this leader did)
+    /// holds the same bytes up to this copy's end.
     pub(super) async fn install_blocks(
         &self,
         part: &Part,
         extent: ExtentId,
         first: u64,
-        data: Bytes,
+        mut data: Bytes,
         applied: u64,
         same_len: bool,
     ) -> Result<bool, String> {
@@ -303,9 +305,10 @@ impl DataNode {
                     let want = len
                         .saturating_sub(start)
                         .min(data.len().div_ceil(bs) as u64 * bs as u64);
-                    if data.is_empty() || data.len() as u64 != want {
+                    if want == 0 || (data.len() as u64) < want {
                         return Ok(false);
                     }
+                    data.truncate(want as usize);
                 }
                 for (i, chunk) in data.chunks(bs).enumerate() {
                     sm.store
