@@ -12,6 +12,11 @@ use crate::sm::{DataCommand, store_error};
 use crate::store::StoreError;
 use nacre_api::data::*;
 
+/// Most reads of a request that finds a bad block, each after a repair or a pause.
+const READ_REPAIRS: usize = 10;
+/// How long a read waits for a replica that can repair a bad block.
+const READ_REPAIR_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl DataNode {
     pub(super) async fn overwrite(
         &self,
@@ -100,7 +105,8 @@ impl DataNode {
     }
 
     /// Reads committed bytes on the leader, verifying block CRCs; a bad block is fetched from a
-    /// follower, rewritten here and the read retried.
+    /// follower, rewritten here and the read retried (`READ_REPAIRS` times at most, for
+    /// `READ_REPAIR_FOR`).
     pub(super) async fn read(&self, part: &Part, req: &ReadRequest) -> Result<Bytes, DataError> {
         let committed = self.leader_track(part, req.extent).await?.committed();
         let end = req.offset.saturating_add(u64::from(req.len));
@@ -112,7 +118,11 @@ impl DataNode {
                 committed,
             });
         }
-        for _ in 0..3 {
+        // A replica that could supply the block may be restarting or catching up: the repair is
+        // tried again, with a growing pause, for `READ_REPAIR_FOR` before the read fails.
+        let deadline = std::time::Instant::now() + READ_REPAIR_FOR;
+        let mut pause = std::time::Duration::from_millis(50);
+        for _ in 0..READ_REPAIRS {
             match part.store.read(req.extent, req.offset, req.len) {
                 Ok(b) => return Ok(b),
                 Err(StoreError::Corrupt { block, .. }) => {
@@ -120,8 +130,17 @@ impl DataNode {
                         partition = %part.id, extent = %req.extent, block,
                         "checksum mismatch on read; repairing from a replica"
                     );
-                    self.repair_block_from_followers(part, req.extent, block)
-                        .await?;
+                    match self
+                        .repair_block_from_followers(part, req.extent, block)
+                        .await
+                    {
+                        Ok(()) => {}
+                        Err(e) if std::time::Instant::now() + pause >= deadline => return Err(e),
+                        Err(_) => {
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(std::time::Duration::from_secs(1));
+                        }
+                    }
                 }
                 Err(e) => return Err(store_error(e)),
             }
