@@ -12,7 +12,7 @@
 //!
 //! The thread is dedicated because raft-engine's read cache is per thread (see `EngineLogStore`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
@@ -89,8 +89,11 @@ impl Default for StoreConfig {
         Self {
             node: NodeConfig::default(),
             tick_interval: Duration::from_millis(100),
-            keepalive_ticks: 4,
-            peer_timeout_ticks: 12,
+            // A keepalive every 200 ms and a peer down after 600 ms of silence: a leader cut off
+            // from the network costs its groups about 0.7 s (the timeout, then an immediate
+            // campaign), under the 1 s an application should wait at most.
+            keepalive_ticks: 2,
+            peer_timeout_ticks: 6,
             request_timeout_ticks: 100,
             purge_interval: Duration::from_secs(10),
             early_appends: false,
@@ -202,6 +205,7 @@ pub struct RaftHandle<S: StateMachine> {
     id: u64,
     tx: mpsc::UnboundedSender<Cmd<S>>,
     applied: watch::Receiver<u64>,
+    down: watch::Receiver<BTreeSet<u64>>,
 }
 
 impl<S: StateMachine> Clone for RaftHandle<S> {
@@ -210,6 +214,7 @@ impl<S: StateMachine> Clone for RaftHandle<S> {
             id: self.id,
             tx: self.tx.clone(),
             applied: self.applied.clone(),
+            down: self.down.clone(),
         }
     }
 }
@@ -233,6 +238,14 @@ impl<S: StateMachine> RaftHandle<S> {
     /// round that applied something: wait on it instead of polling a state machine.
     pub fn applied(&self) -> watch::Receiver<u64> {
         self.applied.clone()
+    }
+
+    /// The peers this store considers down: not heard from for `peer_timeout_ticks`, or their
+    /// address refused a connection. A peer is up again with its next message. Callers that talk
+    /// to peers outside Raft (a data leader's appends and listings) wait on it instead of on a
+    /// timeout of their own.
+    pub fn peers_down(&self) -> watch::Receiver<BTreeSet<u64>> {
+        self.down.clone()
     }
 
     /// Hosts a group (see [`RaftNode::add_group`]).
@@ -424,12 +437,19 @@ pub fn start<S: StateMachine>(
     let (tx, rx) = mpsc::unbounded_channel();
     let own = tx.downgrade();
     let (applied_tx, applied) = watch::channel(0u64);
+    let (down_tx, down) = watch::channel(BTreeSet::new());
+    let watches = (applied_tx, down_tx);
     if config.on_msgr_worker {
         let node = RaftNode::new(id, config.node.clone(), log.clone());
         let worker = client.clone();
         // Detached: the loop ends on `stop`, when every handle is dropped, or with the worker.
-        drop(worker.spawn(run(node, config, (own, rx), peers, client, applied_tx, log)));
-        return Ok(RaftHandle { id, tx, applied });
+        drop(worker.spawn(run(node, config, (own, rx), peers, client, watches, log)));
+        return Ok(RaftHandle {
+            id,
+            tx,
+            applied,
+            down,
+        });
     }
     thread::Builder::new()
         .name(format!("raft-{id}"))
@@ -445,9 +465,14 @@ pub fn start<S: StateMachine>(
                 }
             };
             let node = RaftNode::new(id, config.node.clone(), log.clone());
-            rt.block_on(run(node, config, (own, rx), peers, client, applied_tx, log));
+            rt.block_on(run(node, config, (own, rx), peers, client, watches, log));
         })?;
-    Ok(RaftHandle { id, tx, applied })
+    Ok(RaftHandle {
+        id,
+        tx,
+        applied,
+        down,
+    })
 }
 
 /// Hands each outcome to the proposal waiting for it.
@@ -479,6 +504,8 @@ struct Loop<S: StateMachine> {
     failed: Option<RaftError>,
     client: Client,
     applied: watch::Sender<u64>,
+    /// The peers marked down in `heard`, published for [`RaftHandle::peers_down`].
+    down: watch::Sender<BTreeSet<u64>>,
     ticks: u64,
     early_appends: bool,
     /// The loop's own queue, for results of work it hands off (weak: the loop still ends when every
@@ -495,7 +522,7 @@ async fn run<S: StateMachine>(
     ),
     peers: BTreeMap<u64, String>,
     client: Client,
-    applied: watch::Sender<u64>,
+    (applied, down): (watch::Sender<u64>, watch::Sender<BTreeSet<u64>>),
     log: Arc<dyn LogStore>,
 ) {
     let id = node.id();
@@ -510,6 +537,7 @@ async fn run<S: StateMachine>(
         failed: None,
         client,
         applied,
+        down,
         ticks: 0,
         early_appends: config.early_appends,
         own,
@@ -715,6 +743,18 @@ impl<S: StateMachine> Loop<S> {
         }
     }
 
+    /// Tells the node a peer went down or came back, and publishes the set of peers down.
+    fn mark(&mut self, peer: u64, alive: bool) {
+        self.node.set_peer_alive(peer, alive);
+        self.down.send_if_modified(|d| {
+            if alive {
+                d.remove(&peer)
+            } else {
+                d.insert(peer)
+            }
+        });
+    }
+
     fn handle(&mut self, cmd: Cmd<S>) {
         match cmd {
             Cmd::LocalRead { group, reader } => match self.node.state_machine(group) {
@@ -729,7 +769,7 @@ impl<S: StateMachine> Loop<S> {
                     && h.1
                 {
                     h.1 = false;
-                    self.node.set_peer_alive(peer, false);
+                    self.mark(peer, false);
                 }
             }
             Cmd::BarrierDone {
@@ -782,10 +822,11 @@ impl<S: StateMachine> Loop<S> {
             Cmd::Inbound(batch) => {
                 let from = batch.from;
                 if let Some(h) = self.heard.get_mut(&from) {
-                    if !h.1 {
-                        self.node.set_peer_alive(from, true);
-                    }
+                    let was_down = !h.1;
                     *h = (self.ticks, true);
+                    if was_down {
+                        self.mark(from, true);
+                    }
                 }
                 for env in batch.msgs {
                     match Message::parse_from_bytes(&env.msg) {
@@ -861,11 +902,15 @@ impl<S: StateMachine> Loop<S> {
                 reader(Err(RaftError::Timeout));
             }
         }
+        let mut silent = Vec::new();
         for (&peer, h) in self.heard.iter_mut() {
             if h.1 && self.ticks.saturating_sub(h.0) > config.peer_timeout_ticks {
                 h.1 = false;
-                self.node.set_peer_alive(peer, false);
+                silent.push(peer);
             }
+        }
+        for peer in silent {
+            self.mark(peer, false);
         }
         if self.ticks.is_multiple_of(config.keepalive_ticks.max(1)) {
             for o in self.outboxes.values() {
