@@ -393,6 +393,7 @@ impl DataNode {
         })
         .await
         .map_err(err_str)??;
+        let store_opened = started.elapsed();
         for t in store.recovery_report() {
             // A torn or unsynced tail, or the old bytes of a recycled file past its extent.
             tracing::info!(partition = %spec.id, trimmed = ?t, "extent file cut to its last verified block");
@@ -411,7 +412,6 @@ impl DataNode {
             }
             Err(e) => return Err(e.to_string()),
         };
-        let recovered = started.elapsed();
         let part = Arc::new(Part {
             id: spec.id,
             replicas: Mutex::new(spec.replicas.clone()),
@@ -437,7 +437,7 @@ impl DataNode {
         // keeps it from taking appends (docs/ARCHITECTURE.md, "Writable again after a restart").
         tracing::info!(
             partition = %spec.id,
-            store_ms = recovered.as_millis() as u64,
+            store_ms = store_opened.as_millis() as u64,
             total_ms = started.elapsed().as_millis() as u64,
             "data partition opened"
         );

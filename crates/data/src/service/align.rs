@@ -132,6 +132,20 @@ impl DataNode {
                 why: format!("node-{follower}: not a replica"),
             };
         };
+        // A node the Raft store has not heard from for its peer timeout (or whose port refused)
+        // is not asked: waiting `timeout` for it would add to every fail-over it causes.
+        if self
+            .raft()
+            .is_ok_and(|r| r.peers_down().borrow().contains(&follower))
+        {
+            return Event::Unreachable {
+                round,
+                from: follower,
+                why: format!(
+                    "{addr}: node-{follower} is down (no Raft message within the peer timeout)"
+                ),
+            };
+        }
         match self.list_extents(&addr, part.id, timeout).await {
             Ok(list) => Event::Listed {
                 round,
