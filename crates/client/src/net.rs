@@ -15,16 +15,21 @@
 //! `retry_for` runs out. Only then is the outcome reported unknown.
 //!
 //! **Fail-over.** A call that may be sent again (reads, overwrites, meta writes) waits
-//! [`FIRST_ATTEMPT`] for its first answer, doubling on every timeout up to `timeout`, so a leader
-//! that stopped answering costs about one election instead of a whole `timeout`. A node that timed
-//! out or refused a connection is *suspect* for [`SUSPECT_FOR`] (longer than an election), or
-//! until it answers: calls skip it, and hints that point to it, while another replica is not
-//! suspect, so they find the new leader as soon as it is elected.
+//! [`FIRST_ATTEMPT`] for its first answer, then tries the next replica while the first attempt
+//! stays in flight (a *hedge*: whichever answers with success first is taken), and waits twice as
+//! long on every timeout after that, up to `timeout`. A leader cut off costs about its peers'
+//! peer timeout and one campaign (0.7 s), a leader slow under load nothing but a spare request.
+//! A node that timed out or refused a connection is *suspect* for [`SUSPECT_FOR`] (longer than
+//! an election), or until it answers: calls skip it, and hints that point to it, while another
+//! replica is not suspect, so they find the new leader as soon as it is elected.
 
 use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use bytes::Bytes;
 use tokio::time::Instant;
 
 use crate::master::MasterClient;
@@ -32,7 +37,7 @@ use nacre_api::master::{MasterError, PartitionKind, PartitionStatus, VolumeView}
 use nacre_api::meta::rpc::{MetaRead, MetaWrite, ReadRequest, WriteRequest};
 use nacre_api::meta::{Command, MetaError, Query, Reply};
 use nacre_msgr::{CallOptions, Client, MsgrError, Payload};
-use nacre_proto::msg::Rpc;
+use nacre_proto::msg::{Rpc, encode_body};
 use nacre_types::sync::{self, lock};
 use nacre_types::{ErrorCode, PartitionId};
 
@@ -78,15 +83,16 @@ pub struct NetVolume {
     suspects: Mutex<HashMap<String, Instant>>,
 }
 
-/// How long a call waits for the first answer of a node when it may send the call again. A
-/// leader that died is replaced by an election that takes 1 to 2 s, so waiting this long first
-/// costs a fail-over nothing, and a leader slow under load is not given up too soon.
-pub const FIRST_ATTEMPT: Duration = Duration::from_secs(1);
+/// How long a call that may be sent again waits for a node's first answer before it also tries
+/// the next replica. The Raft stores find a peer cut off after 0.6 s of silence and its groups'
+/// lowest live voter campaigns at once, so the next replica can answer as leader about then; the
+/// first attempt still runs (see the module doc), so a slow leader is not given up.
+pub const FIRST_ATTEMPT: Duration = Duration::from_millis(500);
 
-/// How long a node that timed out or refused a connection is skipped: longer than a Raft
-/// election (10 to 20 ticks of 100 ms), so a dead leader is not asked again before the others
-/// elected a new one.
-pub const SUSPECT_FOR: Duration = Duration::from_millis(2500);
+/// How long a node that timed out or refused a connection is skipped: longer than the Raft
+/// stores' peer timeout and a campaign (0.7 s), so a dead leader is not asked again before the
+/// others elected a new one.
+pub const SUSPECT_FOR: Duration = Duration::from_millis(1500);
 
 /// The numbers of one client's meta calls ([`Command::Once`]).
 #[derive(Debug)]
@@ -295,6 +301,8 @@ impl NetVolume {
             self.timeout
         };
         let mut last = String::new();
+        let body = encode_body(req);
+        let mut straggler: Option<Straggler<R::Response>> = None;
         let give_up = |last: String, maybe_served: bool| {
             if maybe_served {
                 CallError::Unknown(last)
@@ -321,18 +329,28 @@ impl NetVolume {
             };
             let mut hinted = false;
             if !self.skip(&addr, &replicas) {
-                let opts = CallOptions {
-                    timeout: Some(wait.min(deadline.saturating_duration_since(Instant::now()))),
-                    ..Default::default()
-                };
+                let left = deadline.saturating_duration_since(Instant::now());
                 let payload = Payload {
                     bytes: data.bytes.clone(),
                     crc: data.crc,
                 };
-                match self.client.call_with::<R>(&addr, req, payload, opts).await {
+                let (answered, out) = if idempotent {
+                    self.hedged::<R>(&addr, &body, payload, wait.min(left), left, &mut straggler)
+                        .await
+                } else {
+                    let opts = CallOptions {
+                        timeout: Some(wait.min(left)),
+                        ..Default::default()
+                    };
+                    let out = self
+                        .client
+                        .call_body::<R>(&addr, body.clone(), payload, opts);
+                    (addr.clone(), out.await)
+                };
+                match out {
                     Ok(out) => {
-                        self.cleared(&addr);
-                        self.set_leader(p, &addr);
+                        self.cleared(&answered);
+                        self.set_leader(p, &answered);
                         return Ok(out);
                     }
                     Err(MsgrError::Remote { error, .. }) => match error.code() {
@@ -397,7 +415,68 @@ impl NetVolume {
     }
 }
 
+/// An attempt still in flight after the caller stopped waiting for it: the node it went to and its
+/// answer to come.
+type Straggler<T> = Pin<Box<dyn Future<Output = (String, Result<(T, Payload), MsgrError>)> + Send>>;
+
 impl NetVolume {
+    /// Sends one attempt of a call that may be sent again to `addr`, allowing it `limit` (what is
+    /// left of the operation's time) but waiting only `wait` for it: past that it is kept running
+    /// as the `straggler` (if none is) and this returns a timeout, so the caller tries the next
+    /// replica while a slow leader can still answer. The straggler's answer, if it comes first
+    /// and is a success, is the attempt's; its failures are dropped (the call goes on without
+    /// it). Returns the node that answered and its answer.
+    async fn hedged<R: Rpc>(
+        &self,
+        addr: &str,
+        body: &Bytes,
+        data: Payload,
+        wait: Duration,
+        limit: Duration,
+        straggler: &mut Option<Straggler<R::Response>>,
+    ) -> (String, Result<(R::Response, Payload), MsgrError>) {
+        let client = self.client.clone();
+        let (to, body) = (addr.to_string(), body.clone());
+        let opts = CallOptions {
+            timeout: Some(limit),
+            ..Default::default()
+        };
+        let mut call: Straggler<R::Response> = Box::pin(async move {
+            let out = client.call_body::<R>(&to, body, data, opts).await;
+            (to, out)
+        });
+        let hedge = tokio::time::sleep(wait);
+        tokio::pin!(hedge);
+        loop {
+            let earlier = async {
+                match straggler.as_mut() {
+                    Some(f) => f.await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                out = &mut call => return out,
+                (from, out) = earlier => {
+                    *straggler = None;
+                    if out.is_ok() {
+                        return (from, out);
+                    }
+                }
+                () = &mut hedge => {
+                    if straggler.is_none() {
+                        *straggler = Some(call);
+                    }
+                    let late = MsgrError::Timeout {
+                        peer: addr.to_string(),
+                        op: R::NAME,
+                        after: wait,
+                    };
+                    return (addr.to_string(), Err(late));
+                }
+            }
+        }
+    }
+
     /// Capacity and used bytes of the cluster's data nodes, divided by the replica count (3):
     /// what `statfs` reports.
     pub async fn space(&self) -> Result<(u64, u64), MasterError> {

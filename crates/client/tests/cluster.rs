@@ -769,3 +769,51 @@ async fn a_delegated_directory_is_given_back_to_another_client_that_changes_it()
 
     stop_all(master_stop, metas, cli, master_msgr).await;
 }
+
+/// A leader whose answers take longer than the client's first wait is not given up: the call
+/// tries the other replicas meanwhile (they name the slow leader, which is suspect), and the
+/// first attempt's answer is taken when it comes. Without the hedge the call would wait out the
+/// leader's suspicion (`SUSPECT_FOR`) and send again, more than twice the delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_leader_answers_the_call_it_was_first_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    let net = MemNetwork::new(43);
+    let TestCluster {
+        master_msgr,
+        master_stop,
+        metas,
+        cli,
+        mc,
+        map,
+        ..
+    } = cluster_with_volume(&net, dir.path(), 1).await;
+    let vol = NetVolume::connect(cli.client(), mc.clone(), "vol")
+        .await
+        .unwrap();
+    let fs = MetaFs::new(vol);
+    // The leader is known to the client before it turns slow.
+    fs.create(ROOT_INO, b"a", &NewInode::file(0o644, 0, 0))
+        .await
+        .unwrap();
+    let leader_addr = leader_of(&map, ROOT_INO);
+    let leader = metas
+        .iter()
+        .find(|m| leader_addr.starts_with(&m.host))
+        .unwrap();
+    let delay = Duration::from_millis(1200);
+    assert!(delay > nacre_client::net::FIRST_ATTEMPT);
+    net.set_delay(&leader.host, "cli", delay);
+    let started = tokio::time::Instant::now();
+    fs.create(ROOT_INO, b"b", &NewInode::file(0o644, 0, 0))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    net.heal_all();
+    assert!(took >= delay, "answered before the leader could: {took:?}");
+    assert!(
+        took < delay + nacre_client::net::SUSPECT_FOR,
+        "the slow leader's answer waited for its suspicion to end: {took:?}"
+    );
+    assert!(fs.lookup(ROOT_INO, b"b").await.is_ok());
+    stop_all(master_stop, metas, cli, master_msgr).await;
+}

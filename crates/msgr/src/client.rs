@@ -156,9 +156,20 @@ impl Client {
         data: Payload,
         opts: CallOptions,
     ) -> Result<(R::Response, Payload), MsgrError> {
-        let frame = self
-            .call_raw(addr, R::OP, encode_body(req), data, opts)
-            .await?;
+        self.call_body::<R>(addr, encode_body(req), data, opts)
+            .await
+    }
+
+    /// [`Client::call_with`] with the request's body already encoded: a caller that sends one
+    /// request to several nodes, or again, encodes it once.
+    pub async fn call_body<R: Rpc>(
+        &self,
+        addr: &str,
+        body: Bytes,
+        data: Payload,
+        opts: CallOptions,
+    ) -> Result<(R::Response, Payload), MsgrError> {
+        let frame = self.call_raw(addr, R::OP, body, data, opts).await?;
         let resp = decode_body(R::NAME, &frame.body).map_err(|source| {
             self.inner.shared.metrics.error("decode");
             MsgrError::Decode {
