@@ -36,6 +36,7 @@ use fuser::{
 use nacre_api::meta::{Attr, FileType, MetaError, SetAttr, XattrMode};
 use nacre_client::{Caller, Falloc, Fh, FileSystem, FsError, OpenFlags};
 use nacre_types::Ino;
+use nacre_types::OncePerSecond;
 use nacre_types::sync::lock;
 use tokio::runtime::Handle;
 
@@ -145,37 +146,6 @@ fn seconds_since_start() -> u64 {
         .get_or_init(std::time::Instant::now)
         .elapsed()
         .as_secs()
-}
-
-/// Admits one log line per second and counts the lines it turned away meanwhile.
-pub(crate) struct OncePerSecond {
-    /// The second of the last line admitted, plus one (0: none yet).
-    last: AtomicU64,
-    dropped: AtomicU64,
-}
-
-impl OncePerSecond {
-    pub(crate) const fn new() -> Self {
-        Self {
-            last: AtomicU64::new(0),
-            dropped: AtomicU64::new(0),
-        }
-    }
-
-    /// At second `now`: `Some(lines turned away since the last one)` when a line may be written.
-    pub(crate) fn admit(&self, now: u64) -> Option<u64> {
-        let last = self.last.load(Ordering::Relaxed);
-        if last != now + 1
-            && self
-                .last
-                .compare_exchange(last, now + 1, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            return Some(self.dropped.swap(0, Ordering::Relaxed));
-        }
-        self.dropped.fetch_add(1, Ordering::Relaxed);
-        None
-    }
 }
 
 /// How the adapter talks to the kernel.

@@ -141,15 +141,3 @@ fn fallocate_modes_map_as_linux_checks_them() {
     assert_eq!(falloc_mode(0, i64::MAX as u64, 1), Err(Errno::EFBIG));
     assert_eq!(falloc_mode(0, i64::MAX as u64 - 1, 1), Ok(Falloc::Allocate));
 }
-
-/// One line a second: the rest of that second's lines are counted and reported with the next.
-#[test]
-fn warnings_are_admitted_once_a_second_and_the_rest_counted() {
-    let q = OncePerSecond::new();
-    assert_eq!(q.admit(0), Some(0));
-    assert_eq!(q.admit(0), None);
-    assert_eq!(q.admit(0), None);
-    assert_eq!(q.admit(1), Some(2));
-    assert_eq!(q.admit(1), None);
-    assert_eq!(q.admit(7), Some(1));
-}

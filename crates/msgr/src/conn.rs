@@ -871,7 +871,11 @@ impl Conn {
             }
             Closed::Frame(e) => {
                 self.metrics.error("frame");
-                tracing::warn!(peer = %self.peer, error = %e, "closing connection after a bad frame");
+                // One line a second: a scan or a broken peer sends bad frames on every
+                // connection it opens (the count is in the errors metric).
+                if let Some(suppressed) = BAD_FRAME_LOG.admit(seconds_since_start()) {
+                    tracing::warn!(peer = %self.peer, error = %e, suppressed, "closing connection after a bad frame");
+                }
                 self.begin_close(&format!("bad frame: {e}"));
                 if matches!(self.side, Side::Server(_)) {
                     // Tell the peer why before closing; framing is lost, so nothing else is read.
@@ -1004,4 +1008,15 @@ impl Drop for Conn {
             s.inflight_gauge.dec_by(i64::from(s.inflight_reqs));
         }
     }
+}
+
+static BAD_FRAME_LOG: nacre_types::OncePerSecond = nacre_types::OncePerSecond::new();
+
+/// Whole seconds since the first call (a monotonic clock), for [`BAD_FRAME_LOG`].
+fn seconds_since_start() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_secs()
 }

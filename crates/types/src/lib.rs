@@ -7,6 +7,7 @@
 pub mod sync;
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -257,6 +258,45 @@ pub fn crc32c_combine(crc1: u32, crc2: u32, len2: u64) -> u32 {
     gf2_mul(shift, crc1) ^ crc2
 }
 
+/// Admits one log line per second and counts the lines it turned away meanwhile: for warnings a
+/// fault can repeat on every call. The caller's clock gives the second (`admit(now)`).
+#[derive(Debug)]
+pub struct OncePerSecond {
+    /// The second of the last line admitted, plus one (0: none yet).
+    last: AtomicU64,
+    dropped: AtomicU64,
+}
+
+impl OncePerSecond {
+    pub const fn new() -> Self {
+        Self {
+            last: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+        }
+    }
+
+    /// At second `now`: `Some(lines turned away since the last one)` when a line may be written.
+    pub fn admit(&self, now: u64) -> Option<u64> {
+        let last = self.last.load(Ordering::Relaxed);
+        if last != now + 1
+            && self
+                .last
+                .compare_exchange(last, now + 1, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return Some(self.dropped.swap(0, Ordering::Relaxed));
+        }
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+}
+
+impl Default for OncePerSecond {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,5 +380,17 @@ mod tests {
         assert_eq!(crc32c(b""), 0);
         // The standard check value of CRC-32C.
         assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+    }
+
+    /// One line a second: the rest of that second's lines are counted and reported with the next.
+    #[test]
+    fn warnings_are_admitted_once_a_second_and_the_rest_counted() {
+        let q = OncePerSecond::new();
+        assert_eq!(q.admit(0), Some(0));
+        assert_eq!(q.admit(0), None);
+        assert_eq!(q.admit(0), None);
+        assert_eq!(q.admit(1), Some(2));
+        assert_eq!(q.admit(1), None);
+        assert_eq!(q.admit(7), Some(1));
     }
 }
