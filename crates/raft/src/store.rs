@@ -114,6 +114,9 @@ impl StoreConfig {
     }
 }
 
+/// A loop round (commands, one Ready) longer than this is logged.
+const SLOW_ROUND: Duration = Duration::from_millis(300);
+
 type Reader<S> = Box<dyn FnOnce(Result<&S, RaftError>) + Send>;
 /// Gets the state machine and whether this node leads the group.
 type LocalReader<S> = Box<dyn FnOnce(Result<(&S, bool), RaftError>) + Send>;
@@ -564,6 +567,7 @@ async fn run<S: StateMachine>(
     let mut purging: Option<tokio::task::JoinHandle<()>> = None;
     let mut stop_reply = None;
     loop {
+        let idle = std::time::Instant::now();
         tokio::select! {
             _ = purge.tick() => {
                 // Reclaims log files whose entries are all compacted, off the raft loop; one at a
@@ -590,6 +594,7 @@ async fn run<S: StateMachine>(
             },
             _ = tick.tick() => lp.on_tick(&config),
         }
+        let busy = std::time::Instant::now();
         // Take everything already queued before the Ready round, so it shares one log write.
         while let Ok(cmd) = rx.try_recv() {
             if let Cmd::Stop { reply } = cmd {
@@ -613,7 +618,21 @@ async fn run<S: StateMachine>(
         if stop_reply.is_some() {
             break;
         }
-        if let Err(e) = lp.ready() {
+        let ready = std::time::Instant::now();
+        let r = lp.ready();
+        let (took, waited) = (busy.elapsed(), busy.duration_since(idle));
+        if took > SLOW_ROUND {
+            // Nothing else runs on this loop meanwhile: no keepalives go out, and peers may
+            // count this node down after `peer_timeout_ticks`.
+            tracing::warn!(
+                node = id,
+                round_ms = took.as_millis() as u64,
+                before_ready_ms = ready.duration_since(busy).as_millis() as u64,
+                waited_ms = waited.as_millis() as u64,
+                "slow raft loop round"
+            );
+        }
+        if let Err(e) = r {
             // A failed log write leaves the log in an unknown state: stop serving.
             tracing::error!(node = id, error = %e, "raft store stopped");
             if EXIT_ON_LOG_FAILURE.load(std::sync::atomic::Ordering::Relaxed) {
@@ -745,6 +764,11 @@ impl<S: StateMachine> Loop<S> {
 
     /// Tells the node a peer went down or came back, and publishes the set of peers down.
     fn mark(&mut self, peer: u64, alive: bool) {
+        if alive {
+            tracing::info!(node = self.node.id(), peer, "raft peer is up again");
+        } else {
+            tracing::info!(node = self.node.id(), peer, "raft peer is down");
+        }
         self.node.set_peer_alive(peer, alive);
         self.down.send_if_modified(|d| {
             if alive {
