@@ -15,7 +15,10 @@ use super::VOLUME;
 
 /// The workload's clients commit the keys of a streamed run within this of its first packet
 /// (`NetFsConfig::commit_within`; a later commit fails, and the operation counts as failed).
-pub const CLIENT_COMMIT_WITHIN: Duration = Duration::from_secs(3);
+/// Longer than a stream's usual wait for a writable partition after a data node's kill (its
+/// restart and re-check take a few seconds), so the run's shortened time does not fail writes
+/// that a deployment's 15 minutes would take.
+pub const CLIENT_COMMIT_WITHIN: Duration = Duration::from_secs(10);
 /// ... and commit an open file's streamed run by themselves this long after its first packet.
 pub const CLIENT_COMMIT_EVERY: Duration = Duration::from_secs(1);
 
@@ -24,7 +27,7 @@ pub const CLIENT_COMMIT_EVERY: Duration = Duration::from_secs(1);
 /// another partition) and commit a key: within `CLIENT_COMMIT_WITHIN` of its first packet, and
 /// applied within the 15 s a meta call retries. The grace covers both, as `MIN_GC_GRACE` covers
 /// `KEY_COMMIT_WITHIN` and a commit's flight in a cluster.
-pub const GC_GRACE: Duration = Duration::from_secs(20);
+pub const GC_GRACE: Duration = Duration::from_secs(30);
 
 /// What the end-of-run sweeps found.
 #[derive(Debug, Default, Serialize)]
