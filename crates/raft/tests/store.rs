@@ -676,3 +676,35 @@ async fn a_store_answers_while_its_log_writer_is_held_in_a_write() {
     let nodes = Arc::into_inner(nodes).unwrap();
     shutdown(nodes).await;
 }
+
+/// A peer cut off is reported down by every store that stops hearing from it, after
+/// `peer_timeout_ticks` of silence, and up again with its first message after the heal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_peer_is_reported_down_and_up_again() {
+    let net = MemNetwork::new(9);
+    let config = fast();
+    let nodes = cluster(&net, "n", &config).await;
+    add_group_everywhere(&nodes, 1).await;
+    let mut down = nodes[&2].handle.peers_down();
+    assert!(down.borrow().is_empty());
+    let started = Instant::now();
+    net.isolate("n1");
+    let limit = Duration::from_secs(10);
+    tokio::time::timeout(limit, down.wait_for(|d| d.contains(&1)))
+        .await
+        .expect("the isolated peer was never reported down")
+        .unwrap();
+    let ticks = u32::try_from(config.peer_timeout_ticks).unwrap();
+    assert!(
+        started.elapsed() >= config.tick_interval * ticks,
+        "reported down before its peer timeout: {:?}",
+        started.elapsed()
+    );
+    assert!(!nodes[&3].handle.peers_down().borrow().contains(&2));
+    net.heal_host("n1");
+    tokio::time::timeout(limit, down.wait_for(|d| !d.contains(&1)))
+        .await
+        .expect("the healed peer was never reported up")
+        .unwrap();
+    shutdown(nodes).await;
+}
