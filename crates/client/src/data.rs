@@ -41,6 +41,15 @@ pub enum DataCallError {
     /// A stream whose earlier call failed or was cancelled half way; its offsets are not known.
     #[error("the write stream is broken by an earlier failed or cancelled call")]
     BrokenStream,
+    /// A compressed block's frame failed its checks (CRC, header, length): the bytes are not
+    /// returned.
+    #[error("compressed block at {partition}/{extent}+{offset} is corrupt: {why}")]
+    BadFrame {
+        partition: PartitionId,
+        extent: ExtentId,
+        offset: u64,
+        why: String,
+    },
 }
 
 impl DataCallError {
@@ -559,6 +568,7 @@ impl SeqWriter {
             extent_offset: pkt.extent_offset,
             size: len as u32,
             crc,
+            framed: None,
         });
     }
 

@@ -38,7 +38,8 @@ pub fn errno(e: &FsError) -> i32 {
             DataCallError::Data(_)
             | DataCallError::Call(_)
             | DataCallError::ShortRead { .. }
-            | DataCallError::BrokenStream => libc::EIO,
+            | DataCallError::BrokenStream
+            | DataCallError::BadFrame { .. } => libc::EIO,
         },
         FsError::BadHandle(_) | FsError::NotOpenFor(_) => libc::EBADF,
         FsError::WriteFailed(_) => libc::EIO,

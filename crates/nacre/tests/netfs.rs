@@ -820,3 +820,102 @@ fn chunks_past_the_end_of_an_allocated_file_land_in_normal_extents() {
         fs.release(fh).await.unwrap();
     });
 }
+
+/// A file whose keys name compressed blocks (framed keys, over frames in tiny extents) reads back
+/// as the blocks' bytes, also where a key was cut by a truncate and a punched hole; a write over
+/// it rewrites the range copy-on-write; a frame whose bytes changed on the data node is an error
+/// naming the extent, never data.
+#[test]
+fn framed_keys_read_back_decompressed_and_a_corrupt_frame_is_an_error() {
+    use nacre_api::meta::{ExtentKey, Framed};
+    use nacre_func::Codec;
+    use nacre_func::block::compress_block;
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = start_cluster(dir.path());
+    runtime().block_on(async {
+        let (msgr, mc) = client_with_volume(&cluster.master_addr).await;
+        let fs = NetFs::new(open_volume(&msgr, &mc).await);
+        let vol = fs.volume().clone();
+        let me = Caller { uid: 0, gid: 0 };
+        let (attr, fh) = fs
+            .create(ROOT_INO, b"framed", 0o644, me, OpenFlags::READ_WRITE)
+            .await
+            .unwrap();
+        let ino = attr.attr.ino;
+        let text: Vec<u8> = (0..100_000u32)
+            .flat_map(|i| format!("line {} of the text\n", i % 977).into_bytes())
+            .take(100 << 10)
+            .collect();
+        let blocks = [&text[..64 << 10], &text[64 << 10..]];
+        let mut keys = Vec::new();
+        let mut file_offset = 0u64;
+        for (i, block) in blocks.iter().enumerate() {
+            let frame = compress_block(Codec::Zstd { level: 1 }, block).unwrap();
+            assert!(frame.len() < block.len() / 4, "text compresses");
+            let p = vol.pick_writable(i, &[]).unwrap();
+            let w = vol.write_tiny(p, frame.clone()).await.unwrap();
+            keys.push(ExtentKey {
+                file_offset,
+                partition: p,
+                extent: w.extent,
+                extent_offset: w.offset,
+                size: block.len() as u32,
+                crc: nacre_types::crc32c(&frame),
+                framed: Some(Framed {
+                    stored: std::num::NonZeroU32::new(frame.len() as u32).unwrap(),
+                    skip: 0,
+                }),
+            });
+            file_offset += block.len() as u64;
+        }
+        fs.meta().append_extents(ino, keys.clone()).await.unwrap();
+        fs.release(fh).await.unwrap();
+        let mut model = text.clone();
+        let fh = fs.open(ino, OpenFlags::READ_WRITE).await.unwrap();
+        assert!(read_all(&fs, fh, model.len()).await == model);
+        // A hole punched across the blocks' boundary and a truncate into the second block cut
+        // the keys; what is left still reads from the frames.
+        fs.fallocate(fh, Falloc::PunchHole, 60_000, 10_000)
+            .await
+            .unwrap();
+        model[60_000..70_000].fill(0);
+        fs.setattr(
+            ino,
+            SetAttr {
+                size: Some(90_000),
+                ..SetAttr::default()
+            },
+        )
+        .await
+        .unwrap();
+        model.truncate(90_000);
+        let got = read_all(&fs, fh, model.len()).await;
+        assert!(got == model, "{}", first_diff(&got, &model));
+        // A write inside a compressed block goes elsewhere, copy-on-write.
+        fs.write(fh, 1000, Bytes::from_static(b"written over"))
+            .await
+            .unwrap();
+        model[1000..1012].copy_from_slice(b"written over");
+        fs.fsync(fh).await.unwrap();
+        let got = read_all(&fs, fh, model.len()).await;
+        assert!(got == model, "{}", first_diff(&got, &model));
+        fs.release(fh).await.unwrap();
+        // The second block's frame changed on its data node (a forged key CRC stands in for
+        // a flipped byte the scrub has not repaired): the read fails and names the extent.
+        let (_, now) = fs.meta().extents(ino).await.unwrap();
+        let mut bad = *now.iter().rev().find(|k| k.framed.is_some()).unwrap();
+        bad.crc ^= 1;
+        fs.meta().append_extents(ino, vec![bad]).await.unwrap();
+        let fresh = NetFs::new(open_volume(&msgr, &mc).await);
+        let fh = fresh.open(ino, OpenFlags::READ).await.unwrap();
+        let err = fresh
+            .read(fh, bad.file_offset, bad.size)
+            .await
+            .expect_err("a corrupt frame is not data");
+        let text = err.to_string();
+        assert!(text.contains(&bad.extent.to_string()), "{text}");
+        fresh.release(fh).await.unwrap();
+        shut_down(&msgr).await;
+    });
+}

@@ -2,18 +2,31 @@
 //! keys with it, and a client keeps its cached copy of a file's keys in step the same way
 //! instead of fetching them all again after each change.
 
-use super::ExtentKey;
+use super::{ExtentKey, Framed};
 
-/// `key` cut to the file range `[from, to)` within it; the CRC survives only an uncut key.
+/// `key` cut to the file range `[from, to)` within it. A raw key's CRC survives only uncut; a
+/// framed key keeps its frame (and the frame's CRC) and moves its offset into the block.
 pub fn cut(key: &ExtentKey, from: u64, to: u64) -> ExtentKey {
     let whole = from == key.file_offset && to == key.end();
-    ExtentKey {
-        file_offset: from,
-        extent_offset: key.extent_offset + (from - key.file_offset),
-        // Within the key's own size.
-        size: (to - from) as u32,
-        crc: if whole { key.crc } else { 0 },
-        ..*key
+    // Within the key's own size.
+    let (head, size) = ((from - key.file_offset) as u32, (to - from) as u32);
+    match key.framed {
+        Some(f) => ExtentKey {
+            file_offset: from,
+            size,
+            framed: Some(Framed {
+                skip: f.skip + head,
+                ..f
+            }),
+            ..*key
+        },
+        None => ExtentKey {
+            file_offset: from,
+            extent_offset: key.extent_offset + u64::from(head),
+            size,
+            crc: if whole { key.crc } else { 0 },
+            ..*key
+        },
     }
 }
 

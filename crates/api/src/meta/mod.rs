@@ -47,7 +47,8 @@ pub enum FileType {
 }
 
 /// A piece of a file: `size` bytes at `file_offset` live in `extent` of data partition `partition`
-/// at `extent_offset`. An inode's keys are sorted by `file_offset` and never overlap.
+/// at `extent_offset` — as they are (`framed` is `None`), or inside a compressed block (see
+/// [`Framed`]). An inode's keys are sorted by `file_offset` and never overlap.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExtentKey {
     pub file_offset: u64,
@@ -55,13 +56,35 @@ pub struct ExtentKey {
     pub extent: ExtentId,
     pub extent_offset: u64,
     pub size: u32,
-    /// CRC-32C of the piece's bytes as written (0 when unknown, e.g. after a trim).
+    /// CRC-32C of the bytes the key names on the data node: the piece's bytes as written (0 when
+    /// unknown, e.g. after a trim), or the whole frame of a framed key (kept by trims, since the
+    /// frame is always read whole).
     pub crc: u32,
+    /// The piece is part of a compressed block stored as one frame.
+    pub framed: Option<Framed>,
+}
+
+/// Where a framed key's piece is: its block's frame is `stored` bytes at the key's
+/// `extent_offset` (a `nacre_func` block frame: header, checksum, compressed or raw payload), and
+/// the piece's `size` bytes start `skip` bytes into the block's decompressed bytes. A key cut to
+/// part of its piece keeps the frame and moves `skip`, so several keys may share one frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Framed {
+    /// Never 0 (a frame has a header), which also keeps `Option<Framed>` at 8 bytes.
+    pub stored: std::num::NonZeroU32,
+    pub skip: u32,
 }
 
 impl ExtentKey {
     pub fn end(&self) -> u64 {
         self.file_offset + u64::from(self.size)
+    }
+
+    /// The bytes of its extent the key needs on the data node: its piece, or its block's whole
+    /// frame. Only bytes no live key's range covers may be freed.
+    pub fn stored_range(&self) -> (u64, u64) {
+        let len = self.framed.map_or(self.size, |f| f.stored.get());
+        (self.extent_offset, self.extent_offset + u64::from(len))
     }
 }
 

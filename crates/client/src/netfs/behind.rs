@@ -323,6 +323,7 @@ impl Inner {
                         extent_offset: w.offset + pos,
                         size: len as u32,
                         crc: nacre_types::crc32c(piece),
+                        framed: None,
                     }),
                     (Some(Err(e)), k @ Ok(_)) => *k = Err(e.to_string()),
                     (None, k @ Ok(_)) => *k = Err("the packet's write task failed".into()),

@@ -181,6 +181,7 @@ impl Inner {
             extent_offset: w.offset,
             size: data.len() as u32,
             crc: nacre_types::crc32c(&data),
+            framed: None,
         })
     }
 
@@ -259,7 +260,8 @@ impl Inner {
             if from > pos {
                 cow.push((pos, from));
             }
-            if k.extent.is_tiny() {
+            // A tiny extent's range may be shared; a compressed block is rewritten whole.
+            if k.extent.is_tiny() || k.framed.is_some() {
                 cow.push((from, to));
             } else {
                 let mut at = from;
@@ -365,6 +367,14 @@ impl Inner {
         for k in overlapping(self.extents(f, st).await?, off, end) {
             let from = k.file_offset.max(off);
             let to = k.end().min(end);
+            if k.framed.is_some() {
+                let (vol, k, dst) = (self.vol.clone(), *k, from - off);
+                reads.spawn(async move {
+                    let piece = read_framed(&vol, &k, from, to, piece_max).await;
+                    (dst, piece)
+                });
+                continue;
+            }
             let mut at = from;
             while at < to {
                 let n = (to - at).min(piece_max);
@@ -527,6 +537,58 @@ impl Inner {
 
 /// The keys of `keys` (sorted, disjoint) that overlap `[from, to)`: found by binary search, so
 /// that a write or read costs the same in a file of a million keys as in one of ten.
+/// The file bytes `[from, to)` of framed key `k`: its block's frame read whole (in pieces of at
+/// most `piece_max`), checked against the key's CRC, decompressed (which checks the block's own
+/// checksum), and cut to the range.
+async fn read_framed(
+    vol: &NetVolume,
+    k: &ExtentKey,
+    from: u64,
+    to: u64,
+    piece_max: u64,
+) -> Result<Bytes, DataCallError> {
+    let Some(framed) = k.framed else {
+        return Err(bad_frame(k, "not a framed key".into()));
+    };
+    let stored = u64::from(framed.stored.get());
+    let mut frame = BytesMut::with_capacity(stored as usize);
+    let mut at = 0;
+    while at < stored {
+        let n = (stored - at).min(piece_max.max(1));
+        let got = vol
+            .read_extent(k.partition, k.extent, k.extent_offset + at, n as u32)
+            .await?;
+        frame.extend_from_slice(&got);
+        at += n;
+    }
+    if k.crc != 0 && nacre_types::crc32c(&frame) != k.crc {
+        return Err(bad_frame(
+            k,
+            "the frame's CRC does not match its key's".into(),
+        ));
+    }
+    let block =
+        nacre_func::block::decompress_block(&frame).map_err(|e| bad_frame(k, e.to_string()))?;
+    let start = u64::from(framed.skip) + (from - k.file_offset);
+    let end = start + (to - from);
+    if end > block.len() as u64 {
+        return Err(bad_frame(
+            k,
+            format!("the key reaches byte {end} of a {}-byte block", block.len()),
+        ));
+    }
+    Ok(block.slice(start as usize..end as usize))
+}
+
+fn bad_frame(k: &ExtentKey, why: String) -> DataCallError {
+    DataCallError::BadFrame {
+        partition: k.partition,
+        extent: k.extent,
+        offset: k.extent_offset,
+        why,
+    }
+}
+
 pub(super) fn overlapping(keys: &[ExtentKey], from: u64, to: u64) -> &[ExtentKey] {
     let first = keys.partition_point(|k| k.end() <= from);
     let last = keys.partition_point(|k| k.file_offset < to).max(first);

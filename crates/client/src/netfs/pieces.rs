@@ -102,6 +102,7 @@ impl Inner {
                             extent_offset: w.offset + pos,
                             size: len as u32,
                             crc: nacre_types::crc32c(piece),
+                            framed: None,
                         });
                     }
                 }

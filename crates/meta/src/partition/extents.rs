@@ -11,9 +11,26 @@ pub(super) use nacre_api::meta::extents::cut;
 /// A key can be stored: it covers at least one byte, and neither its file range nor its extent
 /// range overflows.
 pub(super) fn key_is_valid(k: &ExtentKey) -> bool {
+    let stored = k.framed.map_or(k.size, |f| f.stored.get());
     k.size > 0
+        && k.framed
+            .is_none_or(|f| f.skip.checked_add(k.size).is_some())
         && k.file_offset.checked_add(u64::from(k.size)).is_some()
-        && k.extent_offset.checked_add(u64::from(k.size)).is_some()
+        && k.extent_offset.checked_add(u64::from(stored)).is_some()
+}
+
+/// The extent bytes `k` holds on its data node, as a raw key over them: a framed key's whole
+/// frame (shared by every key cut from its block), a raw key itself.
+fn as_stored(k: &ExtentKey) -> ExtentKey {
+    match k.framed {
+        None => *k,
+        Some(f) => ExtentKey {
+            size: f.stored.get(),
+            crc: k.crc,
+            framed: None,
+            ..*k
+        },
+    }
 }
 
 /// An inode's keys are valid, sorted, non-overlapping and within `size`.
@@ -54,6 +71,13 @@ pub(super) fn unreferenced(dropped: Vec<ExtentKey>, live: &[ExtentKey]) -> Vec<E
     if dropped.is_empty() {
         return dropped;
     }
+    // In extent bytes: a framed key holds its whole frame, and several keys may share one.
+    let shared = dropped.iter().any(|k| k.framed.is_some());
+    let mut dropped: Vec<ExtentKey> = dropped.iter().map(as_stored).collect();
+    if shared {
+        dropped.sort_unstable_by_key(|k| (k.partition, k.extent, k.extent_offset, k.size));
+        dropped.dedup_by_key(|k| (k.partition, k.extent, k.extent_offset, k.size));
+    }
     let mut extents: Vec<_> = dropped.iter().map(|k| (k.partition, k.extent)).collect();
     extents.sort_unstable();
     extents.dedup();
@@ -62,8 +86,8 @@ pub(super) fn unreferenced(dropped: Vec<ExtentKey>, live: &[ExtentKey]) -> Vec<E
         .iter()
         .filter(|k| extents.binary_search(&(k.partition, k.extent)).is_ok())
         .map(|k| {
-            let start = k.extent_offset;
-            ((k.partition, k.extent), start, start + u64::from(k.size))
+            let (start, end) = k.stored_range();
+            ((k.partition, k.extent), start, end)
         })
         .collect();
     used.sort_unstable();
@@ -163,6 +187,7 @@ mod tests {
             extent_offset,
             size,
             crc: 7,
+            framed: None,
         }
     }
 
@@ -227,6 +252,63 @@ mod tests {
     }
 
     /// Disjoint sorted keys from (gap, size) pairs, each in an extent of its own.
+    /// A compressed block of 64 KiB stored as a 5,000-byte frame at extent offset 4,096 of a
+    /// tiny extent, as one key over the whole block.
+    fn framed_block() -> ExtentKey {
+        ExtentKey {
+            framed: Some(nacre_api::meta::Framed {
+                stored: std::num::NonZeroU32::new(5000).unwrap(),
+                skip: 0,
+            }),
+            crc: 9,
+            ..key(0, 1, 4096, 65536)
+        }
+    }
+
+    #[test]
+    fn keys_cut_from_one_frame_free_it_once_and_only_when_none_is_left() {
+        let block = framed_block();
+        // A hole punched in the middle leaves two keys on the one frame.
+        let (kept, punched) = punch(&[block], 1000, 2000);
+        assert_eq!(kept.len(), 2);
+        for k in &kept {
+            assert_eq!(k.stored_range(), (4096, 9096));
+            assert_eq!(k.crc, 9, "a framed key keeps its frame's CRC");
+        }
+        let right = kept[1].framed.unwrap();
+        assert_eq!(
+            (kept[1].file_offset, right.skip, kept[1].size),
+            (2000, 2000, 63536)
+        );
+        // The punched piece frees nothing: the frame is still in use.
+        assert!(unreferenced(punched, &kept).is_empty());
+        // One of the two dropped: still nothing.
+        assert!(unreferenced(vec![kept[0]], &kept[1..]).is_empty());
+        // Both dropped: the frame, once, as a plain range of the extent.
+        let freed = unreferenced(kept.clone(), &[]);
+        assert_eq!(freed.len(), 1);
+        assert_eq!(freed[0].framed, None);
+        assert_eq!((freed[0].extent_offset, freed[0].size), (4096, 5000));
+    }
+
+    #[test]
+    fn a_framed_key_is_valid_only_with_its_piece_and_frame_in_range() {
+        assert!(key_is_valid(&framed_block()));
+        let mut k = framed_block();
+        let ten = std::num::NonZeroU32::new(10).unwrap();
+        k.framed = Some(nacre_api::meta::Framed {
+            stored: ten,
+            skip: u32::MAX,
+        });
+        assert!(!key_is_valid(&k));
+        k.framed = Some(nacre_api::meta::Framed {
+            stored: ten,
+            skip: 0,
+        });
+        k.extent_offset = u64::MAX - 5;
+        assert!(!key_is_valid(&k));
+    }
+
     fn keys_from(spec: &[(u8, u8)]) -> Vec<ExtentKey> {
         let mut at = 0;
         let mut out = Vec::new();

@@ -65,6 +65,7 @@ mod tests {
             extent_offset: 0,
             size: 100,
             crc: 0,
+            framed: None,
         }
     }
 

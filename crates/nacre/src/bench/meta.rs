@@ -394,6 +394,7 @@ pub fn memory(files: u64, extents: u64) -> anyhow::Result<MemoryRow> {
                     extent_offset: k * 4096,
                     size: 4096,
                     crc: 0,
+                    framed: None,
                 })
                 .collect();
             p.apply(
