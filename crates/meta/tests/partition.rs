@@ -1660,7 +1660,7 @@ fn snapshots_round_trip_and_reject_garbage() {
     longer.push(0);
     assert!(MetaPartition::restore(&longer).is_err(), "trailing bytes");
     let mut version = bytes.clone();
-    version[0] = 4;
+    version[0] = 5;
     assert!(
         matches!(MetaPartition::restore(&version), Err(MetaError::Invalid(m)) if m.contains("version"))
     );
@@ -4594,7 +4594,7 @@ fn snapshots_keep_delegations_and_sessions() {
     batch_reply(ok(&mut p, T + 2, batch(B, 9, vec![file_in(ROOT, "g")])));
     reserve(&mut p, 3);
     let bytes = p.snapshot();
-    assert_eq!(bytes[0], 3, "version 3");
+    assert_eq!(bytes[0], 4, "version 4");
     // The image ends with the delegations (holder, until, recalled), then the sessions (last
     // batch number, when), then the call sessions (none).
     let delegations: Delegations = BTreeMap::from([
@@ -4673,11 +4673,13 @@ fn version_1_snapshots_still_restore() {
         .collect();
     let p = MetaPartition::restore(&v1).unwrap();
     assert_eq!(p, v1_partition());
-    // Written now: version 3, the same trees, then no delegations, no sessions and no call
-    // sessions.
-    let v3 = p.snapshot();
-    assert_eq!(v3, [&[3], &v1[1..], &[0, 0, 0]].concat());
-    // Version 2: the trees, then delegations and sessions.
+    // Written now: version 4 (no extent key here, so the trees' bytes are the same), then no
+    // delegations, no sessions and no call sessions.
+    let v4 = p.snapshot();
+    assert_eq!(v4, [&[4], &v1[1..], &[0, 0, 0]].concat());
+    // Versions 3 and 2: the trees, then delegations and sessions (and call sessions).
+    let v3 = [&[3], &v1[1..], &[0, 0, 0]].concat();
+    assert_eq!(MetaPartition::restore(&v3).unwrap(), p);
     let v2 = [&[2], &v1[1..], &[0, 0]].concat();
     assert_eq!(MetaPartition::restore(&v2).unwrap(), p);
     // Each version is decoded with its own layout.

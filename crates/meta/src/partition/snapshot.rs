@@ -7,19 +7,21 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::Deserialize;
 
-use nacre_api::meta::{ExtentKey, MetaError};
+use nacre_api::meta::{ExtentKey, FileType, MetaError};
+use nacre_types::{ExtentId, PartitionId};
 
 use super::MetaPartition;
 use super::calls::Calls;
 use super::delegations::{Delegation, Session};
-use super::inodes::InodeTable;
+use super::inodes::{Inode, InodeTable};
 use super::keys::DentryVal;
 
 /// Version of the format written by [`MetaPartition::snapshot`]: a postcard `u32` version, then
 /// the partition (a new layout gets a new version and a decoder of its own). Version 2 added the
-/// delegations and the sessions at the end, version 3 the call sessions after them; version 1
-/// and 2 snapshots still restore (with none).
-pub const SNAPSHOT_VERSION: u32 = 3;
+/// delegations and the sessions at the end, version 3 the call sessions after them, version 4
+/// the `framed` field of every extent key; version 1 to 3 snapshots still restore (with none,
+/// and every key raw).
+pub const SNAPSHOT_VERSION: u32 = 4;
 
 impl MetaPartition {
     /// The whole partition as bytes (a Raft snapshot): see [`SNAPSHOT_VERSION`].
@@ -29,14 +31,16 @@ impl MetaPartition {
     }
 
     /// Rebuilds a partition from [`snapshot`](Self::snapshot) bytes, of this version or of
-    /// versions 1 (no delegations, no sessions) and 2 (no call sessions); `Invalid` for anything
+    /// versions 1 (no delegations, no sessions), 2 (no call sessions) and 3 (extent keys without
+    /// `framed`); `Invalid` for anything
     /// that does not decode to a partition satisfying every invariant ([`verify`](Self::verify)).
     pub fn restore(bytes: &[u8]) -> Result<Self, MetaError> {
         let (version, rest) = postcard::take_from_bytes::<u32>(bytes).map_err(bad_snapshot)?;
         // Decoded in two steps (not as `Self`) so that a broken invariant keeps its message.
         let image = match version {
-            1 => Delegated::from(decode::<Trees>(rest)?).into(),
-            2 => decode::<Delegated>(rest)?.into(),
+            1 => Delegated::from(Trees::try_from(decode::<RawTrees>(rest)?)?).into(),
+            2 => Delegated::try_from(decode::<RawDelegated>(rest)?)?.into(),
+            3 => Image::try_from(decode::<RawImage>(rest)?)?,
             SNAPSHOT_VERSION => decode::<Image>(rest)?,
             _ => {
                 return Err(MetaError::Invalid(format!(
@@ -140,6 +144,146 @@ impl TryFrom<Image> for MetaPartition {
     }
 }
 
+/// An extent key as versions 1 to 3 encoded it: no `framed` field (every key was raw).
+#[derive(Deserialize)]
+struct RawKey {
+    file_offset: u64,
+    partition: PartitionId,
+    extent: ExtentId,
+    extent_offset: u64,
+    size: u32,
+    crc: u32,
+}
+
+impl From<RawKey> for ExtentKey {
+    fn from(k: RawKey) -> Self {
+        Self {
+            file_offset: k.file_offset,
+            partition: k.partition,
+            extent: k.extent,
+            extent_offset: k.extent_offset,
+            size: k.size,
+            crc: k.crc,
+            framed: None,
+        }
+    }
+}
+
+/// An inode as versions 1 to 3 encoded it: [`Inode`]'s fields, keys without `framed`.
+#[derive(Deserialize)]
+struct RawInode {
+    size: u64,
+    #[serde(with = "nacre_api::meta::time::nanos")]
+    atime: i64,
+    #[serde(with = "nacre_api::meta::time::nanos")]
+    mtime: i64,
+    #[serde(with = "nacre_api::meta::time::nanos")]
+    ctime: i64,
+    parent: u64,
+    extents: Vec<RawKey>,
+    uid: u32,
+    gid: u32,
+    nlink: u32,
+    mode: u16,
+    kind: FileType,
+}
+
+/// [`Trees`] as versions 1 to 3 encoded it (inodes as `(ino, inode)` in number order).
+#[derive(Deserialize)]
+struct RawTrees {
+    start: u64,
+    end: u64,
+    next: u64,
+    inodes: Vec<(u64, RawInode)>,
+    dentries: BTreeMap<Box<[u8]>, DentryVal>,
+    targets: BTreeMap<u64, Box<[u8]>>,
+    rdevs: BTreeMap<u64, u32>,
+    xattrs: BTreeMap<Box<[u8]>, Box<[u8]>>,
+    orphans: BTreeSet<u64>,
+    to_free: VecDeque<RawKey>,
+}
+
+impl TryFrom<RawTrees> for Trees {
+    type Error = MetaError;
+
+    fn try_from(t: RawTrees) -> Result<Self, MetaError> {
+        let mut inodes = InodeTable::default();
+        let mut last = None;
+        for (ino, n) in t.inodes {
+            if last.is_some_and(|l| ino <= l) {
+                return Err(MetaError::Invalid(
+                    "bad snapshot: inodes out of order".into(),
+                ));
+            }
+            last = Some(ino);
+            let node = Inode {
+                size: n.size,
+                atime: n.atime,
+                mtime: n.mtime,
+                ctime: n.ctime,
+                parent: n.parent,
+                extents: n.extents.into_iter().map(ExtentKey::from).collect(),
+                uid: n.uid,
+                gid: n.gid,
+                nlink: n.nlink,
+                mode: n.mode,
+                kind: n.kind,
+            };
+            inodes.insert(ino, node);
+        }
+        Ok(Self {
+            start: t.start,
+            end: t.end,
+            next: t.next,
+            inodes,
+            dentries: t.dentries,
+            targets: t.targets,
+            rdevs: t.rdevs,
+            xattrs: t.xattrs,
+            orphans: t.orphans,
+            to_free: t.to_free.into_iter().map(ExtentKey::from).collect(),
+        })
+    }
+}
+
+/// [`Delegated`] as versions 2 and 3 encoded it.
+#[derive(Deserialize)]
+struct RawDelegated {
+    trees: RawTrees,
+    delegations: BTreeMap<u64, Delegation>,
+    sessions: BTreeMap<u64, Session>,
+}
+
+impl TryFrom<RawDelegated> for Delegated {
+    type Error = MetaError;
+
+    fn try_from(d: RawDelegated) -> Result<Self, MetaError> {
+        Ok(Self {
+            trees: d.trees.try_into()?,
+            delegations: d.delegations,
+            sessions: d.sessions,
+        })
+    }
+}
+
+/// [`Image`] as version 3 encoded it.
+#[derive(Deserialize)]
+struct RawImage {
+    delegated: RawDelegated,
+    calls: BTreeMap<u64, Calls>,
+}
+
+impl TryFrom<RawImage> for Image {
+    type Error = MetaError;
+
+    fn try_from(i: RawImage) -> Result<Self, MetaError> {
+        Ok(Self {
+            delegated: i.delegated.try_into()?,
+            calls: i.calls,
+        })
+    }
+}
+
 fn bad_snapshot(e: postcard::Error) -> MetaError {
     MetaError::Invalid(format!("bad snapshot: {e}"))
 }
@@ -154,4 +298,149 @@ fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, MetaError> {
         )));
     }
     Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use nacre_api::meta::{Command, Framed, ROOT_INO, Reply};
+    use nacre_types::Ino;
+    use serde::Serialize;
+
+    use super::*;
+
+    /// An extent key as versions 1 to 3 wrote it.
+    #[derive(Serialize)]
+    struct OldKey(u64, PartitionId, ExtentId, u64, u32, u32);
+
+    fn old_key(k: &ExtentKey) -> OldKey {
+        OldKey(
+            k.file_offset,
+            k.partition,
+            k.extent,
+            k.extent_offset,
+            k.size,
+            k.crc,
+        )
+    }
+
+    /// An inode as versions 1 to 3 wrote it.
+    #[derive(Serialize)]
+    struct OldInode<'a> {
+        size: u64,
+        #[serde(with = "nacre_api::meta::time::nanos")]
+        atime: i64,
+        #[serde(with = "nacre_api::meta::time::nanos")]
+        mtime: i64,
+        #[serde(with = "nacre_api::meta::time::nanos")]
+        ctime: i64,
+        parent: u64,
+        extents: Vec<OldKey>,
+        uid: u32,
+        gid: u32,
+        nlink: u32,
+        mode: u16,
+        kind: &'a FileType,
+    }
+
+    /// `p` as a version 3 snapshot (every key raw).
+    fn version_3(p: &MetaPartition) -> Vec<u8> {
+        let inodes: Vec<(u64, OldInode<'_>)> = p
+            .inodes
+            .iter()
+            .map(|(ino, n)| {
+                let old = OldInode {
+                    size: n.size,
+                    atime: n.atime,
+                    mtime: n.mtime,
+                    ctime: n.ctime,
+                    parent: n.parent,
+                    extents: n.extents.iter().map(old_key).collect(),
+                    uid: n.uid,
+                    gid: n.gid,
+                    nlink: n.nlink,
+                    mode: n.mode,
+                    kind: &n.kind,
+                };
+                (ino, old)
+            })
+            .collect();
+        let to_free: Vec<OldKey> = p.to_free.iter().map(old_key).collect();
+        postcard::to_allocvec(&(
+            3u32,
+            (p.start, p.end, p.next, inodes),
+            (&p.dentries, &p.targets, &p.rdevs, &p.xattrs, &p.orphans),
+            to_free,
+            (&p.delegations, &p.sessions, &p.calls),
+        ))
+        .unwrap()
+    }
+
+    fn key(file_offset: u64, extent: u64, size: u32) -> ExtentKey {
+        ExtentKey {
+            file_offset,
+            partition: PartitionId(2),
+            extent: ExtentId(extent),
+            extent_offset: 0,
+            size,
+            crc: 5,
+            framed: None,
+        }
+    }
+
+    #[test]
+    fn version_3_snapshots_restore_with_every_key_raw() {
+        let mut p = MetaPartition::new(1, 1000);
+        let create = Command::Create {
+            parent: ROOT_INO,
+            name: b"f".to_vec(),
+            kind: FileType::File,
+            mode: 0o644,
+            uid: 1,
+            gid: 1,
+            rdev: 0,
+            target: Vec::new(),
+        };
+        let Ok(Reply::Created { attr, .. }) = p.apply(1, &create) else {
+            panic!("create failed");
+        };
+        let ino: Ino = attr.ino;
+        let keys = vec![key(0, 1, 100), key(100, 2, 50)];
+        p.apply(2, &Command::AppendExtents { ino, extents: keys })
+            .unwrap();
+        // Overwritten: extent 1's key goes to the to-free list.
+        p.apply(
+            3,
+            &Command::AppendExtents {
+                ino,
+                extents: vec![key(0, 3, 100)],
+            },
+        )
+        .unwrap();
+        assert_eq!(p.to_free.len(), 1);
+        let old = version_3(&p);
+        assert_eq!(MetaPartition::restore(&old).unwrap(), p);
+        // A framed key is written only as version 4.
+        let framed = ExtentKey {
+            framed: Some(Framed {
+                stored: std::num::NonZeroU32::new(40).unwrap(),
+                skip: 10,
+            }),
+            ..key(150, 4, 20)
+        };
+        p.apply(
+            4,
+            &Command::AppendExtents {
+                ino,
+                extents: vec![framed],
+            },
+        )
+        .unwrap();
+        let now = p.snapshot();
+        assert_eq!(now[0], 4);
+        assert_eq!(MetaPartition::restore(&now).unwrap(), p);
+        // Version 3 bytes are not read as version 4, nor the other way round.
+        let mut v4_claimed = old.clone();
+        v4_claimed[0] = 4;
+        assert!(MetaPartition::restore(&v4_claimed).is_err());
+    }
 }
