@@ -18,7 +18,7 @@
 //! [`FIRST_ATTEMPT`] for its first answer, then tries the next replica while the first attempt
 //! stays in flight (a *hedge*: whichever answers with success first is taken), and waits twice as
 //! long on every timeout after that, up to `timeout`. A leader cut off costs about its peers'
-//! peer timeout and one campaign (0.7 s), a leader slow under load nothing but a spare request.
+//! peer timeout and one campaign (0.9 s), a leader slow under load nothing but a spare request.
 //! A node that timed out or refused a connection is *suspect* for [`SUSPECT_FOR`] (longer than
 //! an election), or until it answers: calls skip it, and hints that point to it, while another
 //! replica is not suspect, so they find the new leader as soon as it is elected.
@@ -84,13 +84,13 @@ pub struct NetVolume {
 }
 
 /// How long a call that may be sent again waits for a node's first answer before it also tries
-/// the next replica. The Raft stores find a peer cut off after 0.6 s of silence and its groups'
+/// the next replica. The Raft stores find a peer cut off after 0.8 s of silence and its groups'
 /// lowest live voter campaigns at once, so the next replica can answer as leader about then; the
 /// first attempt still runs (see the module doc), so a slow leader is not given up.
 pub const FIRST_ATTEMPT: Duration = Duration::from_millis(500);
 
 /// How long a node that timed out or refused a connection is skipped: longer than the Raft
-/// stores' peer timeout and a campaign (0.7 s), so a dead leader is not asked again before the
+/// stores' peer timeout and a campaign (0.9 s), so a dead leader is not asked again before the
 /// others elected a new one.
 pub const SUSPECT_FOR: Duration = Duration::from_millis(1500);
 

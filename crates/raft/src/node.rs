@@ -212,6 +212,13 @@ pub struct NodeConfig {
     /// its commit index is not `quiescent`). Reads are served by leaders, and reads of a
     /// follower's state machine track its applied index.
     pub skip_bcast_commit: bool,
+    /// Bytes of committed entries one group applies in one Ready round (raft-rs's
+    /// `max_committed_size_per_ready`); the rest follow in the next rounds. A restarted node
+    /// replays its groups' logs since their snapshots: in one round that held its loop (no
+    /// keepalives, no other group) for tens of seconds in the soak, and its peers counted it down.
+    /// The rest is applied in the following rounds, at least one a tick (4 MiB a tick is 40 MiB/s
+    /// a group, more than a disk under such a replay gives).
+    pub max_apply_per_ready: u64,
 }
 
 impl Default for NodeConfig {
@@ -226,6 +233,7 @@ impl Default for NodeConfig {
             hibernate_after: 20,
             read_lease: std::time::Duration::ZERO,
             skip_bcast_commit: true,
+            max_apply_per_ready: 4 << 20,
         }
     }
 }
@@ -535,6 +543,7 @@ impl<S: StateMachine> RaftNode<S> {
             // Every read confirms leadership with a quorum (ReadIndex); raft-rs's lease-based
             // reads trust a leader that may not have stepped down yet (see `read_lease`).
             read_only_option: raft::ReadOnlyOption::Safe,
+            max_committed_size_per_ready: self.config.max_apply_per_ready,
             ..Config::default()
         };
         cfg.validate()?;

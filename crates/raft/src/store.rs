@@ -89,11 +89,12 @@ impl Default for StoreConfig {
         Self {
             node: NodeConfig::default(),
             tick_interval: Duration::from_millis(100),
-            // A keepalive every 200 ms and a peer down after 600 ms of silence: a leader cut off
-            // from the network costs its groups about 0.7 s (the timeout, then an immediate
-            // campaign), under the 1 s an application should wait at most.
-            keepalive_ticks: 2,
-            peer_timeout_ticks: 6,
+            // A keepalive every tick and a peer down after 800 ms of silence: a leader cut off
+            // from the network costs its groups about 0.9 s (the timeout, then an immediate
+            // campaign), under the 1 s an application should wait at most, and a loop round of
+            // up to 700 ms (a node under heavy disk load) does not make its peers count it down.
+            keepalive_ticks: 1,
+            peer_timeout_ticks: 8,
             request_timeout_ticks: 100,
             purge_interval: Duration::from_secs(10),
             early_appends: false,

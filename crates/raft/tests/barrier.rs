@@ -158,3 +158,50 @@ fn the_log_is_compacted_past_its_byte_budget() {
     // Half the budget at 4 KiB an entry: 8 entries (not the 5,000 `compact_after` keeps).
     assert!(kept <= 9, "{kept} entries kept behind the snapshot");
 }
+
+/// A restarted node replays its log since the last snapshot in rounds of at most
+/// `max_apply_per_ready` bytes of commands, so its loop gets back to its ticks and messages
+/// between them.
+#[test]
+fn a_restart_replays_the_log_in_rounds_of_bounded_size() {
+    let log = Arc::new(MemLogStore::new());
+    let config = NodeConfig {
+        max_apply_per_ready: 4 << 10,
+        ..NodeConfig::default()
+    };
+    {
+        let mut node = RaftNode::new(1, config.clone(), log.clone());
+        node.add_group(1, &[1], Counter::default()).unwrap();
+        node.campaign(1).unwrap();
+        for _ in 0..10 {
+            node.process_ready().unwrap();
+        }
+        assert!(node.is_leader(1));
+        for _ in 0..100 {
+            node.propose(1, vec![7u8; 400]).unwrap();
+        }
+        for _ in 0..50 {
+            node.process_ready().unwrap();
+        }
+    }
+    let sm = Counter::default();
+    let applied = sm.applied.clone();
+    let mut node = RaftNode::new(1, config, log.clone());
+    node.add_group(1, &[1], sm).unwrap();
+    node.campaign(1).unwrap();
+    let mut rounds = Vec::new();
+    let mut last = 0;
+    for _ in 0..200 {
+        node.process_ready().unwrap();
+        let now = *applied.lock().unwrap();
+        if now > last {
+            rounds.push(now - last);
+        }
+        last = now;
+    }
+    assert!(last >= 100, "replayed {last} commands");
+    // A round applies twice (its Ready's entries, then those committed after its write), each
+    // at most 4 KiB of 400-byte commands and the entry that crosses the limit: at most 22.
+    assert!(rounds.len() >= 4, "{rounds:?}");
+    assert!(rounds.iter().all(|&n| n <= 22), "{rounds:?}");
+}

@@ -62,7 +62,7 @@ impl DataNode {
             sends.spawn(async move {
                 let node = r.node.0;
                 // The Raft store's keepalives find a node cut off within its peer timeout
-                // (0.6 s): the packet fails then instead of after `check_after` and a ping.
+                // (0.8 s): the packet fails then instead of after `check_after` and a ping.
                 tokio::select! {
                     out = replicate_to(&client, &r.addr, &req, data, check_after, limit) => {
                         out.map_err(|e| (r.addr, e))
