@@ -239,41 +239,6 @@ async fn a_stopped_follower_makes_the_partition_read_only_until_it_is_repaired()
     c.shutdown().await;
 }
 
-/// A follower whose link goes silent (no reset, nothing answers) fails its leader's appends as
-/// soon as the Raft store stops hearing from it (its peer timeout), not after the leader's own
-/// `replicate_timeout` and a ping: the writer moves to another partition within a second.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_silent_follower_fails_appends_within_the_raft_peer_timeout() {
-    let _serial = SERIAL.lock().await;
-    let c = Cluster::start_with(5, |cfg| {
-        cfg.replicate_timeout = std::time::Duration::from_secs(60);
-    })
-    .await;
-    let api = c.api.clone();
-    let l = api.leader().await;
-    let f = (l + 1) % 3;
-    let e = api.create().await.unwrap().unwrap();
-    let mut model = Vec::new();
-    fill(&api, e, &mut model, 30, 2, 5000).await;
-    let (fh, lh) = (Cluster::host(f), Cluster::host(l));
-    c.net.blackhole(&fh, &lh);
-    c.net.blackhole(&lh, &fh);
-    let refused = tokio::time::timeout(
-        std::time::Duration::from_secs(20),
-        api.append(e, model.len() as u64, &pattern(31, 4000)),
-    )
-    .await
-    .expect("the append waited for the leader's replicate timeout");
-    match refused.unwrap() {
-        Err(DataError::ReadOnly(why)) => assert!(why.contains("down"), "{why}"),
-        other => panic!("expected ReadOnly, got {other:?}"),
-    }
-    c.net.heal_all();
-    c.wait_writable(l).await;
-    assert_eq!(api.read_all(e, 0, model.len() as u64).await, model);
-    c.shutdown().await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_that_lost_its_tail_is_trimmed_and_repaired() {
     let _serial = SERIAL.lock().await;

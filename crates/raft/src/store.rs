@@ -245,9 +245,9 @@ impl<S: StateMachine> RaftHandle<S> {
     }
 
     /// The peers this store considers down: not heard from for `peer_timeout_ticks`, or their
-    /// address refused a connection. A peer is up again with its next message. Callers that talk
-    /// to peers outside Raft (a data leader's appends and listings) wait on it instead of on a
-    /// timeout of their own.
+    /// address refused a connection. A peer is up again with its next message. A hint, not a
+    /// verdict: a live peer whose loop runs a long round misses keepalives too. A new data leader
+    /// skips asking such a follower for its extents rather than wait for it.
     pub fn peers_down(&self) -> watch::Receiver<BTreeSet<u64>> {
         self.down.clone()
     }

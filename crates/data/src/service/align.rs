@@ -71,7 +71,7 @@ impl DataNode {
             known,
         });
         while !ready.is_empty() {
-            let (lists, others) = self.list_all(part, &followers, ready).await;
+            let (lists, others) = self.list_all(part, &followers, ready, true).await;
             let mut next = Vec::new();
             for ev in lists {
                 next.extend(part.step(ev));
@@ -91,12 +91,17 @@ impl DataNode {
 
     /// Asks every follower that `actions` name for its extents at once, each waiting at most
     /// `recheck_timeout` (a follower cut off costs one timeout, not one per follower in turn).
+    /// With `skip_down` (a new leader's alignment), a follower the node's Raft store reports
+    /// down is not asked: that is most often the old leader, and waiting for it would add to the
+    /// fail-over. A re-check asks every follower: a restarted node answers as soon as its
+    /// partition is open, before its first keepalive (its first Raft rounds replay its logs).
     /// Returns the answers in the actions' order, and the other actions.
     async fn list_all(
         &self,
         part: &Part,
         followers: &[Replica],
         actions: Vec<Action>,
+        skip_down: bool,
     ) -> (Vec<Event>, Vec<Action>) {
         let timeout = self.inner.config.recheck_timeout;
         let mut asks: Vec<BoxFuture<'_, Event>> = Vec::new();
@@ -104,7 +109,7 @@ impl DataNode {
         for action in actions {
             match action {
                 Action::ListExtents { round, follower } => asks.push(Box::pin(
-                    self.list_follower(part, followers, round, follower, timeout),
+                    self.list_follower(part, followers, round, follower, timeout, skip_down),
                 )),
                 other => others.push(other),
             }
@@ -120,6 +125,7 @@ impl DataNode {
         round: Round,
         follower: u64,
         timeout: Duration,
+        skip_down: bool,
     ) -> Event {
         let Some(addr) = followers
             .iter()
@@ -132,11 +138,10 @@ impl DataNode {
                 why: format!("node-{follower}: not a replica"),
             };
         };
-        // A node the Raft store has not heard from for its peer timeout (or whose port refused)
-        // is not asked: waiting `timeout` for it would add to every fail-over it causes.
-        if self
-            .raft()
-            .is_ok_and(|r| r.peers_down().borrow().contains(&follower))
+        if skip_down
+            && self
+                .raft()
+                .is_ok_and(|r| r.peers_down().borrow().contains(&follower))
         {
             return Event::Unreachable {
                 round,
@@ -283,7 +288,7 @@ impl DataNode {
             local,
         });
         while !ready.is_empty() {
-            let (lists, others) = self.list_all(part, &followers, ready).await;
+            let (lists, others) = self.list_all(part, &followers, ready, false).await;
             let mut next = Vec::new();
             for ev in lists {
                 next.extend(part.step(ev));

@@ -52,33 +52,15 @@ impl DataNode {
             self.inner.config.replicate_timeout,
             self.inner.config.replicate_stall_limit,
         );
-        let down = self.raft().map_err(DataError::Io)?.peers_down();
         let mut sends = tokio::task::JoinSet::new();
         for r in part.followers(me) {
             let client = self.inner.client.clone();
             let req = req.clone();
             let data = Payload::with_crc(data.bytes.clone(), data.crc());
-            let mut down = down.clone();
             sends.spawn(async move {
-                let node = r.node.0;
-                // The Raft store's keepalives find a node cut off within its peer timeout
-                // (0.8 s): the packet fails then instead of after `check_after` and a ping.
-                tokio::select! {
-                    out = replicate_to(&client, &r.addr, &req, data, check_after, limit) => {
-                        out.map_err(|e| (r.addr, e))
-                    }
-                    () = async {
-                        // A stopped store tells nothing: the call's own limits apply.
-                        if down.wait_for(|d| d.contains(&node)).await.is_err() {
-                            std::future::pending::<()>().await;
-                        }
-                    } => Err((
-                        r.addr,
-                        Failure::Lost(format!(
-                            "node-{node} is down (no Raft message within the peer timeout)"
-                        )),
-                    )),
-                }
+                replicate_to(&client, &r.addr, &req, data, check_after, limit)
+                    .await
+                    .map_err(|e| (r.addr, e))
             });
         }
         let local = async {
