@@ -13,7 +13,7 @@
 use nacre_master::MasterAdmin as _;
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
+use std::io::{self, Seek, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -442,34 +442,35 @@ impl Harness {
         Ok(())
     }
 
-    /// Fills the small disk (data node 0's directory) to the last byte with a filler file.
-    /// Returns the bytes written.
+    /// Fills the small disk (data node 0's directory) to the last byte with a filler file, its
+    /// blocks allocated with `fallocate` (no gigabytes to write and sync on a shared host), the
+    /// last ones written. Returns the filler's size.
     pub fn fill_disk(&self) -> anyhow::Result<u64> {
         let Some(dir) = &self.loop_mount else {
             bail!("this harness has no small disk");
         };
         let mut f = File::create(dir.join("filler"))?;
-        let chunk = vec![0xA5u8; 1 << 20];
-        let mut written = 0u64;
-        loop {
-            match f.write(&chunk) {
-                Ok(0) => break,
-                Ok(n) => written += n as u64,
-                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
-                Err(e) => return Err(e.into()),
+        let st = rustix::fs::statvfs(dir)?;
+        // Root (the harness) may use the blocks reserved for it, too.
+        let mut want = st.f_bfree.saturating_mul(st.f_frsize);
+        let mut filled = 0u64;
+        while want >= 1 << 20 {
+            match rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), filled, want) {
+                Ok(()) => filled += want,
+                Err(_) => want /= 2,
             }
         }
-        // A last partial chunk may still fit.
-        let mut small = vec![0xA5u8; 4096];
+        // Whatever is left, a block at a time.
+        f.seek(io::SeekFrom::Start(filled))?;
+        let small = vec![0xA5u8; 4096];
         while let Ok(n) = f.write(&small) {
             if n == 0 {
                 break;
             }
-            written += n as u64;
+            filled += n as u64;
         }
-        small.clear();
         let _ = f.sync_all();
-        Ok(written)
+        Ok(filled)
     }
 
     /// Frees the small disk again.
