@@ -919,3 +919,62 @@ fn framed_keys_read_back_decompressed_and_a_corrupt_frame_is_an_error() {
         shut_down(&msgr).await;
     });
 }
+
+/// Small files rewritten twice with `O_TRUNC` while their earlier versions are still written
+/// behind, then one sync of the directory: another client reads each file's last version.
+#[test]
+fn a_small_file_rewritten_twice_behind_keeps_its_last_version() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = start_cluster(dir.path());
+    runtime().block_on(async {
+        let (msgr, mc) = client_with_volume(&cluster.master_addr).await;
+        let cfg = NetFsConfig {
+            write_behind: true,
+            flush_delay: Some(std::time::Duration::from_millis(50)),
+            ..NetFsConfig::default()
+        };
+        let fs = NetFs::with_config(open_volume(&msgr, &mc).await, cfg);
+        let me = Caller { uid: 0, gid: 0 };
+        let d = fs.mkdir(ROOT_INO, b"s", 0o755, me).await.unwrap().attr.ino;
+        let mut rng = Rng::with_seed(305);
+        let mut files = Vec::new();
+        for i in 0..60 {
+            let name = format!("f{i}");
+            let (a, h) = fs
+                .create(d, name.as_bytes(), 0o644, me, OpenFlags::WRITE)
+                .await
+                .unwrap();
+            let n = rng.usize(1..9000);
+            let first = random_bytes(&mut rng, n);
+            fs.write(h, 0, first).await.unwrap();
+            fs.flush(h).await.unwrap();
+            fs.release(h).await.unwrap();
+            let trunc = OpenFlags {
+                truncate: true,
+                ..OpenFlags::WRITE
+            };
+            let mut last = Bytes::new();
+            for _ in 0..2 {
+                let h = fs.open(a.attr.ino, trunc).await.unwrap();
+                let n = rng.usize(1..9000);
+                last = random_bytes(&mut rng, n);
+                fs.write(h, 0, last.clone()).await.unwrap();
+                fs.flush(h).await.unwrap();
+                fs.release(h).await.unwrap();
+            }
+            files.push((a.attr.ino, name, last));
+        }
+        fs.sync_dir(d).await.unwrap();
+        let other = NetFs::new(open_volume(&msgr, &mc).await);
+        for (ino, name, last) in &files {
+            let size = other.getattr(*ino).await.unwrap().size;
+            assert_eq!(size, last.len() as u64, "{name}: size");
+            let r = other.open(*ino, OpenFlags::READ).await.unwrap();
+            let got = read_all(&other, r, last.len() + 1).await;
+            other.release(r).await.unwrap();
+            assert!(got == last[..], "{name}: {}", first_diff(&got, last));
+        }
+        shut_down(&msgr).await;
+    });
+}
