@@ -214,10 +214,11 @@ pub struct NodeConfig {
     pub skip_bcast_commit: bool,
     /// Bytes of committed entries one group applies in one Ready round (raft-rs's
     /// `max_committed_size_per_ready`); the rest follow in the next rounds. A restarted node
-    /// replays its groups' logs since their snapshots: in one round that held its loop (no
-    /// keepalives, no other group) for tens of seconds in the soak, and its peers counted it down.
-    /// The rest is applied in the following rounds, at least one a tick (4 MiB a tick is 40 MiB/s
-    /// a group, more than a disk under such a replay gives).
+    /// replays its groups' logs since their snapshots; in one round that would hold its loop (no
+    /// keepalives, no other group) for as long as the whole replay takes, tens of seconds on a
+    /// busy disk, and its peers would count it down. The rest is applied in the following rounds,
+    /// at least one a tick (4 MiB a tick is 40 MiB/s a group, more than a disk under such a
+    /// replay gives).
     pub max_apply_per_ready: u64,
 }
 

@@ -33,8 +33,8 @@ use nacre_types::{ExtentId, PartitionId};
 /// default is a day).
 pub const SCRUB_PERIOD_SECS: u64 = 10;
 /// Bytes per second the data nodes' scrub reads in the harness: a pass over the 2 GiB a node holds
-/// after a 30-minute soak takes under a minute. Four nodes scrubbing back to back at 128 MiB/s each
-/// held this host's disk and page cache busy enough to stall Raft rounds for seconds.
+/// after a 30-minute soak takes under a minute, and four nodes scrubbing back to back leave this
+/// 2-core host's disk room for the nodes' own work (Raft rounds stall for seconds at 128 MiB/s).
 pub const SCRUB_RATE: u64 = 48 << 20;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
