@@ -130,7 +130,7 @@ fn err(e: &FsError) -> Errno {
     if n == libc::EIO {
         // The application sees only the errno; the cause goes to the log, one line a second at
         // most (during a fault every call may fail the same way).
-        if let Some(suppressed) = EIO_LOG.admit(seconds_since_start()) {
+        if let Some(suppressed) = EIO_LOG.admit_now() {
             tracing::warn!(error = %e, suppressed, "a call failed with EIO");
         }
     }
@@ -138,15 +138,6 @@ fn err(e: &FsError) -> Errno {
 }
 
 static EIO_LOG: OncePerSecond = OncePerSecond::new();
-
-/// Whole seconds since the first call (a monotonic clock).
-fn seconds_since_start() -> u64 {
-    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    START
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_secs()
-}
 
 /// How the adapter talks to the kernel.
 #[derive(Clone, Debug)]

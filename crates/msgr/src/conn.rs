@@ -873,7 +873,7 @@ impl Conn {
                 self.metrics.error("frame");
                 // One line a second: a scan or a broken peer sends bad frames on every
                 // connection it opens (the count is in the errors metric).
-                if let Some(suppressed) = BAD_FRAME_LOG.admit(seconds_since_start()) {
+                if let Some(suppressed) = BAD_FRAME_LOG.admit_now() {
                     tracing::warn!(peer = %self.peer, error = %e, suppressed, "closing connection after a bad frame");
                 }
                 self.begin_close(&format!("bad frame: {e}"));
@@ -1011,12 +1011,3 @@ impl Drop for Conn {
 }
 
 static BAD_FRAME_LOG: nacre_types::OncePerSecond = nacre_types::OncePerSecond::new();
-
-/// Whole seconds since the first call (a monotonic clock), for [`BAD_FRAME_LOG`].
-fn seconds_since_start() -> u64 {
-    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    START
-        .get_or_init(std::time::Instant::now)
-        .elapsed()
-        .as_secs()
-}

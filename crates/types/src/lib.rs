@@ -1,8 +1,9 @@
 //! Identifiers, error codes and checksums shared by every nacre crate.
 //!
-//! This crate is pure: no IO, no async, no clocks. Everything in it is cheap to copy and stable on the
-//! wire (ids are plain little-endian integers once encoded). [`sync`] holds the workspace's one policy
-//! for poisoned locks.
+//! This crate is pure: no IO, no async, and no clock but the monotonic one of
+//! [`OncePerSecond::admit_now`]. Everything in it is cheap to copy and stable on the wire (ids are
+//! plain little-endian integers once encoded). [`sync`] holds the workspace's one policy for
+//! poisoned locks.
 
 pub mod sync;
 
@@ -288,6 +289,19 @@ impl OncePerSecond {
         }
         self.dropped.fetch_add(1, Ordering::Relaxed);
         None
+    }
+}
+
+impl OncePerSecond {
+    /// [`admit`](Self::admit) at the current second of a monotonic clock that starts at the
+    /// process's first call.
+    pub fn admit_now(&self) -> Option<u64> {
+        static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        let now = START
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_secs();
+        self.admit(now)
     }
 }
 
