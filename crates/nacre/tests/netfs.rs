@@ -54,6 +54,20 @@ fn write_model(model: &mut Vec<u8>, off: u64, data: &[u8]) {
     model[off as usize..end].copy_from_slice(data);
 }
 
+/// A client of the volume that writes small files behind, sent `flush_ms` after their close.
+async fn writing_behind(
+    msgr: &nacre_msgr::Messenger,
+    mc: &nacre_client::MasterClient,
+    flush_ms: u64,
+) -> NetFs {
+    let cfg = NetFsConfig {
+        write_behind: true,
+        flush_delay: Some(std::time::Duration::from_millis(flush_ms)),
+        ..NetFsConfig::default()
+    };
+    NetFs::with_config(open_volume(msgr, mc).await, cfg)
+}
+
 async fn read_all(fs: &NetFs, fh: nacre_client::Fh, len: usize) -> Vec<u8> {
     let mut out = Vec::new();
     loop {
@@ -715,12 +729,7 @@ fn a_larger_file_rewritten_small_at_once_keeps_its_second_version() {
     let cluster = start_cluster(dir.path());
     runtime().block_on(async {
         let (msgr, mc) = client_with_volume(&cluster.master_addr).await;
-        let cfg = NetFsConfig {
-            write_behind: true,
-            flush_delay: Some(std::time::Duration::from_millis(10)),
-            ..NetFsConfig::default()
-        };
-        let fs = NetFs::with_config(open_volume(&msgr, &mc).await, cfg);
+        let fs = writing_behind(&msgr, &mc, 10).await;
         let me = Caller { uid: 0, gid: 0 };
         let d = fs.mkdir(ROOT_INO, b"r", 0o755, me).await.unwrap().attr.ino;
         let mut rng = Rng::with_seed(42);
@@ -929,12 +938,7 @@ fn a_small_file_rewritten_twice_behind_keeps_its_last_version() {
     let cluster = start_cluster(dir.path());
     runtime().block_on(async {
         let (msgr, mc) = client_with_volume(&cluster.master_addr).await;
-        let cfg = NetFsConfig {
-            write_behind: true,
-            flush_delay: Some(std::time::Duration::from_millis(50)),
-            ..NetFsConfig::default()
-        };
-        let fs = NetFs::with_config(open_volume(&msgr, &mc).await, cfg);
+        let fs = writing_behind(&msgr, &mc, 50).await;
         let me = Caller { uid: 0, gid: 0 };
         let d = fs.mkdir(ROOT_INO, b"s", 0o755, me).await.unwrap().attr.ino;
         let mut rng = Rng::with_seed(305);
