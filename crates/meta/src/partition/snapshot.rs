@@ -144,8 +144,9 @@ impl TryFrom<Image> for MetaPartition {
     }
 }
 
-/// An extent key as versions 1 to 3 encoded it: no `framed` field (every key was raw).
+/// An extent key as versions 1 to 3 encoded it: no `framed` field (every key raw).
 #[derive(Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 struct RawKey {
     file_offset: u64,
     partition: PartitionId,
@@ -171,6 +172,7 @@ impl From<RawKey> for ExtentKey {
 
 /// An inode as versions 1 to 3 encoded it: [`Inode`]'s fields, keys without `framed`.
 #[derive(Deserialize)]
+#[cfg_attr(test, derive(serde::Serialize))]
 struct RawInode {
     size: u64,
     #[serde(with = "nacre_api::meta::time::nanos")]
@@ -304,51 +306,27 @@ fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, MetaError> {
 mod tests {
     use nacre_api::meta::{Command, Framed, ROOT_INO, Reply};
     use nacre_types::Ino;
-    use serde::Serialize;
 
     use super::*;
 
-    /// An extent key as versions 1 to 3 wrote it.
-    #[derive(Serialize)]
-    struct OldKey(u64, PartitionId, ExtentId, u64, u32, u32);
-
-    fn old_key(k: &ExtentKey) -> OldKey {
-        OldKey(
-            k.file_offset,
-            k.partition,
-            k.extent,
-            k.extent_offset,
-            k.size,
-            k.crc,
-        )
-    }
-
-    /// An inode as versions 1 to 3 wrote it.
-    #[derive(Serialize)]
-    struct OldInode<'a> {
-        size: u64,
-        #[serde(with = "nacre_api::meta::time::nanos")]
-        atime: i64,
-        #[serde(with = "nacre_api::meta::time::nanos")]
-        mtime: i64,
-        #[serde(with = "nacre_api::meta::time::nanos")]
-        ctime: i64,
-        parent: u64,
-        extents: Vec<OldKey>,
-        uid: u32,
-        gid: u32,
-        nlink: u32,
-        mode: u16,
-        kind: &'a FileType,
+    fn old_key(k: &ExtentKey) -> RawKey {
+        RawKey {
+            file_offset: k.file_offset,
+            partition: k.partition,
+            extent: k.extent,
+            extent_offset: k.extent_offset,
+            size: k.size,
+            crc: k.crc,
+        }
     }
 
     /// `p` as a version 3 snapshot (every key raw).
     fn version_3(p: &MetaPartition) -> Vec<u8> {
-        let inodes: Vec<(u64, OldInode<'_>)> = p
+        let inodes: Vec<(u64, RawInode)> = p
             .inodes
             .iter()
             .map(|(ino, n)| {
-                let old = OldInode {
+                let old = RawInode {
                     size: n.size,
                     atime: n.atime,
                     mtime: n.mtime,
@@ -359,12 +337,12 @@ mod tests {
                     gid: n.gid,
                     nlink: n.nlink,
                     mode: n.mode,
-                    kind: &n.kind,
+                    kind: n.kind,
                 };
                 (ino, old)
             })
             .collect();
-        let to_free: Vec<OldKey> = p.to_free.iter().map(old_key).collect();
+        let to_free: Vec<RawKey> = p.to_free.iter().map(old_key).collect();
         postcard::to_allocvec(&(
             3u32,
             (p.start, p.end, p.next, inodes),
