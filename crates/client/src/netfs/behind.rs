@@ -82,9 +82,13 @@ type Piece = (usize, usize, usize, u64);
 /// One dirty file: its mark (order of becoming dirty), when it became dirty, the file.
 type Entry = (u64, Instant, Arc<OpenFile>);
 
-#[derive(Debug, Default)]
-struct Dirty {
-    files: VecDeque<Entry>,
+/// The dirty list's state. Invariant: `files` is sorted by mark, and a file dirty since mark
+/// `m` is, until its bytes are written, on `files` with a mark of at most `m` or in a round whose
+/// lowest mark (in `flying`) is at most `m`; so a sync that waits for every mark up to a target
+/// waits for every file dirty when it began ([`Dirty::written_to`]).
+#[derive(Debug)]
+struct Dirty<F = Arc<OpenFile>> {
+    files: VecDeque<(u64, Instant, F)>,
     /// Dirty bytes of every file (each file's share is `OpenFile::behind_bytes`).
     bytes: u64,
     /// The last mark handed out.
@@ -97,6 +101,50 @@ struct Dirty {
     running: bool,
     /// The first file whose bytes were given up since the last directory fsync.
     failed: Option<String>,
+}
+
+impl<F> Default for Dirty<F> {
+    fn default() -> Self {
+        Self {
+            files: VecDeque::new(),
+            bytes: 0,
+            marks: 0,
+            flying: Vec::new(),
+            urgent_to: 0,
+            running: false,
+            failed: None,
+        }
+    }
+}
+
+impl<F> Dirty<F> {
+    /// Whether every file dirty at mark `target` is written: no round that holds one is in
+    /// flight and none is on the list.
+    fn written_to(&self, target: u64) -> bool {
+        self.flying.iter().all(|&m| m > target) && self.files.front().is_none_or(|e| e.0 > target)
+    }
+
+    /// Puts a round's files back on the list to be written again (a packet failed, or the file
+    /// was closed again with new bytes while its round was in flight), each with the mark it had,
+    /// in mark order: a sync that began meanwhile waits for them.
+    fn put_back(&mut self, entries: Vec<(u64, Instant, F)>) {
+        for e in entries {
+            let at = self.files.partition_point(|x| x.0 < e.0);
+            self.files.insert(at, e);
+        }
+    }
+
+    /// Marks a file dirty now (the caller just set its `dirty` flag).
+    fn push(&mut self, f: F) {
+        self.marks += 1;
+        let mark = self.marks;
+        self.files.push_back((mark, Instant::now(), f));
+    }
+
+    /// Notes the first failure a directory fsync must report.
+    fn fail(&mut self, msg: String) {
+        self.failed.get_or_insert(msg);
+    }
 }
 
 impl DataBehind {
@@ -178,9 +226,7 @@ impl Inner {
         let mut d = lock(&b.st);
         d.bytes = d.bytes.saturating_sub(old) + n;
         if !f.dirty.swap(true, Ordering::SeqCst) {
-            d.marks += 1;
-            let mark = d.marks;
-            d.files.push_back((mark, Instant::now(), f.clone()));
+            d.push(f.clone());
         }
         if !d.running {
             d.running = true;
@@ -229,20 +275,17 @@ impl Inner {
             d.marks
         };
         b.wake.notify_one();
-        b.wait_until(|d| {
-            d.flying.iter().all(|&m| m > target) && d.files.front().is_none_or(|e| e.0 > target)
-        })
-        .await;
+        b.wait_until(|d| d.written_to(target)).await;
         match lock(&b.st).failed.take() {
             Some(e) => Err(FsError::WriteFailed(e)),
             None => Ok(()),
         }
     }
 
-    /// Writes one round of dirty files; returns those to retry.
-    async fn flush_round(self: &Arc<Self>, round: Vec<Entry>) -> Vec<Entry> {
+    /// Writes one round of dirty files; returns those to write again.
+    async fn flush_round(self: &Arc<Self>, round: Vec<Entry>) -> RoundEnd {
         let Some(b) = &self.behind else {
-            return Vec::new();
+            return RoundEnd::default();
         };
         // The round's files are locked in list order; every other call locks one file at a
         // time, so this cannot deadlock.
@@ -265,6 +308,8 @@ impl Inner {
                 Some(_) => {
                     if let Err(e) = self.flush_file(f, st).await {
                         tracing::warn!(ino = %f.ino, error = %e, "a file's bytes written behind were not committed");
+                        let msg = format!("bytes of inode {} written behind were lost: {e}", f.ino);
+                        lock(&b.st).fail(msg);
                     }
                 }
             }
@@ -331,7 +376,7 @@ impl Inner {
                 }
             }
         }
-        let mut retry = Vec::new();
+        let mut end = RoundEnd::default();
         let mut done = vec![true; round.len()];
         let mut marks = Vec::new();
         for &i in &small {
@@ -352,6 +397,9 @@ impl Inner {
                         Ok(mark) => marks.extend(mark),
                         Err(e) => {
                             tracing::warn!(ino = %f.ino, error = %e, "a file's extent keys were not queued");
+                            let msg =
+                                format!("keys of inode {} written behind were lost: {e}", f.ino);
+                            lock(&b.st).fail(msg);
                             st.error = Some(e.to_string());
                         }
                     }
@@ -367,7 +415,7 @@ impl Inner {
                     tracing::error!(ino = %f.ino, error = %e, "bytes written behind were given up");
                     let msg = format!("bytes of inode {} written behind were lost: {e}", f.ino);
                     st.error = Some(msg.clone());
-                    lock(&b.st).failed.get_or_insert(msg);
+                    lock(&b.st).fail(msg);
                     self.discard(f, st);
                 }
             }
@@ -378,33 +426,40 @@ impl Inner {
         self.meta.applied(&marks).await;
         for (i, entry) in round.iter().enumerate() {
             if !done[i] {
-                retry.push(entry.clone());
+                end.retry.push(entry.clone());
                 continue;
             }
             let f = &entry.2;
             let st = f.state.lock().await;
             if st.run.is_some() && f.behind_bytes.load(Ordering::SeqCst) > 0 {
-                // Closed again with new bytes while its keys went out: still dirty.
-                let mut d = lock(&b.st);
-                d.marks += 1;
-                let mark = d.marks;
-                d.files.push_back((mark, Instant::now(), f.clone()));
+                // Closed again with new bytes while the round was in flight: dirty all along,
+                // so it keeps its mark (a sync that began meanwhile must wait for it).
+                end.again.push(entry.clone());
                 continue;
             }
             f.dirty.store(false, Ordering::SeqCst);
             drop(st);
             self.forget_if_closed(f);
         }
-        retry
+        end
     }
+}
+
+/// The files a round gives back to the list.
+#[derive(Debug, Default)]
+struct RoundEnd {
+    /// Whose packet failed (retried after [`RETRY_PAUSE`]).
+    retry: Vec<Entry>,
+    /// Closed again with new bytes while the round was in flight.
+    again: Vec<Entry>,
 }
 
 /// Sends the dirty list in rounds, up to [`ROUNDS_MAX`] at once, until it is empty.
 async fn flusher(inner: Arc<Inner>) {
     let Some(b) = &inner.behind else { return };
-    let mut rounds: JoinSet<Vec<Entry>> = JoinSet::new();
-    // The lowest mark of each round, by task.
-    let mut lows: HashMap<tokio::task::Id, u64> = HashMap::new();
+    let mut rounds: JoinSet<RoundEnd> = JoinSet::new();
+    // The lowest mark and the files of each round, by task.
+    let mut taken: HashMap<tokio::task::Id, (u64, Vec<Entry>)> = HashMap::new();
     loop {
         // Start a round when one is due and there is room for it.
         let due = {
@@ -423,9 +478,9 @@ async fn flusher(inner: Arc<Inner>) {
                         let low = round.first().map_or(0, |e| e.0);
                         d.flying.push(low);
                         drop(d);
-                        let me = inner.clone();
+                        let (me, files) = (inner.clone(), round.clone());
                         let task = rounds.spawn(async move { me.flush_round(round).await });
-                        lows.insert(task.id(), low);
+                        taken.insert(task.id(), (low, files));
                         continue;
                     }
                     (!go).then_some(due)
@@ -459,19 +514,24 @@ async fn flusher(inner: Arc<Inner>) {
             Ok((id, _)) => *id,
             Err(e) => e.id(),
         };
-        let retry = done.unwrap_or_else(|e| {
-            // Its files stay marked dirty and off the list; the flusher goes on with the rest.
-            tracing::error!(error = %e, "a write-behind round ended without an answer");
-            (id, Vec::new())
-        });
-        let failed = !retry.1.is_empty();
+        let (low, files) = taken.remove(&id).unwrap_or_default();
+        let end = done.map_or_else(
+            |e| {
+                // Its files go back on the list as they are (still marked dirty).
+                tracing::error!(error = %e, "a write-behind round ended without an answer");
+                RoundEnd {
+                    retry: files,
+                    again: Vec::new(),
+                }
+            },
+            |(_, end)| end,
+        );
+        let failed = !end.retry.is_empty();
         {
             let mut d = lock(&b.st);
-            for e in retry.1.into_iter().rev() {
-                d.files.push_front(e);
-            }
-            let low = lows.remove(&id);
-            if let Some(k) = d.flying.iter().position(|&m| Some(m) == low) {
+            d.put_back(end.retry);
+            d.put_back(end.again);
+            if let Some(k) = d.flying.iter().position(|&m| m == low) {
                 d.flying.swap_remove(k);
             }
         }
@@ -498,4 +558,62 @@ fn take_round(d: &mut Dirty) -> Vec<Entry> {
         }
     }
     round
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Takes the whole list as one round, as the flusher does.
+    fn take_all(d: &mut Dirty<u32>) -> Vec<(u64, Instant, u32)> {
+        let round: Vec<_> = d.files.drain(..).collect();
+        if let Some(e) = round.first() {
+            d.flying.push(e.0);
+        }
+        round
+    }
+
+    fn end(d: &mut Dirty<u32>, round: &[(u64, Instant, u32)], again: Vec<(u64, Instant, u32)>) {
+        d.put_back(again);
+        let low = round.first().map_or(0, |e| e.0);
+        if let Some(k) = d.flying.iter().position(|&m| m == low) {
+            d.flying.swap_remove(k);
+        }
+    }
+
+    #[test]
+    fn a_file_closed_again_while_its_round_flies_holds_back_a_sync_begun_meanwhile() {
+        let mut d = Dirty::<u32>::default();
+        d.push(7);
+        let round = take_all(&mut d);
+        // Closed again with new bytes while the round is in flight, then the directory is synced.
+        let target = d.marks;
+        assert!(!d.written_to(target));
+        end(&mut d, &round, round.clone());
+        assert!(
+            !d.written_to(target),
+            "the sync would return before the file's new bytes are written"
+        );
+        let round = take_all(&mut d);
+        assert_eq!(round.iter().map(|e| e.2).collect::<Vec<_>>(), [7]);
+        end(&mut d, &round, Vec::new());
+        assert!(d.written_to(target));
+    }
+
+    #[test]
+    fn files_put_back_keep_the_list_in_mark_order() {
+        let mut d = Dirty::<u32>::default();
+        for f in 1..=4 {
+            d.push(f);
+        }
+        let first = take_all(&mut d);
+        d.push(5);
+        d.push(6);
+        // Marks 1..4 in flight, 5 and 6 on the list; 3 and 1 come back.
+        end(&mut d, &first, vec![first[2], first[0]]);
+        let marks: Vec<u64> = d.files.iter().map(|e| e.0).collect();
+        assert_eq!(marks, [1, 3, 5, 6]);
+        assert!(!d.written_to(1));
+        assert!(d.written_to(0));
+    }
 }
