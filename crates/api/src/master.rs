@@ -110,6 +110,126 @@ pub struct VolumeView {
     pub volume: Volume,
     pub meta_partitions: Vec<PartitionView>,
     pub data_partitions: Vec<PartitionView>,
+    /// The storage functions its file data passes through.
+    pub funcs: VolumeFuncs,
+}
+
+/// The storage functions a volume's file data passes through, and where they run; set when the
+/// volume is created.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeFuncs {
+    /// Compression of file data in blocks (`None`: stored as written).
+    pub compress: Option<Compression>,
+    /// Where the clients run the functions.
+    pub at: FuncAt,
+    /// A service call that finds no function server left runs in the client instead of failing
+    /// the write.
+    pub fallback_inline: bool,
+}
+
+/// Where a storage function runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FuncAt {
+    /// In the process that needs it (the client), on a blocking thread.
+    #[default]
+    Inline,
+    /// On the function servers the master lists.
+    Service,
+}
+
+impl std::fmt::Display for FuncAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FuncAt::Inline => "inline",
+            FuncAt::Service => "service",
+        })
+    }
+}
+
+impl std::str::FromStr for FuncAt {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "inline" => Ok(FuncAt::Inline),
+            "service" => Ok(FuncAt::Service),
+            _ => Err(format!(
+                "{s:?} is not a place to run functions: use inline or service"
+            )),
+        }
+    }
+}
+
+/// Block compression of a volume's file data: each block of `block` bytes (aligned in the file)
+/// is stored as one frame, compressed with `codec`, or raw when that saves too little.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Compression {
+    pub codec: nacre_func::Codec,
+    pub block: u32,
+}
+
+impl Compression {
+    /// The default block: large enough for the codecs to find repeats, small enough that a
+    /// frame fits one packet with its header.
+    pub const BLOCK: u32 = 64 << 10;
+    /// The smallest block a volume may use.
+    pub const MIN_BLOCK: u32 = 4 << 10;
+
+    /// Checks the block size (a power of two from 4 KiB to [`Self::BLOCK`]) and the codec's
+    /// parameters.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.block.is_power_of_two() || !(Self::MIN_BLOCK..=Self::BLOCK).contains(&self.block) {
+            return Err(format!(
+                "compression block {} is not a power of two from {} to {}",
+                self.block,
+                Self::MIN_BLOCK,
+                Self::BLOCK
+            ));
+        }
+        match self.codec {
+            nacre_func::Codec::Zstd { level } if !(-7..=22).contains(&level) => {
+                Err(format!("zstd level {level} is outside -7..=22"))
+            }
+            nacre_func::Codec::None => Err("compression needs a codec (zstd or lz4)".into()),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Display for Compression {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.codec {
+            nacre_func::Codec::Zstd { level } => write!(f, "zstd:{level}")?,
+            nacre_func::Codec::Lz4 => f.write_str("lz4")?,
+            nacre_func::Codec::None => f.write_str("none")?,
+        }
+        write!(f, " in {} KiB blocks", self.block >> 10)
+    }
+}
+
+impl std::str::FromStr for Compression {
+    type Err = String;
+
+    /// `zstd`, `zstd:LEVEL` (default level 1) or `lz4`, in blocks of [`Self::BLOCK`].
+    fn from_str(s: &str) -> Result<Self, String> {
+        let codec = match s.split_once(':') {
+            None if s == "lz4" => nacre_func::Codec::Lz4,
+            None if s == "zstd" => nacre_func::Codec::Zstd { level: 1 },
+            Some(("zstd", level)) => nacre_func::Codec::Zstd {
+                level: level
+                    .parse()
+                    .map_err(|_| format!("zstd level {level:?} is not a number"))?,
+            },
+            _ => return Err(format!("{s:?} is not a codec: use zstd, zstd:LEVEL or lz4")),
+        };
+        let c = Compression {
+            codec,
+            block: Self::BLOCK,
+        };
+        c.validate()?;
+        Ok(c)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -36,13 +36,7 @@ use tokio::time::Instant;
 use crate::master::MasterClient;
 
 /// Where a [`FuncClient`] runs calls.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FuncAt {
-    /// On a blocking thread of this process.
-    Inline,
-    /// On the function servers the master lists.
-    Service,
-}
+pub use nacre_api::master::FuncAt;
 
 /// What a service call does when no instance is left to try.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

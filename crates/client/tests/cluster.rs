@@ -240,6 +240,7 @@ async fn cluster_with_volume(
         meta_partitions,
         data_partitions: 0,
         inode_step: 1000,
+        funcs: Default::default(),
     })
     .await
     .unwrap();

@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 
 use nacre_api::data::{Sweep, SweepReport, SweepRequest};
 use nacre_api::master::{
-    FuncLoad, GetGc, GetGcRequest, MapError, MasterError, OPEN_END, PartitionStatus,
-    PendingReplica, Role,
+    Compression, FuncAt, FuncLoad, GetGc, GetGcRequest, MapError, MasterError, OPEN_END,
+    PartitionStatus, PendingReplica, Role, VolumeFuncs,
 };
 use nacre_client::MasterClient;
 use nacre_func::Function;
@@ -85,6 +85,8 @@ pub struct VolumeInfo {
     pub data_partitions_rw: usize,
     pub inodes: u64,
     pub used: u64,
+    /// The storage functions of its file data (`VolumeFuncs`), as text: `-` when none.
+    pub functions: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -144,6 +146,30 @@ pub struct CreateVolume {
     pub meta_partitions: u32,
     pub data_partitions: u32,
     pub inode_step: u64,
+    /// Block compression of file data: `zstd`, `zstd:LEVEL` or `lz4` (none when absent).
+    pub compress: Option<String>,
+    /// Where clients run the volume's functions: `inline` or `service`.
+    pub func_at: FuncAt,
+    /// With `service`: a write that finds no function server runs the function in the client
+    /// instead of failing.
+    pub fallback_inline: bool,
+}
+
+impl CreateVolume {
+    /// The volume's functions, as the map records them.
+    pub fn funcs(&self) -> Result<VolumeFuncs, MapError> {
+        let compress = self
+            .compress
+            .as_deref()
+            .map(str::parse::<Compression>)
+            .transpose()
+            .map_err(MapError::Invalid)?;
+        Ok(VolumeFuncs {
+            compress,
+            at: self.func_at,
+            fallback_inline: self.fallback_inline,
+        })
+    }
 }
 
 impl Default for CreateVolume {
@@ -156,6 +182,9 @@ impl Default for CreateVolume {
             meta_partitions: 3,
             data_partitions: 10,
             inode_step: 1 << 24,
+            compress: None,
+            func_at: FuncAt::Inline,
+            fallback_inline: true,
         }
     }
 }
@@ -375,6 +404,7 @@ impl Admin {
                 meta_partitions: req.meta_partitions,
                 data_partitions: req.data_partitions,
                 inode_step: req.inode_step,
+                funcs: req.funcs()?,
             })
             .await?;
         let map = self.mc.cluster_map().await?;
@@ -494,7 +524,19 @@ fn volume_info(map: &ClusterMap, name: &str) -> Option<VolumeInfo> {
             .map(|p| p.inode_count)
             .sum(),
         used: data.map(|p| p.used).sum(),
+        functions: functions_text(&map.volume_funcs.get(name).copied().unwrap_or_default()),
     })
+}
+
+/// `zstd:1 in 64 KiB blocks, service (inline when none is up)`, or `-` for none.
+pub fn functions_text(f: &VolumeFuncs) -> String {
+    let Some(c) = &f.compress else {
+        return "-".into();
+    };
+    match f.at {
+        FuncAt::Service if f.fallback_inline => format!("{c}, service (inline when none is up)"),
+        at => format!("{c}, {at}"),
+    }
 }
 
 fn partitions(map: &ClusterMap, volume: Option<&str>) -> Vec<PartitionInfo> {

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 pub use nacre_api::master::{
     ClusterSpace, FIRST_INODE, FULL_PPM, FuncInstance, FuncLoad, FuncView, MapError, OPEN_END,
     PartitionKind, PartitionReport, PartitionSpec, PartitionStatus, PartitionView, Replica, Role,
-    Volume, VolumeView,
+    Volume, VolumeFuncs, VolumeView,
 };
 pub use nacre_func::Function;
 use nacre_types::{NodeId, PartitionId, VolumeId};
@@ -127,6 +127,7 @@ pub enum Command {
         data_partitions: u32,
         /// Inodes per initial meta partition (all but the last, which is open-ended).
         inode_step: u64,
+        funcs: VolumeFuncs,
     },
     DeleteVolume {
         name: String,
@@ -185,8 +186,9 @@ pub enum Outcome {
 /// The cluster map.
 ///
 /// Serialized as the master's Raft snapshot and in `GetMap` answers. Fields are only ever
-/// appended: the last one, `funcs`, may be missing from bytes written by a master built before it
-/// (the decoder then starts with none; function servers register again at their next heartbeat).
+/// appended: the last ones may be missing from bytes written by a master built before them. With
+/// no `funcs` the decoder starts with none (function servers register again at their next
+/// heartbeat); with no `volume_funcs` every volume stores its data as written, as it did then.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct ClusterMap {
     /// Bumped by every change.
@@ -201,6 +203,8 @@ pub struct ClusterMap {
     next_partition: u64,
     /// What each function server (a node of role [`Role::Func`]) offers, and its load.
     pub funcs: BTreeMap<NodeId, FuncService>,
+    /// The storage functions of each volume that has any, by volume name.
+    pub volume_funcs: BTreeMap<String, VolumeFuncs>,
 }
 
 impl<'de> Deserialize<'de> for ClusterMap {
@@ -231,6 +235,7 @@ impl<'de> Deserialize<'de> for ClusterMap {
                     // The bytes end here when a master built before function servers wrote
                     // them: postcard reports the end of its input as an error.
                     funcs: seq.next_element().ok().flatten().unwrap_or_default(),
+                    volume_funcs: seq.next_element().ok().flatten().unwrap_or_default(),
                 })
             }
         }
@@ -245,6 +250,7 @@ impl<'de> Deserialize<'de> for ClusterMap {
             "next_volume",
             "next_partition",
             "funcs",
+            "volume_funcs",
         ];
         d.deserialize_struct("ClusterMap", FIELDS, Fields)
     }
@@ -519,6 +525,7 @@ impl ClusterMap {
                 meta_partitions,
                 data_partitions,
                 inode_step,
+                funcs,
             } => {
                 if !valid_name(name) {
                     return Err(MapError::InvalidName(name.clone()));
@@ -533,6 +540,9 @@ impl ClusterMap {
                     return Err(MapError::Invalid(
                         "replicas, meta partitions and inode step must be at least 1".into(),
                     ));
+                }
+                if let Some(c) = &funcs.compress {
+                    c.validate().map_err(MapError::Invalid)?;
                 }
                 self.next_volume += 1;
                 let vid = VolumeId(self.next_volume);
@@ -561,6 +571,9 @@ impl ClusterMap {
                     vol.data_partitions.push(id);
                 }
                 self.volumes.insert(name.clone(), vol);
+                if *funcs != VolumeFuncs::default() {
+                    self.volume_funcs.insert(name.clone(), *funcs);
+                }
                 Ok(Outcome::VolumeCreated(vid))
             }
             Command::DeleteVolume { name } => {
@@ -568,6 +581,7 @@ impl ClusterMap {
                     .volumes
                     .remove(name)
                     .ok_or_else(|| MapError::NoSuchVolume(name.clone()))?;
+                self.volume_funcs.remove(name);
                 for p in &vol.meta_partitions {
                     self.meta_partitions.remove(p);
                 }
@@ -909,6 +923,7 @@ impl ClusterMap {
             volume: volume.clone(),
             meta_partitions: volume.meta_partitions.iter().filter_map(view).collect(),
             data_partitions: volume.data_partitions.iter().filter_map(view).collect(),
+            funcs: self.volume_funcs.get(name).copied().unwrap_or_default(),
         })
     }
 

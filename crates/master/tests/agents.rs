@@ -183,6 +183,7 @@ async fn nodes_host_what_the_master_places_and_the_leader_keeps_volumes_healthy(
         meta_partitions: 2,
         data_partitions: 0,
         inode_step: 1000,
+        funcs: Default::default(),
     })
     .await
     .unwrap();

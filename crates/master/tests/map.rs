@@ -1,9 +1,10 @@
 //! The cluster map as a state machine: volumes, placement, liveness, meta-partition splits.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
+use nacre_api::master::{Compression, FuncAt};
 use nacre_master::map::{
     ClusterMap, Command, FuncLoad, Function, MapError, NodeStatus, OPEN_END, Outcome,
-    PartitionKind, PartitionReport, PartitionStatus, Role,
+    PartitionKind, PartitionReport, PartitionStatus, Role, VolumeFuncs,
 };
 use nacre_types::NodeId;
 use proptest::prelude::*;
@@ -50,6 +51,7 @@ fn create(m: &mut ClusterMap, name: &str, metas: u32, datas: u32) -> Result<Outc
         meta_partitions: metas,
         data_partitions: datas,
         inode_step: 1000,
+        funcs: Default::default(),
     })
 }
 
@@ -251,6 +253,7 @@ fn tenants_own_volumes_and_cannot_be_deleted_while_they_do() {
         meta_partitions: 1,
         data_partitions: 1,
         inode_step: 1,
+        funcs: Default::default(),
     });
     assert_eq!(no_owner, Err(MapError::NoSuchTenant("ghost".into())));
     create(&mut m, "vol", 1, 1).unwrap();
@@ -599,10 +602,11 @@ fn function_servers_host_no_partitions() {
 fn a_map_with_function_servers_survives_a_snapshot_and_an_older_snapshot_decodes() {
     let mut m = cluster(3, 3, 1);
     create(&mut m, "vol", 2, 3).unwrap();
-    // Written by a master built before function servers: the same fields, without the
-    // trailing (empty) map of them.
+    // Written by a master built before function servers (and volume functions): the same
+    // fields, without the two trailing (empty) maps; or before volume functions only.
     let older = m.snapshot();
-    assert_eq!(older.last(), Some(&0), "an empty map is one zero byte");
+    assert!(older.ends_with(&[0, 0]), "an empty map is one zero byte");
+    assert_eq!(ClusterMap::restore(&older[..older.len() - 2]).unwrap(), m);
     assert_eq!(ClusterMap::restore(&older[..older.len() - 1]).unwrap(), m);
 
     let f = register_func(&mut m, "f:7000", 0);
@@ -612,4 +616,78 @@ fn a_map_with_function_servers_survives_a_snapshot_and_an_older_snapshot_decodes
     assert_eq!(back.func_view().instances.len(), 1);
     // Cut inside the fields every master writes: refused.
     assert!(ClusterMap::restore(&older[..older.len() / 2]).is_err());
+}
+
+#[test]
+fn a_volume_keeps_its_functions_in_its_view_and_snapshots() {
+    let mut m = cluster(3, 3, 1);
+    let zstd = VolumeFuncs {
+        compress: Some("zstd:3".parse().unwrap()),
+        at: FuncAt::Service,
+        fallback_inline: false,
+    };
+    let cmd = |name: &str, funcs: VolumeFuncs| Command::CreateVolume {
+        name: name.into(),
+        owner: "t1".into(),
+        replicas: 3,
+        capacity: 0,
+        meta_partitions: 1,
+        data_partitions: 2,
+        inode_step: 1000,
+        funcs,
+    };
+    m.apply(&cmd("packed", zstd)).unwrap();
+    create(&mut m, "plain", 1, 2).unwrap();
+    assert_eq!(m.volume_view("packed").unwrap().funcs, zstd);
+    assert_eq!(
+        m.volume_view("plain").unwrap().funcs,
+        VolumeFuncs::default()
+    );
+    assert_eq!(
+        m.volume_funcs.len(),
+        1,
+        "a volume without functions takes no entry"
+    );
+    assert_eq!(ClusterMap::restore(&m.snapshot()).unwrap(), m);
+
+    let before = m.clone();
+    let bad_block = VolumeFuncs {
+        compress: Some(Compression {
+            codec: nacre_func::Codec::Lz4,
+            block: 3 << 10,
+        }),
+        ..zstd
+    };
+    assert!(matches!(
+        m.apply(&cmd("bad", bad_block)),
+        Err(MapError::Invalid(_))
+    ));
+    assert_eq!(m, before);
+
+    m.apply(&Command::DeleteVolume {
+        name: "packed".into(),
+    })
+    .unwrap();
+    assert!(m.volume_funcs.is_empty());
+}
+
+#[test]
+fn compression_names_parse_into_codecs_and_bad_ones_say_why() {
+    let c: Compression = "zstd".parse().unwrap();
+    assert_eq!(c.codec, nacre_func::Codec::Zstd { level: 1 });
+    assert_eq!(c.block, Compression::BLOCK);
+    assert_eq!(
+        "lz4".parse::<Compression>().unwrap().codec,
+        nacre_func::Codec::Lz4
+    );
+    assert_eq!(c.to_string(), "zstd:1 in 64 KiB blocks");
+    for (bad, why) in [
+        ("gzip", "not a codec"),
+        ("zstd:x", "not a number"),
+        ("zstd:40", "outside"),
+        ("none", "not a codec"),
+    ] {
+        let e = bad.parse::<Compression>().unwrap_err();
+        assert!(e.contains(why), "{bad}: {e}");
+    }
 }

@@ -267,6 +267,17 @@ struct VolCreateArgs {
     /// Inodes per initial meta partition (the last is open-ended).
     #[arg(long, default_value_t = 1 << 24)]
     inode_step: u64,
+    /// Compress file data in 64 KiB blocks: `zstd` (level 1), `zstd:LEVEL` or `lz4`.
+    #[arg(long)]
+    compress: Option<String>,
+    /// Where clients run the compression: `inline` (in the client) or `service` (on the
+    /// function servers).
+    #[arg(long, default_value = "inline")]
+    func_at: nacre_api::master::FuncAt,
+    /// With `--func-at service`: fail a write when no function server is left, instead of
+    /// compressing in the client.
+    #[arg(long)]
+    no_fallback: bool,
     /// Seconds to wait for every replica to be created on its node.
     #[arg(long, default_value_t = 10.0)]
     wait: f64,
@@ -614,6 +625,7 @@ fn volume_table(vs: &[VolumeInfo]) -> Table {
         "inodes",
         "used",
         "capacity",
+        "functions",
     ]);
     for v in vs {
         t.add_row(vec![
@@ -629,6 +641,7 @@ fn volume_table(vs: &[VolumeInfo]) -> Table {
             } else {
                 bytes(v.capacity)
             },
+            v.functions.clone(),
         ]);
     }
     t
@@ -677,6 +690,9 @@ async fn vol(admin: &Admin, cmd: VolCmd, json: bool) -> anyhow::Result<()> {
                 meta_partitions: a.meta_partitions,
                 data_partitions: a.data_partitions,
                 inode_step: a.inode_step,
+                compress: a.compress,
+                func_at: a.func_at,
+                fallback_inline: !a.no_fallback,
             };
             let v = admin.create_volume(&req).await?;
             // Wait (bounded) for the nodes to report every replica.

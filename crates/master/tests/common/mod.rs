@@ -91,6 +91,7 @@ pub fn volume(name: &str) -> Command {
         meta_partitions: 2,
         data_partitions: 4,
         inode_step: 1 << 20,
+        funcs: Default::default(),
     }
 }
 

@@ -101,6 +101,7 @@ impl LocalCluster {
             meta_partitions,
             data_partitions,
             inode_step: 1 << 24,
+            funcs: Default::default(),
         })
         .await?;
         wait_ready(mc, name).await

@@ -608,6 +608,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         meta_partitions: 3,
         data_partitions: 4,
         inode_step: 1 << 20,
+        funcs: Default::default(),
     })
     .await?;
     wait_writable(&mc, Duration::from_secs(60)).await?;

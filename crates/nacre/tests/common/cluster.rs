@@ -163,6 +163,7 @@ pub async fn create_volume(mc: &MasterClient) {
         meta_partitions: 1,
         data_partitions: 2,
         inode_step: 1 << 20,
+        funcs: Default::default(),
     })
     .await
     .unwrap();
