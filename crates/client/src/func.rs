@@ -77,7 +77,7 @@ impl Default for FuncClientConfig {
 }
 
 /// Why a call produced no output.
-#[derive(Debug, Error)]
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum FuncCallError {
     /// The function refused its input (corrupt frame or shard, bad parameter): the answer of
     /// every instance, and of an inline run.

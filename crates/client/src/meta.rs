@@ -32,7 +32,7 @@ use behind::Behind;
 use nacre_api::meta::{
     Attr, Command, Dentry, DirEntry, FileType, MetaError, Query, Reply, SetAttr,
 };
-use nacre_api::meta::{ExtentKey, XattrMode};
+use nacre_api::meta::{ExtentKey, Usage, XattrMode};
 use nacre_types::sync::lock;
 use nacre_types::{Ino, PartitionId};
 use thiserror::Error;
@@ -124,6 +124,9 @@ pub enum FsError {
     /// Less space is free than the call asked for.
     #[error("{wanted} bytes asked for, {free} free")]
     NoSpace { wanted: u64, free: u64 },
+    /// A storage function the data passes through (compression) could not run.
+    #[error("storage function: {0}")]
+    Func(#[from] crate::func::FuncCallError),
 }
 
 pub type FsResult<T> = Result<T, FsError>;
@@ -1077,6 +1080,19 @@ impl<T: MetaTransport> MetaFs<T> {
             name: name.to_vec(),
         };
         self.write_ino(ino, cmd).await.map(|_| ())
+    }
+
+    /// What the volume's live files hold and take in extents, summed over its partitions
+    /// (`Query::Usage`: each partition walks its keys).
+    pub async fn usage(&self) -> FsResult<Usage> {
+        let mut u = Usage::default();
+        for p in self.t.partitions().iter() {
+            match self.read(p.id, Query::Usage).await? {
+                Reply::Usage(one) => u.add(&one),
+                other => return Err(unexpected(&other)),
+            }
+        }
+        Ok(u)
     }
 
     /// Inodes and dentries across the volume's partitions.

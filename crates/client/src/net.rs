@@ -33,7 +33,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use crate::master::MasterClient;
-use nacre_api::master::{MasterError, PartitionKind, PartitionStatus, VolumeView};
+use nacre_api::master::{MasterError, PartitionKind, PartitionStatus, VolumeFuncs, VolumeView};
 use nacre_api::meta::rpc::{MetaRead, MetaWrite, ReadRequest, WriteRequest};
 use nacre_api::meta::{Command, MetaError, Query, Reply};
 use nacre_msgr::{CallOptions, Client, MsgrError, Payload};
@@ -54,6 +54,7 @@ pub struct DataPartitionInfo {
 #[derive(Debug, Default)]
 struct View {
     epoch: u64,
+    funcs: VolumeFuncs,
     ranges: Arc<[MetaRange]>,
     data: Arc<[DataPartitionInfo]>,
     replicas: HashMap<PartitionId, Vec<String>>,
@@ -187,6 +188,7 @@ impl NetVolume {
         let v: VolumeView = self.master.volume(&self.volume).await?;
         let mut view = View {
             epoch: v.epoch,
+            funcs: v.funcs,
             ..View::default()
         };
         let mut ranges = Vec::new();
@@ -228,6 +230,16 @@ impl NetVolume {
     /// The epoch of the cached view.
     pub fn epoch(&self) -> u64 {
         sync::read(&self.view).epoch
+    }
+
+    /// The storage functions of the volume's file data.
+    pub fn funcs(&self) -> VolumeFuncs {
+        sync::read(&self.view).funcs
+    }
+
+    /// The master client the view comes from.
+    pub fn master(&self) -> &MasterClient {
+        &self.master
     }
 
     fn replicas(&self, p: PartitionId) -> Vec<String> {

@@ -42,7 +42,7 @@ pub fn errno(e: &FsError) -> i32 {
             | DataCallError::BadFrame { .. } => libc::EIO,
         },
         FsError::BadHandle(_) | FsError::NotOpenFor(_) => libc::EBADF,
-        FsError::WriteFailed(_) => libc::EIO,
+        FsError::WriteFailed(_) | FsError::Func(_) => libc::EIO,
         FsError::Unsupported(_) => libc::EOPNOTSUPP,
         FsError::NoSpace { .. } => libc::ENOSPC,
     }

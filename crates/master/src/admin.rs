@@ -12,7 +12,8 @@ use nacre_api::master::{
     Compression, FuncAt, FuncLoad, GetGc, GetGcRequest, MapError, MasterError, OPEN_END,
     PartitionStatus, PendingReplica, Role, VolumeFuncs,
 };
-use nacre_client::MasterClient;
+use nacre_api::meta::Usage;
+use nacre_client::{MasterClient, MetaFs, NetVolume};
 use nacre_func::Function;
 use nacre_msgr::{CallOptions, Payload};
 
@@ -117,6 +118,10 @@ pub struct VolumeDetail {
     pub partitions: Vec<PartitionInfo>,
     /// The garbage collector's figures for the volume's data partitions.
     pub gc: VolumeGc,
+    /// What its files hold and take (`None` when a meta partition did not answer; then
+    /// `usage_error` says why).
+    pub usage: Option<Usage>,
+    pub usage_error: Option<String>,
 }
 
 /// What the last garbage-collection sweep of each of a volume's data partitions found: bytes of
@@ -303,11 +308,28 @@ impl Admin {
             .get(name)
             .map(|v| v.data_partitions.clone())
             .unwrap_or_default();
+        let (usage, usage_error) = match self.usage(name).await {
+            Ok(u) => (Some(u), None),
+            Err(e) => (None, Some(e)),
+        };
         Ok(VolumeDetail {
             volume,
             partitions: partitions(&map, Some(name)),
             gc: volume_gc(&data, sweeps),
+            usage,
+            usage_error,
         })
+    }
+
+    /// What `volume`'s files hold and take, from each of its meta partitions.
+    pub async fn usage(&self, volume: &str) -> Result<Usage, String> {
+        let vol = NetVolume::connect(self.mc.client().clone(), self.mc.clone(), volume)
+            .await
+            .map_err(|e| e.to_string())?;
+        MetaFs::new(std::sync::Arc::new(vol))
+            .usage()
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// Runs a garbage-collection sweep now, with `grace`, on every data partition of `volume`

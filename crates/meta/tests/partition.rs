@@ -2682,6 +2682,17 @@ impl Model {
                     memory: 0,
                 }))
             }
+            Query::Usage => {
+                let mut u = nacre_api::meta::Usage::default();
+                for n in self
+                    .inodes
+                    .values()
+                    .filter(|n| n.nlink > 0 && n.kind == FileType::File)
+                {
+                    u.add(&nacre_api::meta::Usage::of_file(&n.keys));
+                }
+                Ok(Reply::Usage(u))
+            }
         }
     }
 }
@@ -2708,6 +2719,7 @@ fn compare_all(p: &MetaPartition, m: &Model) {
         Query::ToFree { limit: 0 },
         Query::ToFree { limit: 2 },
         Query::Stats,
+        Query::Usage,
         // Every extent the model's keys may name, and some none does.
         Query::Referenced {
             extents: (0..9)

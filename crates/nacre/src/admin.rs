@@ -647,6 +647,24 @@ fn volume_table(vs: &[VolumeInfo]) -> Table {
     t
 }
 
+/// `data: 1.2 GiB in 310 files, stored in 402 MiB (0.33 of it) on each replica`.
+fn usage_line(u: &nacre_api::meta::Usage) -> String {
+    let ratio = if u.logical_bytes == 0 {
+        String::new()
+    } else {
+        format!(
+            " ({:.2} of it)",
+            u.stored_bytes as f64 / u.logical_bytes as f64
+        )
+    };
+    format!(
+        "data: {} in {} files, stored in {}{ratio} on each replica",
+        bytes(u.logical_bytes),
+        u.files,
+        bytes(u.stored_bytes)
+    )
+}
+
 fn partition_table(ps: &[PartitionInfo]) -> Table {
     let mut t = table(&[
         "partition",
@@ -731,6 +749,13 @@ async fn vol(admin: &Admin, cmd: VolCmd, json: bool) -> anyhow::Result<()> {
             }
             println!("{}", volume_table(std::slice::from_ref(&d.volume)));
             println!("{}", partition_table(&d.partitions));
+            match (&d.usage, &d.usage_error) {
+                (Some(u), _) => println!("{}", usage_line(u)),
+                (None, e) => println!(
+                    "data: unknown ({})",
+                    e.as_deref().unwrap_or("no meta partition answered")
+                ),
+            }
             let g = &d.gc;
             println!(
                 "garbage collection (last sweep of each data partition): {} referenced, {} \

@@ -548,6 +548,62 @@ pub enum Query {
     Referenced {
         extents: Vec<(PartitionId, ExtentId)>,
     },
+    /// What the partition's live files hold and take ([`Usage`]), as `Reply::Usage`. Walks
+    /// every key: for `vol info`, not for a hot path.
+    Usage,
+}
+
+/// What files hold and what that takes in extents.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Live regular files.
+    pub files: u64,
+    /// File bytes their keys hold (holes not counted).
+    pub logical_bytes: u64,
+    /// Extent bytes those keys need (one replica): a compressed block's frame once however many
+    /// keys share it ([`ExtentKey::stored_range`]).
+    pub stored_bytes: u64,
+}
+
+impl Usage {
+    pub fn add(&mut self, o: &Usage) {
+        self.files += o.files;
+        self.logical_bytes += o.logical_bytes;
+        self.stored_bytes += o.stored_bytes;
+    }
+
+    /// The usage of one file's keys (sorted by file offset, as an inode holds them).
+    pub fn of_file(keys: &[ExtentKey]) -> Usage {
+        let mut stored: Vec<(PartitionId, ExtentId, u64, u64)> = keys
+            .iter()
+            .map(|k| {
+                let (from, to) = k.stored_range();
+                (k.partition, k.extent, from, to)
+            })
+            .collect();
+        stored.sort_unstable();
+        // Ranges of one extent merged where they overlap (keys cut from one frame share it).
+        let mut bytes = 0;
+        let mut cur: Option<(PartitionId, ExtentId, u64, u64)> = None;
+        for r in stored {
+            match &mut cur {
+                Some(c) if (c.0, c.1) == (r.0, r.1) && r.2 <= c.3 => c.3 = c.3.max(r.3),
+                _ => {
+                    if let Some(c) = cur.replace(r) {
+                        bytes += c.3 - c.2;
+                    }
+                }
+            }
+        }
+        if let Some(c) = cur {
+            bytes += c.3 - c.2;
+        }
+        Usage {
+            files: 1,
+            logical_bytes: keys.iter().map(|k| u64::from(k.size)).sum(),
+            stored_bytes: bytes,
+        }
+    }
 }
 
 /// Figures a partition reports (to the master, in heartbeats, and to `nacre bench meta`).
@@ -625,6 +681,8 @@ pub enum Reply {
     Outcome(Box<Result<Reply, MetaError>>),
     /// `Query::Referenced`: the extents asked about that the partition references, sorted.
     Referenced(Vec<(PartitionId, ExtentId)>),
+    /// `Query::Usage`.
+    Usage(Usage),
 }
 
 /// Why a meta operation failed. The FUSE layer maps these to errno (only there).
@@ -682,4 +740,46 @@ pub fn check_name(name: &[u8]) -> Result<(), MetaError> {
         return Err(MetaError::InvalidName);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod usage_tests {
+    use std::num::NonZeroU32;
+
+    use super::*;
+
+    fn key(file_offset: u64, extent: u64, extent_offset: u64, size: u32) -> ExtentKey {
+        ExtentKey {
+            file_offset,
+            partition: PartitionId(1),
+            extent: ExtentId(extent),
+            extent_offset,
+            size,
+            crc: 0,
+            framed: None,
+        }
+    }
+
+    #[test]
+    fn a_frame_shared_by_keys_counts_once_and_raw_keys_count_their_bytes() {
+        let framed = |k: ExtentKey, stored: u32, skip: u32| ExtentKey {
+            framed: Some(Framed {
+                stored: NonZeroU32::new(stored).unwrap_or(NonZeroU32::MIN),
+                skip,
+            }),
+            ..k
+        };
+        // One 64 KiB block stored in a 9,000-byte frame, cut by a hole into two keys; a raw
+        // key of 100 bytes in another extent; a second frame right after the first.
+        let keys = [
+            framed(key(0, 7, 0, 4096), 9000, 0),
+            framed(key(8192, 7, 0, 65536 - 8192), 9000, 8192),
+            framed(key(65536, 7, 9000, 1000), 300, 0),
+            key(70000, 8, 50, 100),
+        ];
+        let u = Usage::of_file(&keys);
+        assert_eq!(u.files, 1);
+        assert_eq!(u.logical_bytes, 4096 + 65536 - 8192 + 1000 + 100);
+        assert_eq!(u.stored_bytes, 9000 + 300 + 100);
+    }
 }

@@ -38,8 +38,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
-use nacre_api::data::{MAX_PACKET, MAX_TINY_WRITE};
+use bytes::Bytes;
+use nacre_api::data::MAX_PACKET;
 use nacre_api::meta::ExtentKey;
 use nacre_types::sync::lock;
 use tokio::task::JoinSet;
@@ -47,6 +47,7 @@ use tokio::task::JoinSet;
 use nacre_api::data::Written;
 use nacre_types::PartitionId;
 
+use super::frames::{Unit, pack};
 use super::{FileState, Inner, OpenFile};
 use crate::meta::{FsError, FsResult};
 
@@ -74,10 +75,6 @@ pub(super) struct DataBehind {
     /// Woken after every round and whenever dirty bytes are committed.
     progress: tokio::sync::Notify,
 }
-
-/// A piece of a run in a packet: the file's index in its round, the piece's offset in the run,
-/// its length, and its offset in the packet.
-type Piece = (usize, usize, usize, u64);
 
 /// One dirty file: its mark (order of becoming dirty), when it became dirty, the file.
 type Entry = (u64, Instant, Arc<OpenFile>);
@@ -314,29 +311,24 @@ impl Inner {
                 }
             }
         }
-        // Each run cut into pieces of at most a packet, packed in list order: (packet bytes,
-        // members as (file index, offset in the run, length, offset in the packet)).
-        let mut packets: Vec<(BytesMut, Vec<Piece>)> = Vec::new();
+        // Every file's keys, or the first failure of its units or of one of its packets.
+        let mut keys: Vec<Result<Vec<ExtentKey>, String>> =
+            (0..round.len()).map(|_| Ok(Vec::new())).collect();
+        // Each run as units (raw pieces, or compressed blocks), packed whole in list order.
+        let mut units: Vec<(usize, Unit)> = Vec::new();
         for &i in &small {
             let Some(run) = guards[i].run.as_ref() else {
                 continue;
             };
-            let mut at = 0;
-            while at < run.buf.len() {
-                let len = (run.buf.len() - at).min(MAX_PACKET);
-                if packets
-                    .last()
-                    .is_none_or(|(p, _)| p.len() + len > MAX_TINY_WRITE)
-                {
-                    packets.push((BytesMut::with_capacity(MAX_TINY_WRITE), Vec::new()));
-                }
-                if let Some((p, members)) = packets.last_mut() {
-                    members.push((i, at, len, p.len() as u64));
-                    p.extend_from_slice(&run.buf[at..at + len]);
-                }
-                at += len;
+            match self
+                .units(run.start, Bytes::copy_from_slice(&run.buf))
+                .await
+            {
+                Ok(us) => units.extend(us.into_iter().map(|u| (i, u))),
+                Err(e) => keys[i] = Err(e.to_string()),
             }
         }
+        let mut packets = pack(&units);
         let mut writes = JoinSet::new();
         let spread = lock(&b.st).marks as usize;
         for (k, (bytes, _)) in packets.iter_mut().enumerate() {
@@ -351,25 +343,12 @@ impl Inner {
                 Err(e) => tracing::warn!(error = %e, "a packet write ended without an answer"),
             }
         }
-        // Every file's keys, or the first failure of one of its packets.
-        let mut keys: Vec<Result<Vec<ExtentKey>, String>> =
-            (0..round.len()).map(|_| Ok(Vec::new())).collect();
         for ((_, members), placed) in packets.iter().zip(&placed) {
-            for &(i, at, len, pos) in members {
-                let Some(run) = guards[i].run.as_ref() else {
-                    continue;
-                };
-                let piece = &run.buf[at..at + len];
+            for &(i, u, pos) in members {
                 match (placed, &mut keys[i]) {
-                    (Some(Ok((partition, w))), Ok(ks)) => ks.push(ExtentKey {
-                        file_offset: run.start + at as u64,
-                        partition: *partition,
-                        extent: w.extent,
-                        extent_offset: w.offset + pos,
-                        size: len as u32,
-                        crc: nacre_types::crc32c(piece),
-                        framed: None,
-                    }),
+                    (Some(Ok((partition, w))), Ok(ks)) => {
+                        ks.push(units[u].1.key(*partition, w, pos))
+                    }
                     (Some(Err(e)), k @ Ok(_)) => *k = Err(e.to_string()),
                     (None, k @ Ok(_)) => *k = Err("the packet's write task failed".into()),
                     (_, Err(_)) => {}

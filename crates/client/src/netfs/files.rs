@@ -4,6 +4,7 @@
 
 use nacre_api::meta::extents::overlay_all;
 
+use super::frames::FRAMED_RUN_MAX;
 use super::*;
 
 impl Inner {
@@ -142,7 +143,13 @@ impl Inner {
             return Ok(());
         }
         let end = run.end();
-        let (keys, stream) = if run.stream.is_none() && run.buf.len() <= self.cfg.tiny_max {
+        let (keys, stream) = if self.compressed() {
+            let data = run.buf.freeze();
+            (
+                self.write_units(f.ino.0 as usize, run.start, data).await?,
+                None,
+            )
+        } else if run.stream.is_none() && run.buf.len() <= self.cfg.tiny_max {
             (
                 vec![self.write_tiny(run.start, run.buf.freeze()).await?],
                 None,
@@ -328,7 +335,9 @@ impl Inner {
         let mut streamed: Option<std::time::Instant> = None;
         for (from, to) in cow {
             let piece = data.slice((from - off) as usize..(to - off) as usize);
-            if piece.len() <= self.cfg.tiny_max {
+            if self.compressed() {
+                new_keys.extend(self.write_units(f.ino.0 as usize, from, piece).await?);
+            } else if piece.len() <= self.cfg.tiny_max {
                 new_keys.push(self.write_tiny(from, piece).await?);
             } else {
                 streamed.get_or_insert_with(std::time::Instant::now);
@@ -479,6 +488,7 @@ impl Inner {
     /// of the committed file.
     pub(super) async fn extend_run(
         &self,
+        f: &OpenFile,
         st: &mut FileState,
         off: u64,
         data: Bytes,
@@ -510,6 +520,36 @@ impl Inner {
         }
         let end = run.end();
         st.size = st.size.max(end);
+        if let Some(fr) = &self.framer {
+            // No streams: a run that reaches `FRAMED_RUN_MAX` commits its whole blocks.
+            let block = u64::from(fr.compression.block);
+            let whole = (end / block * block).saturating_sub(run.start) as usize;
+            if run.buf.len() < FRAMED_RUN_MAX || whole == 0 {
+                return Ok(());
+            }
+            let (start, out) = (run.start, run.buf.split_to(whole).freeze());
+            run.start += whole as u64;
+            let r = async {
+                let keys = self.write_units(f.ino.0 as usize, start, out).await?;
+                self.meta.append_extents(f.ino, keys.clone()).await?;
+                Ok::<_, FsError>(keys)
+            };
+            match r.await {
+                Ok(keys) => {
+                    st.times_stale = false;
+                    record_keys(st, keys);
+                    return Ok(());
+                }
+                Err(e) => {
+                    // As a failed stream: the run's bytes are lost; reported now and at the
+                    // next flush.
+                    st.run = None;
+                    st.extents = None;
+                    st.error = Some(e.to_string());
+                    return Err(e);
+                }
+            }
+        }
         if run.buf.len() >= MAX_PACKET
             && (run.stream.is_some() || run.end() - run.start > self.stream_after() as u64)
         {

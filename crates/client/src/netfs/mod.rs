@@ -52,6 +52,7 @@ mod alloc;
 mod behind;
 mod commit;
 mod files;
+mod frames;
 mod pieces;
 
 /// Tuning of the network file system.
@@ -125,6 +126,8 @@ struct Inner {
     me: Weak<Inner>,
     /// Small files' data written behind, when on.
     behind: Option<behind::DataBehind>,
+    /// The volume's compression, when it has one.
+    framer: Option<frames::Framer>,
     vol: Arc<NetVolume>,
     meta: MetaFs<Arc<NetVolume>>,
     cfg: NetFsConfig,
@@ -288,6 +291,7 @@ impl NetFs {
                     .flush_delay
                     .filter(|_| cfg.write_behind)
                     .map(|d| behind::DataBehind::new(d, cfg.dirty_max)),
+                framer: frames::Framer::of(&vol),
                 meta: if cfg.write_behind {
                     MetaFs::with_write_behind(vol.clone())
                 } else {
@@ -684,7 +688,7 @@ impl Inner {
                     .and_then(<[ExtentKey]>::last)
                     .map_or(0, ExtentKey::end);
                 if off == keys_end {
-                    return self.extend_run(&mut st, off, data).await.map(|()| n);
+                    return self.extend_run(&f, &mut st, off, data).await.map(|()| n);
                 }
                 // Into a hole: kept in memory until the next commit.
                 if end <= st.size && self.buffer_hole(&mut st, off, &data) {
@@ -704,12 +708,12 @@ impl Inner {
                     return Ok(n);
                 }
                 return self
-                    .extend_run(&mut st, off + inside as u64, data.slice(inside..))
+                    .extend_run(&f, &mut st, off + inside as u64, data.slice(inside..))
                     .await
                     .map(|()| n);
             }
         }
-        self.extend_run(&mut st, off, data).await.map(|()| n)
+        self.extend_run(&f, &mut st, off, data).await.map(|()| n)
     }
 
     /// `close(2)`: commits the file's bytes, or leaves them to the flusher (`behind`).

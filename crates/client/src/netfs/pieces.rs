@@ -16,17 +16,13 @@ use std::collections::BTreeMap;
 
 use bytes::{Bytes, BytesMut};
 use nacre_api::data::MAX_PACKET;
-use nacre_api::meta::ExtentKey;
-use tokio::task::JoinSet;
 
 use super::files::{overlapping, record_keys};
 use super::{FileState, Inner, OpenFile};
-use crate::meta::{FsError, FsResult};
+use crate::meta::FsResult;
 
 /// Most bytes of pieces one open file keeps before a write commits them.
 pub(super) const PIECES_MAX: usize = 16 << 20;
-/// A piece's part in a packet: its file offset, its offset in the packet, its length.
-type Member = (u64, u64, usize);
 
 /// Most keys in one `AppendExtents`.
 const KEYS_PER_COMMIT: usize = 1024;
@@ -57,67 +53,12 @@ impl Inner {
         }
         let pieces = std::mem::take(&mut st.pieces);
         st.pieces_bytes = 0;
-        // Packed in offset order: (packet, members as (file offset, offset in packet, length)).
-        let mut packets: Vec<(BytesMut, Vec<Member>)> = Vec::new();
-        for (off, bytes) in &pieces {
-            let mut at = 0;
-            while at < bytes.len() {
-                let len = (bytes.len() - at).min(MAX_PACKET);
-                if packets
-                    .last()
-                    .is_none_or(|(p, _)| p.len() + len > MAX_PACKET)
-                {
-                    packets.push((BytesMut::with_capacity(MAX_PACKET), Vec::new()));
-                }
-                if let Some((p, members)) = packets.last_mut() {
-                    members.push((off + at as u64, p.len() as u64, len));
-                    p.extend_from_slice(&bytes[at..at + len]);
-                }
-                at += len;
-            }
+        // As units (raw pieces, or compressed blocks), packed in offset order.
+        let mut units = Vec::new();
+        for (off, bytes) in pieces {
+            units.extend(self.units(off, bytes.freeze()).await?);
         }
-        let mut writes = JoinSet::new();
-        for (k, (bytes, _)) in packets.iter_mut().enumerate() {
-            let me =
-                self.me
-                    .upgrade()
-                    .ok_or(FsError::Unavailable(crate::meta::CallError::Unknown(
-                        "the file system is closing".into(),
-                    )))?;
-            let data = bytes.split().freeze();
-            let spread = f.ino.0 as usize + k;
-            writes.spawn(async move { (k, data.clone(), me.place_tiny(spread, data).await) });
-        }
-        let mut keys = Vec::new();
-        let mut failed = None;
-        while let Some(r) = writes.join_next().await {
-            match r {
-                Ok((k, data, Ok((partition, w)))) => {
-                    for &(file_offset, pos, len) in &packets[k].1 {
-                        let piece = &data[pos as usize..pos as usize + len];
-                        keys.push(ExtentKey {
-                            file_offset,
-                            partition,
-                            extent: w.extent,
-                            extent_offset: w.offset + pos,
-                            size: len as u32,
-                            crc: nacre_types::crc32c(piece),
-                            framed: None,
-                        });
-                    }
-                }
-                Ok((_, _, Err(e))) => {
-                    failed.get_or_insert(e);
-                }
-                Err(e) => {
-                    failed.get_or_insert(FsError::WriteFailed(e.to_string()));
-                }
-            }
-        }
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        keys.sort_unstable_by_key(|k| k.file_offset);
+        let keys = self.place_units(f.ino.0 as usize, units).await?;
         for batch in keys.chunks(KEYS_PER_COMMIT) {
             self.meta.append_extents(f.ino, batch.to_vec()).await?;
             record_keys(st, batch.to_vec());

@@ -95,7 +95,7 @@ use serde::{Deserialize, Serialize};
 
 use nacre_api::meta::{
     Attr, Command, Dentry, DirEntry, ExtentKey, FileType, MetaError, PartitionStats, Query,
-    ROOT_INO, Reply, time::file_time,
+    ROOT_INO, Reply, Usage, time::file_time,
 };
 
 use self::calls::Calls;
@@ -578,7 +578,19 @@ impl MetaPartition {
                     .collect(),
             )),
             Query::Referenced { extents } => Ok(Reply::Referenced(self.referenced(extents))),
+            Query::Usage => Ok(Reply::Usage(self.usage())),
         }
+    }
+
+    /// What the live regular files hold and take in extents.
+    pub fn usage(&self) -> Usage {
+        let mut u = Usage::default();
+        for (_, node) in self.inodes.iter() {
+            if node.nlink > 0 && node.kind == FileType::File {
+                u.add(&Usage::of_file(&node.extents));
+            }
+        }
+        u
     }
 
     /// Figures for heartbeats and `statfs`.

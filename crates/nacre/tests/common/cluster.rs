@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use nacre_client::MasterClient;
 use nacre_client::NetVolume;
-use nacre_master::map::{Command as MapCommand, PartitionStatus};
+use nacre_master::map::{Command as MapCommand, PartitionStatus, VolumeFuncs};
 use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 
 use super::{Proc, free_port};
@@ -129,8 +129,13 @@ pub async fn client_with_volume(master_addr: &str) -> (Messenger, MasterClient) 
 
 /// Volume `v` through the test's client.
 pub async fn open_volume(msgr: &Messenger, mc: &MasterClient) -> Arc<NetVolume> {
+    open_named(msgr, mc, "v").await
+}
+
+/// Volume `name` through the test's client.
+pub async fn open_named(msgr: &Messenger, mc: &MasterClient, name: &str) -> Arc<NetVolume> {
     Arc::new(
-        NetVolume::connect(msgr.client(), mc.clone(), "v")
+        NetVolume::connect(msgr.client(), mc.clone(), name)
             .await
             .unwrap(),
     )
@@ -155,17 +160,23 @@ pub async fn create_volume(mc: &MasterClient) {
     })
     .await
     .unwrap();
+    create_named(mc, "v", VolumeFuncs::default()).await;
+}
+
+/// Creates volume `name` of tenant `t` (made by [`create_volume`]) like `v`, with `funcs`, and
+/// waits until it is writable.
+pub async fn create_named(mc: &MasterClient, name: &str, funcs: VolumeFuncs) {
     mc.execute(&MapCommand::CreateVolume {
-        name: "v".into(),
+        name: name.into(),
         owner: "t".into(),
         replicas: 3,
         capacity: 0,
         meta_partitions: 1,
         data_partitions: 2,
         inode_step: 1 << 20,
-        funcs: Default::default(),
+        funcs,
     })
     .await
     .unwrap();
-    wait_writable(mc, "v", Duration::from_secs(30)).await;
+    wait_writable(mc, name, Duration::from_secs(30)).await;
 }
