@@ -27,13 +27,17 @@ use nacre_api::func::{Apply, CallRequest, join_output, split_input};
 use nacre_api::master::{FuncView, MasterError};
 use nacre_func::{Call, Codec, EcSpec, FuncError, Function, Input, Output, Shard, Stripe};
 use nacre_msgr::{CallOptions, MsgrError, Payload};
-use nacre_types::NodeId;
 use nacre_types::sync::lock;
+use nacre_types::{ErrorCode, NodeId};
 use thiserror::Error;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use crate::master::MasterClient;
+
+/// The first pause of a call whose instances are all busy; it doubles up to [`BUSY_PAUSE_MAX`].
+const BUSY_PAUSE_MIN: Duration = Duration::from_millis(1);
+const BUSY_PAUSE_MAX: Duration = Duration::from_millis(20);
 
 /// Where a [`FuncClient`] runs calls.
 pub use nacre_api::master::FuncAt;
@@ -376,38 +380,65 @@ impl FuncClient {
         };
         let mut tried: Vec<NodeId> = Vec::new();
         let mut why: Vec<(String, String)> = Vec::new();
-        while let Some((node, addr)) = self.pick(function, &tried) {
-            tried.push(node);
-            let sent = master
-                .client()
-                .call_with::<Apply>(&addr, &req, Payload::new(data.clone()), opts)
-                .await;
-            let failure = match sent {
-                Ok((Ok(layout), payload)) => match join_output(layout, payload.bytes) {
-                    Ok(out) if output_fits(function, &out) => {
+        // Instances that answered `Busy` this round: up, at their bound; tried again after a
+        // pause while the call's time lasts.
+        let mut busy: Vec<(NodeId, String)> = Vec::new();
+        let until = Instant::now() + self.inner.config.call_timeout;
+        let mut pause = BUSY_PAUSE_MIN;
+        loop {
+            while let Some((node, addr)) = self.pick(function, &tried) {
+                tried.push(node);
+                let sent = master
+                    .client()
+                    .call_with::<Apply>(&addr, &req, Payload::new(data.clone()), opts)
+                    .await;
+                let failure = match sent {
+                    Ok((Ok(layout), payload)) => match join_output(layout, payload.bytes) {
+                        Ok(out) if output_fits(function, &out) => {
+                            self.done(node, false);
+                            return Ok(out);
+                        }
+                        Ok(_) => "the output is not what the function produces".to_string(),
+                        Err(e) => e.to_string(),
+                    },
+                    Ok((Err(e), _)) => {
                         self.done(node, false);
-                        return Ok(out);
+                        return Err(FuncCallError::Func(e));
                     }
-                    Ok(_) => "the output is not what the function produces".to_string(),
+                    Err(MsgrError::Remote { error, .. })
+                        if ErrorCode::from_u32(error.code) == ErrorCode::Busy =>
+                    {
+                        self.done(node, false);
+                        busy.push((node, addr));
+                        continue;
+                    }
+                    Err(e @ (MsgrError::TooLarge { .. } | MsgrError::Shutdown)) => {
+                        // No instance can take it (too large for a frame), or this process's
+                        // messenger is stopping: not the instance's fault.
+                        self.done(node, false);
+                        why.push((addr, e.to_string()));
+                        busy.clear();
+                        break;
+                    }
                     Err(e) => e.to_string(),
-                },
-                Ok((Err(e), _)) => {
-                    self.done(node, false);
-                    return Err(FuncCallError::Func(e));
-                }
-                Err(e @ (MsgrError::TooLarge { .. } | MsgrError::Shutdown)) => {
-                    // No instance can take it (too large for a frame), or this process's
-                    // messenger is stopping: not the instance's fault.
-                    self.done(node, false);
-                    why.push((addr, e.to_string()));
-                    break;
-                }
-                Err(e) => e.to_string(),
-            };
-            tracing::debug!(%addr, %function, error = %failure, "function server failed a call; trying another");
-            self.done(node, true);
-            why.push((addr, failure));
+                };
+                tracing::debug!(%addr, %function, error = %failure, "function server failed a call; trying another");
+                self.done(node, true);
+                why.push((addr, failure));
+            }
+            if busy.is_empty() || Instant::now() + pause > until {
+                break;
+            }
+            // Every instance left is busy: wait for room on them, then try them again.
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(BUSY_PAUSE_MAX);
+            tried.retain(|n| !busy.iter().any(|(b, _)| b == n));
+            busy.clear();
         }
+        why.extend(
+            busy.into_iter()
+                .map(|(_, addr)| (addr, "busy for the whole call timeout".to_string())),
+        );
         if policy.fallback_inline {
             return inline(call, input).await;
         }

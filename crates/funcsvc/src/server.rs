@@ -92,6 +92,11 @@ impl FuncServer {
         self.inner.calls.load(Ordering::Relaxed)
     }
 
+    /// Calls refused because `max_inflight` were in flight.
+    pub fn refused(&self) -> u64 {
+        self.inner.metrics.refused.get()
+    }
+
     /// Input bytes of those calls.
     pub fn bytes_in(&self) -> u64 {
         self.inner.bytes_in.load(Ordering::Relaxed)
@@ -149,7 +154,7 @@ impl FuncServer {
         let Ok(admitted) = inner.admitted.clone().try_acquire_owned() else {
             inner.metrics.refused();
             return Err(RemoteError::new(
-                ErrorCode::Unavailable,
+                ErrorCode::Busy,
                 format!(
                     "function server busy: {} calls in flight",
                     inner.config.max_inflight
@@ -327,7 +332,7 @@ mod tests {
             .apply(compress(), incoming(Bytes::new()))
             .await
             .unwrap_err();
-        assert_eq!(err.code(), ErrorCode::Unavailable);
+        assert_eq!(err.code(), ErrorCode::Busy);
         assert!(err.message.contains("busy"), "{err}");
         assert_eq!(metrics.refused.get(), 1);
         drop(held);

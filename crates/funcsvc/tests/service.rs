@@ -87,6 +87,11 @@ impl FuncProc {
 }
 
 async fn start_func(name: &str, master: &str) -> FuncProc {
+    start_func_bounded(name, master, FuncServerConfig::default().max_inflight).await
+}
+
+/// A function server that admits at most `max_inflight` calls at once.
+async fn start_func_bounded(name: &str, master: &str, max_inflight: usize) -> FuncProc {
     let msgr = Messenger::new(
         name,
         MsgrConfig {
@@ -101,6 +106,7 @@ async fn start_func(name: &str, master: &str) -> FuncProc {
     let server = FuncServer::new(
         FuncServerConfig {
             workers: 2,
+            max_inflight,
             ..FuncServerConfig::default()
         },
         FuncMetrics::default(),
@@ -397,4 +403,38 @@ async fn no_instance_listed_runs_inline_or_fails_by_policy() {
         "no function server could run ec_encode: no instance is up"
     );
     stop_all(Vec::new(), cm, master).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_of_a_busy_server_wait_for_room_instead_of_failing() {
+    let mut master = start_master().await;
+    let cm = client_msgr("client");
+    let mc = MasterClient::new(cm.client(), vec![master.addr.clone()]);
+    let f = start_func_bounded("func-one", &master.addr, 1).await;
+    listed(&mc, &mut master.epochs, &[&f.addr]).await;
+    // Eight calls in flight against a server that admits one, with no inline fallback.
+    let strict = func_client(&mc, false);
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..64 {
+        let fc = strict.clone();
+        set.spawn(async move {
+            fc.call(call_of(i), Input::Bytes(block(i)))
+                .await
+                .map(|o| (i, o))
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        let (i, out) = r.unwrap().unwrap();
+        assert_eq!(out, apply(&call_of(i), Input::Bytes(block(i))).unwrap());
+    }
+    assert_eq!(f.server.calls(), 64, "every call ran on the server");
+    assert!(
+        f.server.refused() > 0,
+        "the server's bound was never reached"
+    );
+    assert!(
+        strict.instances().iter().all(|i| !i.suspect),
+        "a busy server is not suspect"
+    );
+    stop_all(vec![f], cm, master).await;
 }

@@ -184,6 +184,34 @@ enum BenchCmd {
     /// disk): small-file creates with data, untar, cp -r, rm -rf, git clone and checkout, rename
     /// and unlink storms. Each phase ends with fsync of its directory and syncfs, inside the time.
     Fs(BenchFsArgs),
+    /// Storage functions inline and on a function server, in one run against a local cluster
+    /// in this process (1 master, 3 meta, 3 data nodes, 1 function server): each transform's
+    /// calls/s and GB/s, and 4 KiB random writes and 64 KiB writes through the client on a
+    /// zstd-compressed volume compressing inline and one compressing on the server.
+    Func(BenchFuncArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchFuncArgs {
+    /// Parts, comma-separated: transforms, randwrite-4k, write-64k.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "transforms,randwrite-4k,write-64k"
+    )]
+    parts: Vec<String>,
+    /// Calls or writers in flight, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    depth: Vec<usize>,
+    /// Measured seconds per configuration.
+    #[arg(long, default_value_t = 5.0)]
+    secs: f64,
+    /// MiB of each randwrite-4k writer's file (written before the timing).
+    #[arg(long, default_value_t = 8)]
+    file_mib: u64,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -379,6 +407,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Bench(BenchCmd::Meta(a)) => bench_meta(a),
         Cmd::Bench(BenchCmd::Data(a)) => bench_data(a),
         Cmd::Bench(BenchCmd::Fs(a)) => bench_fs(a),
+        Cmd::Bench(BenchCmd::Func(a)) => bench_func(a),
     }
 }
 
@@ -929,6 +958,36 @@ fn bench_data(a: BenchDataArgs) -> anyhow::Result<()> {
     }))?;
     if !json {
         bench::data::print_table(&rows);
+    }
+    Ok(())
+}
+
+fn bench_func(a: BenchFuncArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.depth.iter().all(|n| *n > 0) && a.secs > 0.0 && a.file_mib > 0,
+        "--depth values, --secs and --file-mib must be positive"
+    );
+    let p = bench::func::Params {
+        depths: a.depth,
+        secs: a.secs,
+        file_mib: a.file_mib,
+        parts: a.parts,
+    };
+    let json = a.json;
+    let rows = runtime()?.block_on(bench::func::run(&p, |r| {
+        if json {
+            if let Ok(line) = serde_json::to_string(r) {
+                println!("{line}");
+            }
+        } else {
+            eprintln!(
+                "  {} {} x{}: {:.0} ops/s, {:.1} MiB/s",
+                r.implementation, r.workload, r.depth, r.ops_per_s, r.mib_per_s
+            );
+        }
+    }))?;
+    if !json {
+        bench::func::print_table(&rows);
     }
     Ok(())
 }

@@ -106,6 +106,9 @@ pub enum ErrorCode {
     InvalidArgument,
     /// A checksum did not match.
     Corrupt,
+    /// The peer is up but at its bound of work in flight: the same peer can take the request
+    /// shortly (unlike `Unavailable`, no reason to count it down).
+    Busy,
     /// A code this build does not know (sent by a newer peer).
     Unknown(u32),
 }
@@ -126,6 +129,7 @@ impl ErrorCode {
             Self::AlreadyExists => 10,
             Self::InvalidArgument => 11,
             Self::Corrupt => 12,
+            Self::Busy => 13,
             Self::Unknown(c) => c,
         }
     }
@@ -145,6 +149,7 @@ impl ErrorCode {
             Self::AlreadyExists => "already_exists",
             Self::InvalidArgument => "invalid_argument",
             Self::Corrupt => "corrupt",
+            Self::Busy => "busy",
             Self::Unknown(_) => "unknown",
         }
     }
@@ -164,6 +169,7 @@ impl ErrorCode {
             10 => Self::AlreadyExists,
             11 => Self::InvalidArgument,
             12 => Self::Corrupt,
+            13 => Self::Busy,
             c => Self::Unknown(c),
         }
     }
@@ -314,6 +320,30 @@ impl Default for OncePerSecond {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_codes_keep_their_wire_numbers_and_names() {
+        let all = [
+            ErrorCode::BadRequest,
+            ErrorCode::UnknownOp,
+            ErrorCode::Internal,
+            ErrorCode::Unavailable,
+            ErrorCode::DeadlineExceeded,
+            ErrorCode::NotLeader,
+            ErrorCode::UnknownGroup,
+            ErrorCode::StaleEpoch,
+            ErrorCode::NotFound,
+            ErrorCode::AlreadyExists,
+            ErrorCode::InvalidArgument,
+            ErrorCode::Corrupt,
+            ErrorCode::Busy,
+        ];
+        for (i, c) in all.iter().enumerate() {
+            assert_eq!(c.as_u32(), i as u32 + 1, "{c}");
+        }
+        let names: std::collections::BTreeSet<_> = all.iter().map(|c| c.name()).collect();
+        assert_eq!(names.len(), all.len(), "names are distinct");
+    }
 
     #[test]
     fn crc_combine_matches_the_crc_of_the_concatenation() {

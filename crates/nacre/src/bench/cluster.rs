@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use nacre_client::MasterClient;
-use nacre_master::map::Command as MapCommand;
+use nacre_master::map::{Command as MapCommand, VolumeFuncs};
 
 use crate::node::{MasterSection, MsgrSection, Node, NodeConfig, RoleName};
 
@@ -22,6 +22,11 @@ pub struct LocalCluster {
 impl LocalCluster {
     /// Starts a master, `meta` meta nodes and `data` data nodes.
     pub async fn start(meta: usize, data: usize) -> anyhow::Result<Self> {
+        Self::start_with_funcs(meta, data, 0).await
+    }
+
+    /// Starts a master, `meta` meta nodes, `data` data nodes and `funcs` function servers.
+    pub async fn start_with_funcs(meta: usize, data: usize, funcs: usize) -> anyhow::Result<Self> {
         let dir =
             tempfile::tempdir_in(bench_dir()).context("cannot create a temporary directory")?;
         let master = Node::start(&NodeConfig {
@@ -41,7 +46,8 @@ impl LocalCluster {
         let addr = master.addr.clone();
         let mut nodes = vec![master];
         let roles = std::iter::repeat_n(RoleName::Meta, meta)
-            .chain(std::iter::repeat_n(RoleName::Data, data));
+            .chain(std::iter::repeat_n(RoleName::Data, data))
+            .chain(std::iter::repeat_n(RoleName::Func, funcs));
         for (i, role) in roles.enumerate() {
             let name = format!("bench-{role:?}-{i}").to_lowercase();
             nodes.push(
@@ -64,7 +70,7 @@ impl LocalCluster {
         }
         Ok(Self {
             nodes,
-            registering: meta + data,
+            registering: meta + data + funcs,
             master: addr,
             _dir: dir,
         })
@@ -78,6 +84,25 @@ impl LocalCluster {
         name: &str,
         meta_partitions: u32,
         data_partitions: u32,
+    ) -> anyhow::Result<()> {
+        self.create_volume_with(
+            mc,
+            name,
+            meta_partitions,
+            data_partitions,
+            VolumeFuncs::default(),
+        )
+        .await
+    }
+
+    /// [`Self::create_volume`] with the volume's storage functions.
+    pub async fn create_volume_with(
+        &self,
+        mc: &MasterClient,
+        name: &str,
+        meta_partitions: u32,
+        data_partitions: u32,
+        funcs: VolumeFuncs,
     ) -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(60);
         while mc.cluster_map().await?.nodes.len() < self.registering {
@@ -101,7 +126,7 @@ impl LocalCluster {
             meta_partitions,
             data_partitions,
             inode_step: 1 << 24,
-            funcs: Default::default(),
+            funcs,
         })
         .await?;
         wait_ready(mc, name).await

@@ -3,6 +3,7 @@
 pub mod cluster;
 pub mod data;
 pub mod fs;
+pub mod func;
 pub mod meta;
 pub mod msgr;
 pub mod raft;
