@@ -1,9 +1,10 @@
 //! Compressed volumes through the network client: every byte read back as written (against a
 //! byte model), stored in checksummed frames that take less room than the data, written behind
 //! like any small file, and compressed on the function servers with the fallback the volume
-//! names when they die.
+//! names when one is killed under load.
 #![allow(clippy::unwrap_used)]
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -271,6 +272,18 @@ fn small_files_on_a_compressed_volume_are_written_behind_and_synced() {
     });
 }
 
+/// Writes 700 KiB of text (seeded by `seed`) to a new file `name` and closes it.
+async fn write_text(fs: &NetFs, name: &str, seed: u64) -> Result<(Ino, Bytes), FsError> {
+    let data = text(&mut Rng::with_seed(seed), 700 << 10);
+    let (e, fh) = fs
+        .create(ROOT_INO, name.as_bytes(), 0o644, ME, OpenFlags::WRITE)
+        .await?;
+    fs.write(fh, 0, data.clone()).await?;
+    let r = fs.flush(fh).await;
+    fs.release(fh).await.ok();
+    r.map(|()| (e.attr.ino, data))
+}
+
 #[test]
 fn writes_compressed_on_function_servers_ride_out_their_death_by_the_volumes_policy() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -285,27 +298,37 @@ fn writes_compressed_on_function_servers_ride_out_their_death_by_the_volumes_pol
         create_named(&mc, "strict", zstd(FuncAt::Service, false)).await;
         let fall = NetFs::new(open_named(&msgr, &mc, "fall").await);
         let strict = NetFs::new(open_named(&msgr, &mc, "strict").await);
-        let mut rng = Rng::with_seed(11);
-        let mut write = |fs: NetFs, name: &'static str| {
-            let data = text(&mut rng, 700 << 10);
-            async move {
-                let (e, fh) = fs
-                    .create(ROOT_INO, name.as_bytes(), 0o644, ME, OpenFlags::WRITE)
-                    .await?;
-                fs.write(fh, 0, data.clone()).await?;
-                let r = fs.flush(fh).await;
-                fs.release(fh).await.ok();
-                r.map(|()| (e.attr.ino, data))
-            }
-        };
-        // With the server up, both volumes compress on it.
-        let a = write(fall.clone(), "a").await.unwrap();
-        let b = write(strict.clone(), "b").await.unwrap();
+        let b = write_text(&strict, "b", 11).await.unwrap();
+        // Four writers on the volume that may fall back; the server is killed while they are
+        // in the middle of their files (after each finished its first).
+        let done = Arc::new(tokio::sync::Semaphore::new(0));
+        let mut writers = tokio::task::JoinSet::new();
+        for t in 0..4u64 {
+            let (fs, done) = (fall.clone(), done.clone());
+            writers.spawn(async move {
+                let mut files = Vec::new();
+                for i in 0..5 {
+                    let name = format!("w{t}-{i}");
+                    let f = write_text(&fs, &name, t * 10 + i).await;
+                    files.push((name, f));
+                    done.add_permits(1);
+                }
+                files
+            });
+        }
+        drop(done.acquire_many(4).await.unwrap());
         func.kill();
-        // The server is gone: the volume that allows it compresses in the client; the other
-        // fails the write with an error that says why.
-        let c = write(fall.clone(), "c").await.unwrap();
-        match write(strict.clone(), "d").await {
+        let mut written = Vec::new();
+        while let Some(r) = writers.join_next().await {
+            for (name, f) in r.unwrap() {
+                match f {
+                    Ok(f) => written.push(f),
+                    Err(e) => panic!("{name}: a write failed though the volume falls back: {e}"),
+                }
+            }
+        }
+        // The server is gone: the strict volume fails the write with an error that says why.
+        match write_text(&strict, "d", 12).await {
             Err(FsError::Func(e)) => assert!(
                 e.to_string()
                     .contains("no function server could run compress"),
@@ -314,7 +337,8 @@ fn writes_compressed_on_function_servers_ride_out_their_death_by_the_volumes_pol
             other => panic!("a strict volume wrote without its function server: {other:?}"),
         }
         let other = NetFs::new(open_named(&msgr, &mc, "fall").await);
-        for (ino, data) in [&a, &c] {
+        assert_eq!(written.len(), 20);
+        for (ino, data) in &written {
             same(&read_all(&other, *ino).await, data).unwrap();
         }
         let other = NetFs::new(open_named(&msgr, &mc, "strict").await);

@@ -130,6 +130,10 @@ struct RunArgs {
     /// write-behind are in the path, and every error counted is the errno an application saw.
     #[arg(long)]
     fuse: bool,
+    /// The volume compresses its data in 64 KiB blocks (`zstd`, `zstd:LEVEL` or `lz4`), in
+    /// its clients: every write of the run goes through compressed frames.
+    #[arg(long)]
+    compress: Option<nacre_api::master::Compression>,
 }
 
 #[derive(Debug, Args)]
@@ -249,6 +253,8 @@ struct Summary {
     duration_s: u64,
     clients: usize,
     isolation: &'static str,
+    /// The volume's compression (`--compress`), as text; `none` without.
+    compression: String,
     ops_acked: u64,
     ops_failed: u64,
     /// With `--fuse`: why the mount could not be unmounted cleanly.
@@ -379,8 +385,8 @@ fn run_check(a: RunArgs) -> anyhow::Result<()> {
 
 fn print_summary(s: &Summary) {
     println!(
-        "schedule {:?}, seed {}, {} s of faults, {} clients, isolation by {}",
-        s.schedule, s.seed, s.duration_s, s.clients, s.isolation
+        "schedule {:?}, seed {}, {} s of faults, {} clients, isolation by {}, compression {}",
+        s.schedule, s.seed, s.duration_s, s.clients, s.isolation, s.compression
     );
     println!(
         "operations: {} acknowledged, {} failed (during faults)",
@@ -608,7 +614,10 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         meta_partitions: 3,
         data_partitions: 4,
         inode_step: 1 << 20,
-        funcs: Default::default(),
+        funcs: nacre_api::master::VolumeFuncs {
+            compress: a.compress,
+            ..Default::default()
+        },
     })
     .await?;
     wait_writable(&mc, Duration::from_secs(60)).await?;
@@ -983,6 +992,9 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         duration_s: a.duration.as_secs(),
         clients: a.clients,
         isolation: h.isolation,
+        compression: a
+            .compress
+            .map_or_else(|| "none".to_string(), |c| c.to_string()),
         ops_acked: stats.acked,
         ops_failed: stats.failed,
         errors: stats.errors.clone(),
