@@ -220,6 +220,11 @@ pub struct NodeConfig {
     /// at least one a tick (4 MiB a tick is 40 MiB/s a group, more than a disk under such a
     /// replay gives).
     pub max_apply_per_ready: u64,
+    /// Bytes of committed entries a Ready round applies across all groups: past it, the groups
+    /// not reached yet wait for the next round ([`RaftNode::round_was_cut`]), which starts with
+    /// them. A replay of many groups then holds the loop (and, on a messenger worker, its
+    /// connections) for a round of this size at a time, not for every group's share at once.
+    pub max_apply_per_round: u64,
 }
 
 impl Default for NodeConfig {
@@ -235,6 +240,7 @@ impl Default for NodeConfig {
             read_lease: std::time::Duration::ZERO,
             skip_bcast_commit: true,
             max_apply_per_ready: 4 << 20,
+            max_apply_per_round: 4 << 20,
         }
     }
 }
@@ -457,6 +463,8 @@ pub struct RaftNode<S: StateMachine> {
     /// Barriers handed out since the last Ready round returned, and the next token.
     barriers: Vec<PendingBarrier>,
     next_barrier: u64,
+    /// The last round stopped at its apply budget; the next one starts at this group.
+    cut_at: Option<GroupId>,
 }
 
 impl<S: StateMachine> std::fmt::Debug for RaftNode<S> {
@@ -482,6 +490,7 @@ impl<S: StateMachine> RaftNode<S> {
             dirty: std::collections::BTreeSet::new(),
             barriers: Vec::new(),
             next_barrier: 1,
+            cut_at: None,
         }
     }
 
@@ -877,7 +886,14 @@ impl<S: StateMachine> RaftNode<S> {
         let mut write = LogWrite::default();
         let mut readies = Vec::new();
         let mut sync = false;
-        for gid in std::mem::take(&mut self.dirty) {
+        let order = self.round_order();
+        let mut round_bytes = 0u64;
+        for (i, &gid) in order.iter().enumerate() {
+            if round_bytes >= self.config.max_apply_per_round {
+                self.dirty.extend(&order[i..]);
+                self.cut_at = Some(gid);
+                break;
+            }
             let Some(g) = self.groups.get_mut(&gid) else {
                 continue;
             };
@@ -904,6 +920,7 @@ impl<S: StateMachine> RaftNode<S> {
                 g.node.mut_store().set_snapshot(snap);
             }
             let committed = rd.take_committed_entries();
+            round_bytes += entry_bytes(&committed);
             let before = out.finished.len();
             let mut conf = apply_entries(gid, g, committed, &mut out)?;
             if conf.is_none() {
@@ -991,6 +1008,26 @@ impl<S: StateMachine> RaftNode<S> {
         Ok(out)
     }
 
+    /// The dirty groups in the order a round takes them: from where the last round stopped at
+    /// its apply budget, if it did, so no group waits behind the same others twice.
+    fn round_order(&mut self) -> Vec<GroupId> {
+        let dirty = std::mem::take(&mut self.dirty);
+        match self.cut_at.take() {
+            Some(from) => {
+                let mut order: Vec<GroupId> = dirty.range(from..).copied().collect();
+                order.extend(dirty.range(..from));
+                order
+            }
+            None => dirty.into_iter().collect(),
+        }
+    }
+
+    /// Whether the last Ready round stopped at its apply budget with groups left: the caller
+    /// runs the next round without waiting for a tick or a message.
+    pub fn round_was_cut(&self) -> bool {
+        self.cut_at.is_some()
+    }
+
     /// Whether the next Ready round must write its log itself, after every [`LogJob`] handed out
     /// before is written, rather than be made with [`RaftNode::process_ready_async`]: a snapshot
     /// to install or to save changes the log's bounds, which raft-rs reads back at once.
@@ -1019,7 +1056,14 @@ impl<S: StateMachine> RaftNode<S> {
         let mut job = LogJob::default();
         let mut early = Vec::new();
         let mut early_finished = Vec::new();
-        for gid in std::mem::take(&mut self.dirty) {
+        let order = self.round_order();
+        let mut round_bytes = 0u64;
+        for (i, &gid) in order.iter().enumerate() {
+            if round_bytes >= self.config.max_apply_per_round {
+                self.dirty.extend(&order[i..]);
+                self.cut_at = Some(gid);
+                break;
+            }
             let Some(g) = self.groups.get_mut(&gid) else {
                 continue;
             };
@@ -1040,6 +1084,7 @@ impl<S: StateMachine> RaftNode<S> {
             g.take_read_states(&mut rd, self.config.read_lease);
             let mut gw = GroupWrite::new(gid);
             let committed = rd.take_committed_entries();
+            round_bytes += entry_bytes(&committed);
             let before = out.finished.len();
             let conf = apply_entries(gid, g, committed, &mut out)?;
             if conf.is_none() {
@@ -1235,6 +1280,11 @@ fn keep_behind(config: &NodeConfig, (entries, bytes): (u64, u64)) -> u64 {
     let by_bytes =
         u128::from(config.compact_after_bytes / 2) * u128::from(entries) / u128::from(bytes);
     by_count.min(u64::try_from(by_bytes).unwrap_or(u64::MAX))
+}
+
+/// Bytes of the entries' commands.
+fn entry_bytes(entries: &[Entry]) -> u64 {
+    entries.iter().map(|e| e.data.len() as u64).sum()
 }
 
 fn apply_entries<S: StateMachine>(

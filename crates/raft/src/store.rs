@@ -567,9 +567,16 @@ async fn run<S: StateMachine>(
     purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut purging: Option<tokio::task::JoinHandle<()>> = None;
     let mut stop_reply = None;
+    // The last round stopped at its apply budget: the next one follows once whatever else
+    // waits on this thread or worker (connections, a tick) has had its turn.
+    let mut more = false;
     loop {
         let idle = std::time::Instant::now();
+        if more {
+            tokio::task::yield_now().await;
+        }
         tokio::select! {
+            () = std::future::ready(()), if more => {}
             _ = purge.tick() => {
                 // Reclaims log files whose entries are all compacted, off the raft loop; one at a
                 // time.
@@ -621,6 +628,7 @@ async fn run<S: StateMachine>(
         }
         let ready = std::time::Instant::now();
         let r = lp.ready();
+        more = lp.node.round_was_cut();
         let (took, waited) = (busy.elapsed(), busy.duration_since(idle));
         if took > SLOW_ROUND {
             // Nothing else runs on this loop meanwhile: no keepalives go out, and peers may

@@ -205,3 +205,68 @@ fn a_restart_replays_the_log_in_rounds_of_bounded_size() {
     assert!(rounds.len() >= 4, "{rounds:?}");
     assert!(rounds.iter().all(|&n| n <= 22), "{rounds:?}");
 }
+
+/// A restarted node with many groups to replay applies at most `max_apply_per_round` bytes of
+/// commands (and the group that crosses it) in one round, across groups, and says so
+/// (`round_was_cut`); the next round starts with the groups left, so each is replayed.
+#[test]
+fn a_restart_of_many_groups_replays_them_in_rounds_of_bounded_size() {
+    const GROUPS: u64 = 8;
+    let log = Arc::new(MemLogStore::new());
+    let config = NodeConfig {
+        max_apply_per_ready: 1 << 20,
+        max_apply_per_round: 8 << 10,
+        ..NodeConfig::default()
+    };
+    {
+        let mut node = RaftNode::new(1, config.clone(), log.clone());
+        for g in 1..=GROUPS {
+            node.add_group(g, &[1], Counter::default()).unwrap();
+            node.campaign(g).unwrap();
+        }
+        for _ in 0..10 {
+            node.process_ready().unwrap();
+        }
+        for g in 1..=GROUPS {
+            assert!(node.is_leader(g));
+            for _ in 0..50 {
+                node.propose(g, vec![7u8; 400]).unwrap();
+            }
+        }
+        for _ in 0..50 {
+            node.process_ready().unwrap();
+        }
+    }
+    let mut node = RaftNode::new(1, config, log.clone());
+    let mut applied = Vec::new();
+    for g in 1..=GROUPS {
+        let sm = Counter::default();
+        applied.push(sm.applied.clone());
+        node.add_group(g, &[1], sm).unwrap();
+        node.campaign(g).unwrap();
+    }
+    let total =
+        |a: &[Arc<std::sync::Mutex<u64>>]| -> u64 { a.iter().map(|x| *x.lock().unwrap()).sum() };
+    let (mut last, mut rounds, mut cut) = (0, Vec::new(), 0);
+    for _ in 0..100 {
+        node.process_ready().unwrap();
+        cut += u32::from(node.round_was_cut());
+        let now = total(&applied);
+        if now > last {
+            rounds.push(now - last);
+        }
+        last = now;
+    }
+    for (g, a) in applied.iter().enumerate() {
+        assert!(
+            *a.lock().unwrap() >= 50,
+            "group {} replayed {}",
+            g + 1,
+            a.lock().unwrap()
+        );
+    }
+    // A round takes groups until 8 KiB of commands (20 of 400 bytes) are applied: one group's
+    // whole log (50 commands and the leader's entries) and never a second.
+    assert!(cut >= 4, "no round was cut ({rounds:?})");
+    assert!(rounds.iter().all(|&n| n <= 60), "{rounds:?}");
+}
