@@ -889,9 +889,7 @@ impl<S: StateMachine> RaftNode<S> {
         let order = self.round_order();
         let mut round_bytes = 0u64;
         for (i, &gid) in order.iter().enumerate() {
-            if round_bytes >= self.config.max_apply_per_round {
-                self.dirty.extend(&order[i..]);
-                self.cut_at = Some(gid);
+            if self.cut_round(&order[i..], round_bytes) {
                 break;
             }
             let Some(g) = self.groups.get_mut(&gid) else {
@@ -1022,6 +1020,20 @@ impl<S: StateMachine> RaftNode<S> {
         }
     }
 
+    /// Whether a round that has applied `bytes` stops before the groups `left`; if so they wait
+    /// for the next round, which starts with them.
+    fn cut_round(&mut self, left: &[GroupId], bytes: u64) -> bool {
+        let Some(&next) = left.first() else {
+            return false;
+        };
+        if bytes < self.config.max_apply_per_round {
+            return false;
+        }
+        self.dirty.extend(left);
+        self.cut_at = Some(next);
+        true
+    }
+
     /// Whether the last Ready round stopped at its apply budget with groups left: the caller
     /// runs the next round without waiting for a tick or a message.
     pub fn round_was_cut(&self) -> bool {
@@ -1059,9 +1071,7 @@ impl<S: StateMachine> RaftNode<S> {
         let order = self.round_order();
         let mut round_bytes = 0u64;
         for (i, &gid) in order.iter().enumerate() {
-            if round_bytes >= self.config.max_apply_per_round {
-                self.dirty.extend(&order[i..]);
-                self.cut_at = Some(gid);
+            if self.cut_round(&order[i..], round_bytes) {
                 break;
             }
             let Some(g) = self.groups.get_mut(&gid) else {

@@ -278,10 +278,7 @@ async fn transform(
             anyhow::Ok(n)
         });
     }
-    let mut ops = 0;
-    while let Some(r) = tasks.join_next().await {
-        ops += r.context("benchmark task panicked")??;
-    }
+    let ops = total(tasks).await?;
     Ok(row(
         implementation,
         workload,
@@ -290,6 +287,15 @@ async fn transform(
         ops,
         start.elapsed(),
     ))
+}
+
+/// The operations the tasks counted, once every one has ended.
+async fn total(mut tasks: tokio::task::JoinSet<anyhow::Result<u64>>) -> anyhow::Result<u64> {
+    let mut ops = 0;
+    while let Some(r) = tasks.join_next().await {
+        ops += r.context("benchmark task panicked")??;
+    }
+    Ok(ops)
 }
 
 fn row(
@@ -374,10 +380,7 @@ async fn writes(
             anyhow::Ok(n)
         });
     }
-    let mut ops = 0;
-    while let Some(r) = tasks.join_next().await {
-        ops += r.context("benchmark task panicked")??;
-    }
+    let ops = total(tasks).await?;
     Ok(row(
         implementation,
         workload,
