@@ -68,6 +68,30 @@ async fn writing_behind(
     NetFs::with_config(open_volume(msgr, mc).await, cfg)
 }
 
+/// Opens `ino` with `O_TRUNC`, writes `data` and closes it.
+async fn rewrite(fs: &NetFs, ino: nacre_types::Ino, data: Bytes) {
+    let trunc = OpenFlags {
+        truncate: true,
+        ..OpenFlags::WRITE
+    };
+    let h = fs.open(ino, trunc).await.unwrap();
+    fs.write(h, 0, data).await.unwrap();
+    fs.flush(h).await.unwrap();
+    fs.release(h).await.unwrap();
+}
+
+/// Each of `files` (inode, name, bytes) has exactly its bytes, as `fs` reads it.
+async fn expect_files(fs: &NetFs, files: &[(nacre_types::Ino, String, Bytes)]) {
+    for (ino, name, want) in files {
+        let size = fs.getattr(*ino).await.unwrap().size;
+        assert_eq!(size, want.len() as u64, "{name}: size");
+        let r = fs.open(*ino, OpenFlags::READ).await.unwrap();
+        let got = read_all(fs, r, want.len() + 1).await;
+        fs.release(r).await.unwrap();
+        assert!(got == want[..], "{name}: {}", first_diff(&got, want));
+    }
+}
+
 async fn read_all(fs: &NetFs, fh: nacre_client::Fh, len: usize) -> Vec<u8> {
     let mut out = Vec::new();
     loop {
@@ -754,29 +778,15 @@ fn a_larger_file_rewritten_small_at_once_keeps_its_second_version() {
             if i % 3 == 1 {
                 fs.sync_dir(d).await.unwrap();
             }
-            let trunc = OpenFlags {
-                truncate: true,
-                ..OpenFlags::WRITE
-            };
-            let h = fs.open(a.attr.ino, trunc).await.unwrap();
             let n2 = rng.usize(1..120_000);
             let v2 = random_bytes(&mut rng, n2);
-            fs.write(h, 0, v2.clone()).await.unwrap();
-            fs.flush(h).await.unwrap();
-            fs.release(h).await.unwrap();
+            rewrite(&fs, a.attr.ino, v2.clone()).await;
             files.push((a.attr.ino, name, v2));
         }
         fs.sync_dir(d).await.unwrap();
         // Another client, with nothing cached.
         let other = NetFs::new(open_volume(&msgr, &mc).await);
-        for (ino, name, v2) in &files {
-            let size = other.getattr(*ino).await.unwrap().size;
-            assert_eq!(size, v2.len() as u64, "{name}: size");
-            let r = other.open(*ino, OpenFlags::READ).await.unwrap();
-            let got = read_all(&other, r, v2.len() + 1).await;
-            other.release(r).await.unwrap();
-            assert!(got == v2[..], "{name}: {}", first_diff(&got, v2));
-        }
+        expect_files(&other, &files).await;
         shut_down(&msgr).await;
     });
 }
@@ -954,31 +964,17 @@ fn a_small_file_rewritten_twice_behind_keeps_its_last_version() {
             fs.write(h, 0, first).await.unwrap();
             fs.flush(h).await.unwrap();
             fs.release(h).await.unwrap();
-            let trunc = OpenFlags {
-                truncate: true,
-                ..OpenFlags::WRITE
-            };
             let mut last = Bytes::new();
             for _ in 0..2 {
-                let h = fs.open(a.attr.ino, trunc).await.unwrap();
                 let n = rng.usize(1..9000);
                 last = random_bytes(&mut rng, n);
-                fs.write(h, 0, last.clone()).await.unwrap();
-                fs.flush(h).await.unwrap();
-                fs.release(h).await.unwrap();
+                rewrite(&fs, a.attr.ino, last.clone()).await;
             }
             files.push((a.attr.ino, name, last));
         }
         fs.sync_dir(d).await.unwrap();
         let other = NetFs::new(open_volume(&msgr, &mc).await);
-        for (ino, name, last) in &files {
-            let size = other.getattr(*ino).await.unwrap().size;
-            assert_eq!(size, last.len() as u64, "{name}: size");
-            let r = other.open(*ino, OpenFlags::READ).await.unwrap();
-            let got = read_all(&other, r, last.len() + 1).await;
-            other.release(r).await.unwrap();
-            assert!(got == last[..], "{name}: {}", first_diff(&got, last));
-        }
+        expect_files(&other, &files).await;
         shut_down(&msgr).await;
     });
 }
