@@ -308,6 +308,28 @@ impl Rpc for FetchBlocks {
     type Response = Result<u64, DataError>;
 }
 
+/// Writes one shard of an erasure-coded partition's stripes (the data segment, at most
+/// [`MAX_TINY_WRITE`] bytes) into tiny extent `extent` at `offset`, where replica 0 placed shard
+/// 0 of the same stripes with a [`WriteTiny`]; durable on this replica when acknowledged (op
+/// `0x0315`, served by the replica that holds the shard; docs/ARCHITECTURE.md, "Erasure-coded
+/// volumes").
+#[derive(Debug)]
+pub struct WriteShard;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct WriteShardRequest {
+    pub partition: PartitionId,
+    pub extent: ExtentId,
+    pub offset: u64,
+}
+
+impl Rpc for WriteShard {
+    const OP: Op = Op(0x0315);
+    const NAME: &'static str = "data_write_shard";
+    type Request = WriteShardRequest;
+    type Response = Result<Written, DataError>;
+}
+
 /// Runs a garbage-collection sweep now on the data partitions this node leads (op `0x0314`):
 /// every normal extent idle for at least `grace_ms` that no meta partition of the partition's
 /// volume references is deleted through the partition's Raft group (docs/ARCHITECTURE.md,

@@ -19,3 +19,4 @@ pub mod data;
 pub mod func;
 pub mod master;
 pub mod meta;
+pub mod shards;

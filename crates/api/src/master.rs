@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use nacre_func::Function;
+use nacre_func::{EcSpec, Function};
 use nacre_proto::Op;
 use nacre_proto::msg::Rpc;
 use nacre_types::{NodeId, PartitionId, VolumeId};
@@ -49,6 +49,29 @@ pub enum PartitionKind {
         end: u64,
     },
     Data,
+    /// A data partition of an erasure-coded volume: replica `i` holds shard `i` of every stripe
+    /// (`k` data shards, then `m` parity), each replica in a Raft group of its own
+    /// (docs/ARCHITECTURE.md, "Erasure-coded volumes"). Appended last: variants are numbered in
+    /// order on the wire.
+    Shards {
+        k: u8,
+        m: u8,
+    },
+}
+
+impl PartitionKind {
+    /// Whether this is a data partition, replicated or erasure-coded.
+    pub fn is_data(&self) -> bool {
+        matches!(self, PartitionKind::Data | PartitionKind::Shards { .. })
+    }
+
+    /// The code of an erasure-coded data partition.
+    pub fn ec(&self) -> Option<EcSpec> {
+        match *self {
+            PartitionKind::Shards { k, m } => Some(EcSpec { k, m }),
+            _ => None,
+        }
+    }
 }
 
 /// One replica of a partition: the node and where to reach it.
@@ -116,7 +139,10 @@ pub struct VolumeView {
 
 /// The storage functions a volume's file data passes through, and where they run; set when the
 /// volume is created.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// `ec` is the last field and may be missing from bytes written before it (a `CreateVolume` in
+/// a master's Raft log, where these funcs end the command): it then decodes as `None`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct VolumeFuncs {
     /// Compression of file data in blocks (`None`: stored as written).
     pub compress: Option<Compression>,
@@ -125,7 +151,63 @@ pub struct VolumeFuncs {
     /// A service call that finds no function server left runs in the client instead of failing
     /// the write.
     pub fallback_inline: bool,
+    /// Erasure coding of file data (`None`: replicated): every data partition holds one shard
+    /// of each stripe per replica ([`PartitionKind::Shards`]).
+    pub ec: Option<EcSpec>,
 }
+
+impl<'de> Deserialize<'de> for VolumeFuncs {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = VolumeFuncs;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a volume's storage functions")
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let missing = |i| serde::de::Error::invalid_length(i, &"at least 3 fields");
+                Ok(VolumeFuncs {
+                    compress: seq.next_element()?.ok_or_else(|| missing(0))?,
+                    at: seq.next_element()?.ok_or_else(|| missing(1))?,
+                    fallback_inline: seq.next_element()?.ok_or_else(|| missing(2))?,
+                    // Postcard reports the end of its input as an error.
+                    ec: seq
+                        .next_element::<Option<EcSpec>>()
+                        .ok()
+                        .flatten()
+                        .flatten(),
+                })
+            }
+        }
+        const FIELDS: &[&str] = &["compress", "at", "fallback_inline", "ec"];
+        d.deserialize_struct("VolumeFuncs", FIELDS, Fields)
+    }
+}
+
+/// Parses an erasure code as `K+M` (e.g. `4+2`): `K` data shards and `M` parity shards, at
+/// most [`MAX_EC_SHARDS`] in all.
+pub fn parse_ec(s: &str) -> Result<EcSpec, String> {
+    let bad = || format!("{s:?} is not an erasure code: use K+M, e.g. 4+2");
+    let (k, m) = s.split_once('+').ok_or_else(bad)?;
+    let (k, m): (u8, u8) = (
+        k.trim().parse().map_err(|_| bad())?,
+        m.trim().parse().map_err(|_| bad())?,
+    );
+    if k == 0 || m == 0 || usize::from(k) + usize::from(m) > MAX_EC_SHARDS {
+        return Err(format!(
+            "erasure code {k}+{m}: K and M must be at least 1 and K+M at most {MAX_EC_SHARDS}"
+        ));
+    }
+    Ok(EcSpec { k, m })
+}
+
+/// Most shards a stripe of an erasure-coded volume has: one data node each.
+pub const MAX_EC_SHARDS: usize = 32;
 
 /// Where a storage function runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use bytes::Bytes;
 use nacre_api::data::{
     Append, AppendRaft, AppendRequest, CreateExtent, CreateExtentRequest, DataError, MAX_PACKET,
-    Overwrite, OverwriteRequest, Read, ReadRequest, Release, ReleaseRequest, WriteTiny,
-    WriteTinyRequest, Written,
+    Overwrite, OverwriteRequest, Read, ReadRequest, Release, ReleaseRequest, WriteShard,
+    WriteShardRequest, WriteTiny, WriteTinyRequest, Written,
 };
 use nacre_api::meta::ExtentKey;
 use nacre_msgr::Payload;
@@ -214,16 +214,124 @@ impl NetVolume {
     }
 
     /// Releases extent ranges (a normal extent from 0 to its end: deleted; other ranges punched
-    /// out). Idempotent.
+    /// out). Idempotent. On an erasure-coded partition every replica releases its shards of
+    /// them, and all must.
     pub async fn release(
         &self,
         partition: PartitionId,
         ranges: Vec<(ExtentId, u64, u64)>,
     ) -> Result<(), DataCallError> {
         let req = ReleaseRequest { partition, ranges };
+        if self.partition_ec(partition).is_some() {
+            // In the background (the meta partitions' to-free lists), one replica after the
+            // other.
+            for addr in self.replica_addrs(partition) {
+                self.replica_call::<Release, _>(&addr, &req, Payload::none())
+                    .await?;
+            }
+            return Ok(());
+        }
         self.data_call::<Release, _>(partition, &req, Payload::none(), true)
             .await?;
         Ok(())
+    }
+
+    /// Calls a data op on one replica (of an erasure-coded partition, where each replica serves
+    /// its own shards), within the call timeout. A replica that does not answer is suspect for
+    /// a while ([`NetVolume::is_suspect`]).
+    async fn replica_call<R, T>(
+        &self,
+        addr: &str,
+        req: &R::Request,
+        data: Payload,
+    ) -> Result<(T, Payload), DataCallError>
+    where
+        R: Rpc<Response = Result<T, DataError>>,
+    {
+        let opts = nacre_msgr::CallOptions {
+            timeout: Some(self.timeout),
+            ..nacre_msgr::CallOptions::default()
+        };
+        match self.client().call_with::<R>(addr, req, data, opts).await {
+            Ok((r, payload)) => {
+                self.mark_answered(addr);
+                Ok((r?, payload))
+            }
+            Err(e) => {
+                let lost = !matches!(e, nacre_msgr::MsgrError::Remote { .. });
+                if lost {
+                    self.mark_suspect(addr);
+                }
+                Err(DataCallError::Call(CallError::Unknown(e.to_string())))
+            }
+        }
+    }
+
+    /// Writes shard `i` of stripes placed at `offset` of tiny extent `extent` (where replica 0
+    /// holds shard 0) on replica `addr` of erasure-coded `partition`; durable there when this
+    /// returns.
+    pub async fn write_shard(
+        &self,
+        partition: PartitionId,
+        addr: &str,
+        extent: ExtentId,
+        offset: u64,
+        data: Bytes,
+    ) -> Result<Written, DataCallError> {
+        let req = WriteShardRequest {
+            partition,
+            extent,
+            offset,
+        };
+        Ok(self
+            .replica_call::<WriteShard, _>(addr, &req, Payload::new(data))
+            .await?
+            .0)
+    }
+
+    /// Places stripes: shard 0 of each, concatenated (at most `MAX_TINY_WRITE` bytes), into a
+    /// tiny extent on replica 0 of erasure-coded `partition` (`addr`), which picks where; every
+    /// other shard then goes to the same place on its replica ([`NetVolume::write_shard`]).
+    /// Only replica 0 places stripes, so this never goes to another replica.
+    pub async fn write_shard_0(
+        &self,
+        partition: PartitionId,
+        addr: &str,
+        data: Bytes,
+    ) -> Result<Written, DataCallError> {
+        let req = WriteTinyRequest { partition };
+        Ok(self
+            .replica_call::<WriteTiny, _>(addr, &req, Payload::new(data))
+            .await?
+            .0)
+    }
+
+    /// Reads `len` shard bytes at `offset` of tiny extent `extent` on replica `addr` of
+    /// erasure-coded `partition`.
+    pub async fn read_shard(
+        &self,
+        partition: PartitionId,
+        addr: &str,
+        extent: ExtentId,
+        offset: u64,
+        len: u32,
+    ) -> Result<Bytes, DataCallError> {
+        let req = ReadRequest {
+            partition,
+            extent,
+            offset,
+            len,
+        };
+        let ((), data) = self
+            .replica_call::<Read, _>(addr, &req, Payload::none())
+            .await?;
+        if data.bytes.len() != len as usize {
+            return Err(DataCallError::ShortRead {
+                want: len,
+                got: data.bytes.len(),
+            });
+        }
+        Ok(data.bytes)
     }
 }
 

@@ -49,6 +49,8 @@ pub struct DataPartitionInfo {
     pub id: PartitionId,
     /// Takes appends and new extents (every replica up, not full).
     pub writable: bool,
+    /// The code of an erasure-coded partition: replica `i` holds shard `i` of its stripes.
+    pub ec: Option<nacre_func::EcSpec>,
 }
 
 #[derive(Debug, Default)]
@@ -203,10 +205,13 @@ impl NetVolume {
                     end,
                     writable,
                 }),
-                PartitionKind::Data => data.push(DataPartitionInfo {
-                    id: p.spec.id,
-                    writable,
-                }),
+                PartitionKind::Data | PartitionKind::Shards { .. } => {
+                    data.push(DataPartitionInfo {
+                        id: p.spec.id,
+                        writable,
+                        ec: p.spec.kind.ec(),
+                    })
+                }
             }
             let addrs: Vec<String> = p.spec.replicas.iter().map(|r| r.addr.clone()).collect();
             if let Some(l) = p.leader
@@ -242,6 +247,21 @@ impl NetVolume {
         &self.master
     }
 
+    /// The addresses of partition `p`'s replicas, in the map's order (for an erasure-coded
+    /// partition, replica `i` holds shard `i`).
+    pub fn replica_addrs(&self, p: PartitionId) -> Vec<String> {
+        self.replicas(p)
+    }
+
+    /// The code of data partition `p`, if it is erasure-coded.
+    pub fn partition_ec(&self, p: PartitionId) -> Option<nacre_func::EcSpec> {
+        sync::read(&self.view)
+            .data
+            .iter()
+            .find(|d| d.id == p)
+            .and_then(|d| d.ec)
+    }
+
     fn replicas(&self, p: PartitionId) -> Vec<String> {
         sync::read(&self.view)
             .replicas
@@ -266,6 +286,27 @@ impl NetVolume {
     /// The messenger client calls go through.
     pub fn client(&self) -> &Client {
         &self.client
+    }
+
+    /// Marks `addr` suspect (it did not answer): see [`SUSPECT_FOR`].
+    pub fn mark_suspect(&self, addr: &str) {
+        self.suspect(addr);
+    }
+
+    /// `addr` answered: no longer suspect.
+    pub fn mark_answered(&self, addr: &str) {
+        self.cleared(addr);
+    }
+
+    /// Whether `addr` did not answer within the last [`SUSPECT_FOR`].
+    pub fn is_suspect(&self, addr: &str) -> bool {
+        let mut s = lock(&self.suspects);
+        if s.is_empty() {
+            return false;
+        }
+        let now = Instant::now();
+        s.retain(|_, until| *until > now);
+        s.contains_key(addr)
     }
 
     fn suspect(&self, addr: &str) {

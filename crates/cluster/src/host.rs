@@ -79,10 +79,11 @@ pub fn role_name(role: Role) -> &'static str {
     }
 }
 
+/// The role of the nodes that host a partition of `kind`.
 fn kind_name(kind: &PartitionKind) -> &'static str {
     match kind {
         PartitionKind::Meta { .. } => "meta",
-        PartitionKind::Data => "data",
+        PartitionKind::Data | PartitionKind::Shards { .. } => "data",
     }
 }
 

@@ -132,20 +132,13 @@ impl PartitionHost for SpecRegistry {
 
     fn ensure(&self, spec: PartitionSpec) -> BoxFuture<'_, Result<(), HostError>> {
         let r = match (&spec.kind, self.role) {
-            (PartitionKind::Meta { .. }, Role::Meta) | (PartitionKind::Data, Role::Data) => {
-                self.record(spec)
-            }
-            (PartitionKind::Meta { .. }, role) | (PartitionKind::Data, role) => {
-                Err(HostError::WrongKind {
-                    role: role_name(role),
-                    kind: if matches!(spec.kind, PartitionKind::Data) {
-                        "data"
-                    } else {
-                        "meta"
-                    },
-                    id: spec.id,
-                })
-            }
+            (PartitionKind::Meta { .. }, Role::Meta) => self.record(spec),
+            (kind, Role::Data) if kind.is_data() => self.record(spec),
+            (kind, role) => Err(HostError::WrongKind {
+                role: role_name(role),
+                kind: if kind.is_data() { "data" } else { "meta" },
+                id: spec.id,
+            }),
         };
         Box::pin(async move { r })
     }

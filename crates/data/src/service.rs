@@ -48,7 +48,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nacre_api::master::{PartitionKind, PartitionReport, PartitionSpec, Replica, Role};
+use nacre_api::master::{PartitionReport, PartitionSpec, Replica, Role};
 use nacre_cluster::{NodeRaft, SpecRegistry, run_node};
 use nacre_msgr::Client;
 use nacre_proto::msg::RemoteError;
@@ -99,7 +99,14 @@ const USED_EVERY: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 struct Part {
     id: PartitionId,
+    /// This node alone for a partition of an erasure-coded volume ([`Part::ec`]).
     replicas: Mutex<Vec<Replica>>,
+    /// The code of an erasure-coded partition: this node holds one shard of each stripe, in a
+    /// group of its own (docs/ARCHITECTURE.md, "Erasure-coded volumes").
+    ec: Option<nacre_func::EcSpec>,
+    /// Which shard of each stripe this replica holds (its place in the partition's replicas);
+    /// only shard 0's replica places stripes (`WriteTiny`).
+    shard: usize,
     store: Arc<ExtentStore>,
     shared: Arc<SmShared>,
     tracks: Mutex<HashMap<ExtentId, Arc<Track>>>,
@@ -357,12 +364,31 @@ impl DataNode {
 
     /// Hosts `spec`'s store and group (idempotent), or updates its replica list.
     async fn open_partition(&self, spec: &PartitionSpec) -> Result<(), String> {
-        if spec.kind != PartitionKind::Data {
+        if !spec.kind.is_data() {
             return Err(format!("partition {} is not a data partition", spec.id));
         }
         let raft = self.raft()?;
-        let peers: BTreeMap<u64, String> = spec
+        // A replica of an erasure-coded partition holds its own shards: its group is itself.
+        let ec = spec.kind.ec();
+        let me = raft.id();
+        let shard = spec
             .replicas
+            .iter()
+            .position(|r| r.node.0 == me)
+            .unwrap_or(0);
+        let replicas: Vec<Replica> = spec
+            .replicas
+            .iter()
+            .filter(|r| ec.is_none() || r.node.0 == me)
+            .cloned()
+            .collect();
+        if replicas.is_empty() {
+            return Err(format!(
+                "erasure-coded partition {} has no replica on this node",
+                spec.id
+            ));
+        }
+        let peers: BTreeMap<u64, String> = replicas
             .iter()
             .map(|r| (r.node.0, r.addr.clone()))
             .collect();
@@ -376,7 +402,7 @@ impl DataNode {
             .clone();
         let _one = one.lock().await;
         if let Some(p) = self.part(spec.id) {
-            *lock(&p.replicas) = spec.replicas.clone();
+            *lock(&p.replicas) = replicas;
             return Ok(());
         }
         let dir = self.part_dir(spec.id);
@@ -414,7 +440,9 @@ impl DataNode {
         };
         let part = Arc::new(Part {
             id: spec.id,
-            replicas: Mutex::new(spec.replicas.clone()),
+            replicas: Mutex::new(replicas),
+            ec,
+            shard,
             store,
             shared,
             tracks: Mutex::default(),

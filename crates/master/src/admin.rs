@@ -158,6 +158,8 @@ pub struct CreateVolume {
     /// With `service`: a write that finds no function server runs the function in the client
     /// instead of failing.
     pub fallback_inline: bool,
+    /// Erasure coding of file data, `K+M` (e.g. `4+2`); replicated when absent.
+    pub ec: Option<String>,
 }
 
 impl CreateVolume {
@@ -169,10 +171,17 @@ impl CreateVolume {
             .map(str::parse::<Compression>)
             .transpose()
             .map_err(MapError::Invalid)?;
+        let ec = self
+            .ec
+            .as_deref()
+            .map(nacre_api::master::parse_ec)
+            .transpose()
+            .map_err(MapError::Invalid)?;
         Ok(VolumeFuncs {
             compress,
             at: self.func_at,
             fallback_inline: self.fallback_inline,
+            ec,
         })
     }
 }
@@ -190,6 +199,7 @@ impl Default for CreateVolume {
             compress: None,
             func_at: FuncAt::Inline,
             fallback_inline: true,
+            ec: None,
         }
     }
 }

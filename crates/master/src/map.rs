@@ -12,7 +12,7 @@ pub use nacre_api::master::{
     PartitionKind, PartitionReport, PartitionSpec, PartitionStatus, PartitionView, Replica, Role,
     Volume, VolumeFuncs, VolumeView,
 };
-pub use nacre_func::Function;
+pub use nacre_func::{EcSpec, Function};
 use nacre_types::{NodeId, PartitionId, VolumeId};
 use serde::{Deserialize, Serialize};
 
@@ -189,7 +189,9 @@ pub enum Outcome {
 /// appended: the last ones may be missing from bytes written by a master built before them. With
 /// no `funcs` the decoder starts with none (function servers register again at their next
 /// heartbeat); with no `volume_funcs` every volume stores its data as written, as it did then.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+/// `volume_funcs` is written without the erasure code (as it was before codes existed), each
+/// volume's code in the `volume_ec` field after it; with none, no volume is erasure-coded.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ClusterMap {
     /// Bumped by every change.
     pub epoch: u64,
@@ -222,7 +224,7 @@ impl<'de> Deserialize<'de> for ClusterMap {
                 mut seq: A,
             ) -> Result<Self::Value, A::Error> {
                 let missing = |i| serde::de::Error::invalid_length(i, &"at least 9 fields");
-                Ok(ClusterMap {
+                let mut map = ClusterMap {
                     epoch: seq.next_element()?.ok_or_else(|| missing(0))?,
                     nodes: seq.next_element()?.ok_or_else(|| missing(1))?,
                     volumes: seq.next_element()?.ok_or_else(|| missing(2))?,
@@ -235,8 +237,20 @@ impl<'de> Deserialize<'de> for ClusterMap {
                     // The bytes end here when a master built before function servers wrote
                     // them: postcard reports the end of its input as an error.
                     funcs: seq.next_element().ok().flatten().unwrap_or_default(),
-                    volume_funcs: seq.next_element().ok().flatten().unwrap_or_default(),
-                })
+                    volume_funcs: BTreeMap::new(),
+                };
+                let funcs: BTreeMap<String, FuncsV1> =
+                    seq.next_element().ok().flatten().unwrap_or_default();
+                let mut ec: BTreeMap<String, EcSpec> =
+                    seq.next_element().ok().flatten().unwrap_or_default();
+                map.volume_funcs = funcs
+                    .into_iter()
+                    .map(|(name, f)| {
+                        let ec = ec.remove(&name);
+                        (name, f.with_ec(ec))
+                    })
+                    .collect();
+                Ok(map)
             }
         }
         const FIELDS: &[&str] = &[
@@ -251,8 +265,68 @@ impl<'de> Deserialize<'de> for ClusterMap {
             "next_partition",
             "funcs",
             "volume_funcs",
+            "volume_ec",
         ];
         d.deserialize_struct("ClusterMap", FIELDS, Fields)
+    }
+}
+
+impl Serialize for ClusterMap {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let funcs: BTreeMap<&String, FuncsV1> = self
+            .volume_funcs
+            .iter()
+            .map(|(n, f)| (n, FuncsV1::from(f)))
+            .collect();
+        let ec: BTreeMap<&String, EcSpec> = self
+            .volume_funcs
+            .iter()
+            .filter_map(|(n, f)| Some((n, f.ec?)))
+            .collect();
+        let mut st = s.serialize_struct("ClusterMap", 12)?;
+        st.serialize_field("epoch", &self.epoch)?;
+        st.serialize_field("nodes", &self.nodes)?;
+        st.serialize_field("volumes", &self.volumes)?;
+        st.serialize_field("meta_partitions", &self.meta_partitions)?;
+        st.serialize_field("data_partitions", &self.data_partitions)?;
+        st.serialize_field("tenants", &self.tenants)?;
+        st.serialize_field("next_node", &self.next_node)?;
+        st.serialize_field("next_volume", &self.next_volume)?;
+        st.serialize_field("next_partition", &self.next_partition)?;
+        st.serialize_field("funcs", &self.funcs)?;
+        st.serialize_field("volume_funcs", &funcs)?;
+        st.serialize_field("volume_ec", &ec)?;
+        st.end()
+    }
+}
+
+/// [`VolumeFuncs`] as the map's `volume_funcs` field keeps it: without the erasure code.
+#[derive(Serialize, Deserialize)]
+struct FuncsV1 {
+    compress: Option<nacre_api::master::Compression>,
+    at: nacre_api::master::FuncAt,
+    fallback_inline: bool,
+}
+
+impl From<&VolumeFuncs> for FuncsV1 {
+    fn from(f: &VolumeFuncs) -> Self {
+        FuncsV1 {
+            compress: f.compress,
+            at: f.at,
+            fallback_inline: f.fallback_inline,
+        }
+    }
+}
+
+impl FuncsV1 {
+    fn with_ec(self, ec: Option<EcSpec>) -> VolumeFuncs {
+        VolumeFuncs {
+            compress: self.compress,
+            at: self.at,
+            fallback_inline: self.fallback_inline,
+            ec,
+        }
     }
 }
 
@@ -342,6 +416,12 @@ impl ClusterMap {
         reports: &[PartitionReport],
     ) -> bool {
         let mut changed = false;
+        let coded: Vec<VolumeId> = self
+            .volumes
+            .values()
+            .filter(|v| self.ec_of(&v.name).is_some())
+            .map(|v| v.id)
+            .collect();
         if let Some(n) = self.nodes.get_mut(&node) {
             n.used = used;
             n.last_heartbeat_ms = now_ms.max(n.last_heartbeat_ms);
@@ -370,6 +450,12 @@ impl ClusterMap {
                 if !p.ready.contains(&node) {
                     p.ready.push(node);
                     changed = true;
+                }
+                // Every replica of an erasure-coded partition leads a group of its own; replica
+                // 0 stands for the partition (it places the stripes). Another replica that is
+                // full refuses its shards, and writers move on to another partition.
+                if coded.contains(&p.volume) && p.replicas.first() != Some(&node) {
+                    continue;
                 }
                 if r.leader {
                     changed |= p.leader != Some(node) || p.full != r.full;
@@ -544,6 +630,10 @@ impl ClusterMap {
                 if let Some(c) = &funcs.compress {
                     c.validate().map_err(MapError::Invalid)?;
                 }
+                if let Some(ec) = funcs.ec {
+                    nacre_api::master::parse_ec(&format!("{}+{}", ec.k, ec.m))
+                        .map_err(MapError::Invalid)?;
+                }
                 self.next_volume += 1;
                 let vid = VolumeId(self.next_volume);
                 let mut vol = Volume {
@@ -566,8 +656,10 @@ impl ClusterMap {
                     vol.meta_partitions.push(id);
                     start = end;
                 }
+                // An erasure-coded volume's data partitions hold a shard per replica.
+                let data_replicas = funcs.ec.map_or(*replicas, |ec| ec.k + ec.m);
                 for _ in 0..*data_partitions {
-                    let id = self.new_data_partition(vid, *replicas)?;
+                    let id = self.new_data_partition(vid, data_replicas)?;
                     vol.data_partitions.push(id);
                 }
                 self.volumes.insert(name.clone(), vol);
@@ -592,6 +684,7 @@ impl ClusterMap {
             }
             Command::AddDataPartitions { volume, count } => {
                 let (vid, replicas) = self.volume_ref(volume)?;
+                let replicas = self.ec_of(volume).map_or(replicas, |ec| ec.k + ec.m);
                 let mut ids = Vec::new();
                 for _ in 0..*count {
                     ids.push(self.new_data_partition(vid, replicas)?);
@@ -846,13 +939,25 @@ impl ClusterMap {
                 created_epoch: p.created_epoch,
             });
         }
-        self.data_partitions.get(&id).map(|p| PartitionSpec {
-            id,
-            volume: self.volume_name(p.volume),
-            kind: PartitionKind::Data,
-            replicas: self.replicas(&p.replicas),
-            created_epoch: p.created_epoch,
+        self.data_partitions.get(&id).map(|p| {
+            let volume = self.volume_name(p.volume);
+            let kind = match self.ec_of(&volume) {
+                Some(ec) => PartitionKind::Shards { k: ec.k, m: ec.m },
+                None => PartitionKind::Data,
+            };
+            PartitionSpec {
+                id,
+                volume,
+                kind,
+                replicas: self.replicas(&p.replicas),
+                created_epoch: p.created_epoch,
+            }
         })
+    }
+
+    /// The erasure code of volume `name`, if its data is erasure-coded.
+    pub fn ec_of(&self, name: &str) -> Option<EcSpec> {
+        self.volume_funcs.get(name).and_then(|f| f.ec)
     }
 
     /// Every partition `node` should host.

@@ -602,12 +602,14 @@ fn function_servers_host_no_partitions() {
 fn a_map_with_function_servers_survives_a_snapshot_and_an_older_snapshot_decodes() {
     let mut m = cluster(3, 3, 1);
     create(&mut m, "vol", 2, 3).unwrap();
-    // Written by a master built before function servers (and volume functions): the same
-    // fields, without the two trailing (empty) maps; or before volume functions only.
+    // Written by a master built before function servers (and volume functions and codes):
+    // the same fields, without the three trailing (empty) maps; or before volume functions;
+    // or before codes only.
     let older = m.snapshot();
-    assert!(older.ends_with(&[0, 0]), "an empty map is one zero byte");
-    assert_eq!(ClusterMap::restore(&older[..older.len() - 2]).unwrap(), m);
-    assert_eq!(ClusterMap::restore(&older[..older.len() - 1]).unwrap(), m);
+    assert!(older.ends_with(&[0, 0, 0]), "an empty map is one zero byte");
+    for cut in 1..=3 {
+        assert_eq!(ClusterMap::restore(&older[..older.len() - cut]).unwrap(), m);
+    }
 
     let f = register_func(&mut m, "f:7000", 0);
     func_heartbeat(&mut m, f, 5, 1);
@@ -625,6 +627,7 @@ fn a_volume_keeps_its_functions_in_its_view_and_snapshots() {
         compress: Some("zstd:3".parse().unwrap()),
         at: FuncAt::Service,
         fallback_inline: false,
+        ec: None,
     };
     let cmd = |name: &str, funcs: VolumeFuncs| Command::CreateVolume {
         name: name.into(),
@@ -688,6 +691,107 @@ fn compression_names_parse_into_codecs_and_bad_ones_say_why() {
         ("none", "not a codec"),
     ] {
         let e = bad.parse::<Compression>().unwrap_err();
+        assert!(e.contains(why), "{bad}: {e}");
+    }
+}
+
+#[test]
+fn an_erasure_coded_volume_places_a_shard_per_replica_and_replica_0_stands_for_it() {
+    let mut m = cluster(3, 5, 1);
+    let ec = nacre_api::master::parse_ec("3+2").unwrap();
+    let funcs = VolumeFuncs {
+        ec: Some(ec),
+        ..VolumeFuncs::default()
+    };
+    m.apply(&Command::CreateVolume {
+        name: "coded".into(),
+        owner: "t1".into(),
+        replicas: 3,
+        capacity: 0,
+        meta_partitions: 1,
+        data_partitions: 2,
+        inode_step: 1000,
+        funcs,
+    })
+    .unwrap();
+    let view = m.volume_view("coded").unwrap();
+    assert_eq!(view.funcs.ec, Some(ec));
+    for p in &view.data_partitions {
+        assert_eq!(p.spec.kind, PartitionKind::Shards { k: 3, m: 2 });
+        let mut nodes: Vec<_> = p.spec.replicas.iter().map(|r| r.node).collect();
+        assert_eq!(nodes.len(), 5, "one replica per shard");
+        nodes.sort();
+        nodes.dedup();
+        assert_eq!(nodes.len(), 5, "on distinct nodes");
+    }
+    for p in &view.meta_partitions {
+        assert_eq!(p.spec.replicas.len(), 3, "metadata stays replicated");
+    }
+
+    // Every replica leads a group of its own; only replica 0's report names the leader.
+    let p = &view.data_partitions[0];
+    let (first, second) = (p.spec.replicas[0].node, p.spec.replicas[1].node);
+    let report = |full| PartitionReport {
+        id: p.spec.id,
+        leader: true,
+        full,
+        ..PartitionReport::default()
+    };
+    heartbeat(&mut m, second, 1, vec![report(true)]);
+    let part = &m.data_partitions[&p.spec.id];
+    assert_eq!(part.leader, None);
+    assert!(!part.full, "another replica's report does not make it full");
+    heartbeat(&mut m, first, 2, vec![report(false)]);
+    assert_eq!(m.data_partitions[&p.spec.id].leader, Some(first));
+    let epoch = m.epoch;
+    heartbeat(&mut m, second, 3, vec![report(false)]);
+    assert_eq!(m.epoch, epoch, "the other replicas' reports change nothing");
+
+    // New partitions are coded alike; the code survives a snapshot.
+    let Outcome::PartitionsCreated(ids) = m
+        .apply(&Command::AddDataPartitions {
+            volume: "coded".into(),
+            count: 1,
+        })
+        .unwrap()
+    else {
+        panic!("no partitions created");
+    };
+    assert_eq!(m.data_partitions[&ids[0]].replicas.len(), 5);
+    let back = ClusterMap::restore(&m.snapshot()).unwrap();
+    assert_eq!(back, m);
+    assert_eq!(back.ec_of("coded"), Some(ec));
+
+    // Fewer data nodes than shards: refused, nothing changes.
+    let mut small = cluster(3, 4, 1);
+    let before = small.clone();
+    let r = small.apply(&Command::CreateVolume {
+        name: "wide".into(),
+        owner: "t1".into(),
+        replicas: 3,
+        capacity: 0,
+        meta_partitions: 1,
+        data_partitions: 1,
+        inode_step: 1000,
+        funcs,
+    });
+    assert!(matches!(r, Err(MapError::Placement { .. })), "{r:?}");
+    assert_eq!(small, before);
+}
+
+#[test]
+fn erasure_codes_parse_and_bad_ones_say_why() {
+    use nacre_api::master::parse_ec;
+    let ec = parse_ec("4+2").unwrap();
+    assert_eq!((ec.k, ec.m), (4, 2));
+    for (bad, why) in [
+        ("4", "not an erasure code"),
+        ("4+x", "not an erasure code"),
+        ("0+2", "at least 1"),
+        ("4+0", "at least 1"),
+        ("30+3", "at most 32"),
+    ] {
+        let e = parse_ec(bad).unwrap_err();
         assert!(e.contains(why), "{bad}: {e}");
     }
 }

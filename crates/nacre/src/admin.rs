@@ -278,6 +278,10 @@ struct VolCreateArgs {
     /// compressing in the client.
     #[arg(long)]
     no_fallback: bool,
+    /// Erasure-code file data as K data and M parity shards (e.g. `4+2`) on K+M data nodes
+    /// per partition, instead of replicating it.
+    #[arg(long, value_name = "K+M")]
+    ec: Option<String>,
     /// Seconds to wait for every replica to be created on its node.
     #[arg(long, default_value_t = 10.0)]
     wait: f64,
@@ -711,6 +715,7 @@ async fn vol(admin: &Admin, cmd: VolCmd, json: bool) -> anyhow::Result<()> {
                 compress: a.compress,
                 func_at: a.func_at,
                 fallback_inline: !a.no_fallback,
+                ec: a.ec,
             };
             let v = admin.create_volume(&req).await?;
             // Wait (bounded) for the nodes to report every replica.

@@ -28,6 +28,7 @@ fn zstd(at: FuncAt, fallback_inline: bool) -> VolumeFuncs {
         compress: Some("zstd".parse().unwrap()),
         at,
         fallback_inline,
+        ec: None,
     }
 }
 

@@ -44,10 +44,7 @@ use nacre_api::meta::ExtentKey;
 use nacre_types::sync::lock;
 use tokio::task::JoinSet;
 
-use nacre_api::data::Written;
-use nacre_types::PartitionId;
-
-use super::frames::{Unit, pack};
+use super::frames::Unit;
 use super::{FileState, Inner, OpenFile};
 use crate::meta::{FsError, FsResult};
 
@@ -328,30 +325,22 @@ impl Inner {
                 Err(e) => keys[i] = Err(e.to_string()),
             }
         }
-        let mut packets = pack(&units);
-        let mut writes = JoinSet::new();
         let spread = lock(&b.st).marks as usize;
-        for (k, (bytes, _)) in packets.iter_mut().enumerate() {
-            let (me, data) = (self.clone(), bytes.split().freeze());
-            writes.spawn(async move { (k, me.place_tiny(spread + k, data).await) });
-        }
-        let mut placed: Vec<Option<FsResult<(PartitionId, Written)>>> =
-            (0..packets.len()).map(|_| None).collect();
-        while let Some(r) = writes.join_next().await {
-            match r {
-                Ok((k, r)) => placed[k] = Some(r),
-                Err(e) => tracing::warn!(error = %e, "a packet write ended without an answer"),
-            }
-        }
-        for ((_, members), placed) in packets.iter().zip(&placed) {
-            for &(i, u, pos) in members {
-                match (placed, &mut keys[i]) {
-                    (Some(Ok((partition, w))), Ok(ks)) => {
-                        ks.push(units[u].1.key(*partition, w, pos))
+        for (members, placed) in self.place_packed(spread, &units).await {
+            match placed {
+                Ok(ks) => {
+                    for (&(i, _), key) in members.iter().zip(ks) {
+                        if let Ok(v) = &mut keys[i] {
+                            v.push(key);
+                        }
                     }
-                    (Some(Err(e)), k @ Ok(_)) => *k = Err(e.to_string()),
-                    (None, k @ Ok(_)) => *k = Err("the packet's write task failed".into()),
-                    (_, Err(_)) => {}
+                }
+                Err(e) => {
+                    for &(i, _) in &members {
+                        if keys[i].is_ok() {
+                            keys[i] = Err(e.to_string());
+                        }
+                    }
                 }
             }
         }

@@ -3,6 +3,8 @@
 //! writes and reads of committed bytes, and hiding open files that are unlinked.
 
 use nacre_api::meta::extents::overlay_all;
+use nacre_api::shards::StripeAt;
+use nacre_func::EcSpec;
 
 use super::frames::FRAMED_RUN_MAX;
 use super::*;
@@ -225,6 +227,72 @@ impl Inner {
             }
         }
         Err(fs_err(last))
+    }
+
+    /// Writes a run of stripes' shards (`shards[i]`: shard `i` of each, concatenated) to the
+    /// replicas of a writable erasure-coded partition, the first one chosen by `spread`, moving
+    /// on from partitions that refuse them: shard 0 by replica 0, which places them in a tiny
+    /// extent, then every other shard at the same place on its replica, at once. Acknowledged
+    /// once every replica has its shard on disk.
+    pub(super) async fn place_stripes(
+        &self,
+        spread: usize,
+        shards: Vec<Bytes>,
+    ) -> FsResult<(PartitionId, Written)> {
+        let mut failed: Vec<PartitionId> = Vec::new();
+        let mut last = DataCallError::NoWritablePartition;
+        let mut ride = crate::data::RideOut::default();
+        for attempt in 0usize.. {
+            let Some(p) = self
+                .vol
+                .pick_writable(attempt.wrapping_add(spread), &failed)
+            else {
+                if !ride.wait(&self.vol).await {
+                    break;
+                }
+                failed.clear();
+                continue;
+            };
+            match self.write_stripes(p, &shards).await {
+                Ok(w) => return Ok((p, w)),
+                Err(e) if e.try_elsewhere() => {
+                    failed.push(p);
+                    last = e;
+                }
+                Err(e) => return Err(fs_err(e)),
+            }
+        }
+        Err(fs_err(last))
+    }
+
+    async fn write_stripes(
+        &self,
+        p: PartitionId,
+        shards: &[Bytes],
+    ) -> Result<Written, DataCallError> {
+        let addrs = self.vol.replica_addrs(p);
+        if addrs.len() != shards.len() {
+            return Err(DataCallError::Data(nacre_api::data::DataError::ReadOnly(
+                format!(
+                    "the view lists {} replicas of partition {p} for {} shards",
+                    addrs.len(),
+                    shards.len()
+                ),
+            )));
+        }
+        let w = self
+            .vol
+            .write_shard_0(p, &addrs[0], shards[0].clone())
+            .await?;
+        let mut writes = JoinSet::new();
+        for (addr, shard) in addrs.iter().zip(shards).skip(1) {
+            let (vol, addr, shard) = (self.vol.clone(), addr.clone(), shard.clone());
+            writes.spawn(async move { vol.write_shard(p, &addr, w.extent, w.offset, shard).await });
+        }
+        while let Some(r) = writes.join_next().await {
+            r.map_err(|e| DataCallError::Call(CallError::Unknown(e.to_string())))??;
+        }
+        Ok(w)
     }
 
     /// The committed extent keys of `f`.
@@ -522,7 +590,7 @@ impl Inner {
         st.size = st.size.max(end);
         if let Some(fr) = &self.framer {
             // No streams: a run that reaches `FRAMED_RUN_MAX` commits its whole blocks.
-            let block = u64::from(fr.compression.block);
+            let block = fr.block();
             let whole = (end / block * block).saturating_sub(run.start) as usize;
             if run.buf.len() < FRAMED_RUN_MAX || whole == 0 {
                 return Ok(());
@@ -581,7 +649,7 @@ impl Inner {
 /// most `piece_max`), checked against the key's CRC, decompressed (which checks the block's own
 /// checksum), and cut to the range.
 async fn read_framed(
-    vol: &NetVolume,
+    vol: &Arc<NetVolume>,
     k: &ExtentKey,
     from: u64,
     to: u64,
@@ -591,16 +659,22 @@ async fn read_framed(
         return Err(bad_frame(k, "not a framed key".into()));
     };
     let stored = u64::from(framed.stored.get());
-    let mut frame = BytesMut::with_capacity(stored as usize);
-    let mut at = 0;
-    while at < stored {
-        let n = (stored - at).min(piece_max.max(1));
-        let got = vol
-            .read_extent(k.partition, k.extent, k.extent_offset + at, n as u32)
-            .await?;
-        frame.extend_from_slice(&got);
-        at += n;
-    }
+    let frame = match vol.partition_ec(k.partition) {
+        Some(ec) => read_stripe(vol, ec, k, stored).await?,
+        None => {
+            let mut frame = BytesMut::with_capacity(stored as usize);
+            let mut at = 0;
+            while at < stored {
+                let n = (stored - at).min(piece_max.max(1));
+                let got = vol
+                    .read_extent(k.partition, k.extent, k.extent_offset + at, n as u32)
+                    .await?;
+                frame.extend_from_slice(&got);
+                at += n;
+            }
+            frame.freeze()
+        }
+    };
     if k.crc != 0 && nacre_types::crc32c(&frame) != k.crc {
         return Err(bad_frame(
             k,
@@ -618,6 +692,79 @@ async fn read_framed(
         ));
     }
     Ok(block.slice(start as usize..end as usize))
+}
+
+/// The `stored` bytes of the stripe key `k` names on erasure-coded partition `k.partition`:
+/// its data shards, each from its replica (those past `stored` are zero padding and not read);
+/// when one cannot be read (its replica is down, suspect, or its block fails its checksum),
+/// the parity shards too, and the stripe is reconstructed in the client from any `k` shards.
+async fn read_stripe(
+    vol: &Arc<NetVolume>,
+    ec: EcSpec,
+    k: &ExtentKey,
+    stored: u64,
+) -> Result<Bytes, DataCallError> {
+    let at = StripeAt::of_key(ec, k.extent_offset, stored);
+    let addrs = vol.replica_addrs(k.partition);
+    let (data, total) = (usize::from(ec.k), ec.total());
+    if addrs.len() != total {
+        return Err(bad_frame(
+            k,
+            format!("the view lists {} replicas for {total} shards", addrs.len()),
+        ));
+    }
+    let len = at.shard_len as u32;
+    let mut slots: Vec<Option<Bytes>> = vec![None; total];
+    let mut reads = JoinSet::new();
+    let read = |reads: &mut JoinSet<_>, i: usize| {
+        let (vol, addr, (p, e)) = (vol.clone(), addrs[i].clone(), (k.partition, k.extent));
+        reads.spawn(async move { (i, vol.read_shard(p, &addr, e, at.base, len).await) });
+    };
+    for (i, slot) in slots.iter_mut().enumerate().take(data) {
+        if i as u64 * at.shard_len >= stored {
+            *slot = Some(Bytes::from(vec![0u8; len as usize]));
+        } else if !vol.is_suspect(&addrs[i]) {
+            read(&mut reads, i);
+        }
+    }
+    let mut last = None;
+    while let Some(r) = reads.join_next().await {
+        match r {
+            Ok((i, Ok(b))) => slots[i] = Some(b),
+            Ok((_, Err(e))) => last = Some(e),
+            Err(e) => last = Some(DataCallError::Call(CallError::Unknown(e.to_string()))),
+        }
+    }
+    if slots[..data].iter().all(Option::is_some) {
+        let mut frame = BytesMut::with_capacity(stored as usize);
+        for s in slots[..data].iter().flatten() {
+            frame.extend_from_slice(s);
+        }
+        frame.truncate(stored as usize);
+        return Ok(frame.freeze());
+    }
+    // Degraded: the parity shards, and the data shards of replicas skipped as suspect.
+    for i in 0..total {
+        if slots[i].is_none() && (i >= data || vol.is_suspect(&addrs[i])) {
+            read(&mut reads, i);
+        }
+    }
+    while let Some(r) = reads.join_next().await {
+        match r {
+            Ok((i, Ok(b))) => slots[i] = Some(b),
+            Ok((_, Err(e))) => last = Some(e),
+            Err(e) => last = Some(DataCallError::Call(CallError::Unknown(e.to_string()))),
+        }
+    }
+    let present = slots.iter().filter(|s| s.is_some()).count();
+    if present < data {
+        return Err(last.unwrap_or(DataCallError::NoWritablePartition));
+    }
+    tracing::debug!(
+        partition = %k.partition, extent = %k.extent, base = at.base, present,
+        "a stripe read degraded, reconstructing it"
+    );
+    nacre_func::ec_reconstruct(ec, slots, stored).map_err(|e| bad_frame(k, e.to_string()))
 }
 
 fn bad_frame(k: &ExtentKey, why: String) -> DataCallError {

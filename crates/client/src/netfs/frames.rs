@@ -15,6 +15,8 @@ use bytes::{Bytes, BytesMut};
 use nacre_api::data::{MAX_PACKET, MAX_TINY_WRITE, Written};
 use nacre_api::master::Compression;
 use nacre_api::meta::{ExtentKey, Framed};
+use nacre_api::shards::StripeAt;
+use nacre_func::{Codec, EcSpec, Stripe};
 use nacre_types::PartitionId;
 use tokio::task::JoinSet;
 
@@ -27,19 +29,23 @@ use crate::net::NetVolume;
 /// volume has no streams: every frame goes into packed extents).
 pub(super) const FRAMED_RUN_MAX: usize = 2 << 20;
 
-/// A volume's compression and the client that runs it.
+/// A volume's storage functions and the client that runs them.
 #[derive(Debug)]
 pub(super) struct Framer {
-    pub(super) compression: Compression,
+    pub(super) compression: Option<Compression>,
+    /// The volume's erasure code: each unit is one stripe ([`nacre_api::shards`]).
+    pub(super) ec: Option<EcSpec>,
     pub(super) funcs: FuncClient,
 }
 
 impl Framer {
-    /// The framer of `vol`'s compression, if it has one: its functions run where the volume
-    /// says, through a client of their own.
+    /// The framer of `vol`'s functions, if it has any: they run where the volume says, through
+    /// a client of their own.
     pub(super) fn of(vol: &NetVolume) -> Option<Self> {
         let funcs = vol.funcs();
-        let compression = funcs.compress?;
+        if funcs.compress.is_none() && funcs.ec.is_none() {
+            return None;
+        }
         let config = FuncClientConfig {
             at: funcs.at,
             policy: FuncPolicy {
@@ -48,9 +54,15 @@ impl Framer {
             ..FuncClientConfig::default()
         };
         Some(Self {
-            compression,
+            compression: funcs.compress,
+            ec: funcs.ec,
             funcs: FuncClient::new(vol.master().clone(), config),
         })
+    }
+
+    /// The block size file ranges are cut at: the compression's, else the default.
+    pub(super) fn block(&self) -> u64 {
+        u64::from(self.compression.map_or(Compression::BLOCK, |c| c.block))
     }
 }
 
@@ -122,7 +134,8 @@ pub(super) fn pack<T: Copy>(units: &[(T, Unit)]) -> Vec<Packet<T>> {
 }
 
 impl Inner {
-    /// Whether this volume's file data is stored in compressed frames.
+    /// Whether this volume's file data is stored in frames (compressed, erasure-coded or
+    /// both): no streams, no writes in place.
     pub(super) fn compressed(&self) -> bool {
         self.framer.is_some()
     }
@@ -142,9 +155,24 @@ impl Inner {
                 })
                 .collect());
         };
-        let codec = fr.compression.codec;
+        let Some(codec) = fr.compression.map(|c| c.codec) else {
+            // Erasure-coded only: raw frames, made here (a copy and a checksum).
+            return cuts(file_offset, end, fr.block())
+                .map(|(from, to)| {
+                    let block = &data[(from - file_offset) as usize..(to - file_offset) as usize];
+                    let frame = nacre_func::compress_block(Codec::None, block)
+                        .map_err(|e| FsError::Func(e.into()))?;
+                    Ok(Unit {
+                        file_offset: from,
+                        len: (to - from) as u32,
+                        stored: frame,
+                        framed: true,
+                    })
+                })
+                .collect();
+        };
         let mut calls = JoinSet::new();
-        for (k, (from, to)) in cuts(file_offset, end, u64::from(fr.compression.block)).enumerate() {
+        for (k, (from, to)) in cuts(file_offset, end, fr.block()).enumerate() {
             let block = data.slice((from - file_offset) as usize..(to - file_offset) as usize);
             let funcs = fr.funcs.clone();
             calls.spawn(async move { (k, from, to, funcs.compress(codec, block).await) });
@@ -174,35 +202,161 @@ impl Inner {
         units: Vec<Unit>,
     ) -> FsResult<Vec<ExtentKey>> {
         let tagged: Vec<((), Unit)> = units.into_iter().map(|u| ((), u)).collect();
-        let mut packets = pack(&tagged);
-        let me = self.me.upgrade().ok_or_else(closing)?;
+        let mut keys = Vec::with_capacity(tagged.len());
+        for (_, placed) in self.place_packed(spread, &tagged).await {
+            keys.extend(placed?);
+        }
+        keys.sort_unstable_by_key(|k| k.file_offset);
+        Ok(keys)
+    }
+
+    /// Writes `units` packed into tiny extents, the packets at once (the first placed by
+    /// `spread`): per packet, its members (tag, index in `units`) and their keys in the same
+    /// order, or why the packet failed. On an erasure-coded volume each unit is one stripe and
+    /// a packet is a run of stripes.
+    pub(super) async fn place_packed<T: Copy>(
+        &self,
+        spread: usize,
+        units: &[(T, Unit)],
+    ) -> Vec<PlacedPacket<T>> {
+        if let Some(ec) = self.framer.as_ref().and_then(|f| f.ec) {
+            return self.place_striped(ec, spread, units).await;
+        }
+        let mut packets = pack(units);
+        let Some(me) = self.me.upgrade() else {
+            return packets
+                .into_iter()
+                .map(|(_, m)| (members(&m), Err(closing())))
+                .collect();
+        };
         let mut writes = JoinSet::new();
         for (k, (bytes, _)) in packets.iter_mut().enumerate() {
             let (me, data) = (me.clone(), bytes.split().freeze());
             writes.spawn(async move { (k, me.place_tiny(spread + k, data).await) });
         }
-        let mut keys = Vec::with_capacity(tagged.len());
-        let mut failed = None;
+        let mut placed: Vec<Option<FsResult<(PartitionId, Written)>>> =
+            (0..packets.len()).map(|_| None).collect();
         while let Some(r) = writes.join_next().await {
-            match r {
-                Ok((k, Ok((partition, w)))) => {
-                    for &((), i, pos) in &packets[k].1 {
-                        keys.push(tagged[i].1.key(partition, &w, pos));
-                    }
+            if let Ok((k, r)) = r {
+                placed[k] = Some(r);
+            }
+        }
+        packets
+            .iter()
+            .zip(placed)
+            .map(|((_, m), placed)| {
+                let keys = match placed {
+                    Some(Ok((partition, w))) => Ok(m
+                        .iter()
+                        .map(|&(_, i, pos)| units[i].1.key(partition, &w, pos))
+                        .collect()),
+                    Some(Err(e)) => Err(e),
+                    None => Err(FsError::WriteFailed(
+                        "the packet's write task failed".into(),
+                    )),
+                };
+                (members(m), keys)
+            })
+            .collect()
+    }
+
+    /// [`Inner::place_packed`] on an erasure-coded volume: each unit is encoded into a stripe
+    /// (inline or on the function servers), stripes are packed whole, in order, while their
+    /// shards fit a tiny write, and each packet's shards go to one partition's replicas at one
+    /// place ([`Inner::place_stripes`]).
+    async fn place_striped<T: Copy>(
+        &self,
+        ec: EcSpec,
+        spread: usize,
+        units: &[(T, Unit)],
+    ) -> Vec<PlacedPacket<T>> {
+        let Some((fr, me)) = self.framer.as_ref().zip(self.me.upgrade()) else {
+            let all = units
+                .iter()
+                .enumerate()
+                .map(|(i, (t, _))| (*t, i))
+                .collect();
+            return vec![(all, Err(closing()))];
+        };
+        let mut calls = JoinSet::new();
+        for (i, (_, u)) in units.iter().enumerate() {
+            let (funcs, data) = (fr.funcs.clone(), u.stored.clone());
+            calls.spawn(async move { (i, funcs.ec_encode(ec, data).await) });
+        }
+        let mut stripes: Vec<Option<FsResult<Stripe>>> = (0..units.len()).map(|_| None).collect();
+        while let Some(r) = calls.join_next().await {
+            if let Ok((i, r)) = r {
+                stripes[i] = Some(r.map_err(FsError::from));
+            }
+        }
+        // Runs of stripes whose shards fit one tiny write; a unit that could not be encoded
+        // fails alone.
+        let mut out: Vec<PlacedPacket<T>> = Vec::new();
+        let mut packets: Vec<(Vec<usize>, Vec<BytesMut>, Vec<u64>)> = Vec::new();
+        for (i, s) in stripes.iter_mut().enumerate() {
+            let stripe = match s.take() {
+                Some(Ok(stripe)) => stripe,
+                Some(Err(e)) => {
+                    out.push((vec![(units[i].0, i)], Err(e)));
+                    continue;
                 }
-                Ok((_, Err(e))) => {
-                    failed.get_or_insert(e);
+                None => {
+                    let e = FsError::Func(crate::func::FuncCallError::Inline {
+                        function: nacre_func::Function::EcEncode,
+                        reason: "the encoding task ended without an answer".into(),
+                    });
+                    out.push((vec![(units[i].0, i)], Err(e)));
+                    continue;
                 }
-                Err(e) => {
-                    failed.get_or_insert(FsError::WriteFailed(e.to_string()));
+            };
+            let len = stripe.shards.first().map_or(0, |sh| sh.data.len());
+            if packets
+                .last()
+                .is_none_or(|(_, bufs, _)| bufs[0].len() + len > MAX_TINY_WRITE)
+            {
+                let bufs = (0..ec.total()).map(|_| BytesMut::new()).collect();
+                packets.push((Vec::new(), bufs, Vec::new()));
+            }
+            if let Some((members, bufs, at)) = packets.last_mut() {
+                members.push(i);
+                at.push(bufs[0].len() as u64);
+                for (buf, shard) in bufs.iter_mut().zip(&stripe.shards) {
+                    buf.extend_from_slice(&shard.data);
                 }
             }
         }
-        if let Some(e) = failed {
-            return Err(e);
+        let mut writes = JoinSet::new();
+        for (k, (_, bufs, _)) in packets.iter_mut().enumerate() {
+            let shards: Vec<Bytes> = bufs.iter_mut().map(|b| b.split().freeze()).collect();
+            let me = me.clone();
+            writes.spawn(async move { (k, me.place_stripes(spread + k, shards).await) });
         }
-        keys.sort_unstable_by_key(|k| k.file_offset);
-        Ok(keys)
+        let mut placed: Vec<Option<FsResult<(PartitionId, Written)>>> =
+            (0..packets.len()).map(|_| None).collect();
+        while let Some(r) = writes.join_next().await {
+            if let Ok((k, r)) = r {
+                placed[k] = Some(r);
+            }
+        }
+        for ((m, _, at), placed) in packets.into_iter().zip(placed) {
+            let keys = match placed {
+                Some(Ok((partition, w))) => Ok(m
+                    .iter()
+                    .zip(&at)
+                    .map(|(&i, &rel)| {
+                        let mut key = units[i].1.key(partition, &w, 0);
+                        key.extent_offset = StripeAt::key_offset(ec, w.offset + rel);
+                        key
+                    })
+                    .collect()),
+                Some(Err(e)) => Err(e),
+                None => Err(FsError::WriteFailed(
+                    "the packet's write task failed".into(),
+                )),
+            };
+            out.push((m.iter().map(|&i| (units[i].0, i)).collect(), keys));
+        }
+        out
     }
 
     /// File bytes `data` at `file_offset` written into tiny extents: their keys in file order.
@@ -215,6 +369,14 @@ impl Inner {
         let units = self.units(file_offset, data).await?;
         self.place_units(spread, units).await
     }
+}
+
+/// A placed packet: its members (tag, index among the units) and their keys in the same order,
+/// or why it failed.
+pub(super) type PlacedPacket<T> = (Vec<(T, usize)>, FsResult<Vec<ExtentKey>>);
+
+fn members<T: Copy>(m: &[(T, usize, u64)]) -> Vec<(T, usize)> {
+    m.iter().map(|&(t, i, _)| (t, i)).collect()
 }
 
 fn closing() -> FsError {

@@ -346,6 +346,13 @@ impl DataNode {
         data: Payload,
     ) -> Result<Written, DataError> {
         check_size(&data, MAX_TINY_WRITE)?;
+        if part.ec.is_some() && part.shard != 0 {
+            return Err(DataError::Invalid(format!(
+                "this replica holds shard {} of erasure-coded partition {}: stripes are placed \
+                 by the replica of shard 0",
+                part.shard, part.id
+            )));
+        }
         if let Some(why) = part.degraded() {
             return Err(DataError::ReadOnly(why));
         }
@@ -406,6 +413,68 @@ impl DataNode {
         self.replicate(part, extent, offset, epoch, committed_before, data, true)
             .await?;
         track.commit(offset + len);
+        self.count(part, data.bytes.len());
+        Ok(Written {
+            extent,
+            offset,
+            committed: track.committed(),
+        })
+    }
+}
+
+impl DataNode {
+    /// Writes a shard of an erasure-coded partition's stripes at `offset` of tiny extent
+    /// `extent`, where replica 0 placed shard 0 of the same stripes, and syncs it. This replica
+    /// is the only one of its group, so nothing is forwarded.
+    pub(super) async fn write_shard(
+        &self,
+        part: &Part,
+        extent: ExtentId,
+        offset: u64,
+        data: Payload,
+    ) -> Result<Written, DataError> {
+        check_size(&data, MAX_TINY_WRITE)?;
+        if part.ec.is_none() {
+            return Err(DataError::Invalid(format!(
+                "partition {} is not erasure-coded: it takes no shards",
+                part.id
+            )));
+        }
+        if !ExtentStore::is_tiny(extent) {
+            return Err(DataError::Invalid(format!(
+                "{extent} is not a tiny extent: shards go into tiny extents"
+            )));
+        }
+        let len = data.bytes.len() as u64;
+        let end = offset.checked_add(len).ok_or_else(|| {
+            DataError::Invalid(format!("shard at {offset} of {len} bytes overflows"))
+        })?;
+        if let Some(why) = part.degraded() {
+            return Err(DataError::ReadOnly(why));
+        }
+        let track = match part.track(extent) {
+            Ok(t) => t,
+            Err(DataError::NotFound(_)) => lock(&part.tracks)
+                .entry(extent)
+                .or_insert_with(|| Track::new(0, 0))
+                .clone(),
+            Err(e) => return Err(e),
+        };
+        let epoch = part.store.epoch();
+        let committed_before = {
+            let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
+            off_worker(move || {
+                let _w = track.lock_write();
+                store.write(extent, offset, &bytes).map_err(write_error)?;
+                grow(&track.next, end);
+                Ok(track.committed())
+            })
+            .await
+            .inspect_err(|e| degrade_if_full(part, e))?
+        };
+        self.replicate(part, extent, offset, epoch, committed_before, &data, true)
+            .await?;
+        track.commit(end);
         self.count(part, data.bytes.len());
         Ok(Written {
             extent,

@@ -125,6 +125,18 @@ impl DataNode {
         for _ in 0..READ_REPAIRS {
             match part.store.read(req.extent, req.offset, req.len) {
                 Ok(b) => return Ok(b),
+                // A replica of an erasure-coded partition is alone in its group: the reader
+                // rebuilds the shard from the others.
+                Err(StoreError::Corrupt { block, .. }) if part.ec.is_some() => {
+                    tracing::error!(
+                        partition = %part.id, extent = %req.extent, block,
+                        "checksum mismatch on read of a shard"
+                    );
+                    return Err(DataError::Corrupt {
+                        extent: req.extent,
+                        block,
+                    });
+                }
                 Err(StoreError::Corrupt { block, .. }) => {
                     tracing::error!(
                         partition = %part.id, extent = %req.extent, block,

@@ -42,6 +42,7 @@ impl DataNode {
             .route::<Append, _, _>(handler(self, append))
             .route::<AppendRaft, _, _>(handler(self, append_raft))
             .route::<WriteTiny, _, _>(handler(self, write_tiny))
+            .route::<WriteShard, _, _>(handler(self, write_shard))
             .route::<Overwrite, _, _>(handler(self, overwrite))
             .route::<Read, _, _>(handler(self, read))
             .route::<Release, _, _>(handler(self, release))
@@ -127,6 +128,20 @@ async fn write_tiny(
     Ok((node.write_tiny(&part, inc.data).await, Payload::none()))
 }
 
+async fn write_shard(
+    node: DataNode,
+    req: WriteShardRequest,
+    inc: Incoming,
+) -> Reply<Result<Written, DataError>> {
+    let part = node.hosted_part(req.partition)?;
+    node.lead(&part).await?;
+    Ok((
+        node.write_shard(&part, req.extent, req.offset, inc.data)
+            .await,
+        Payload::none(),
+    ))
+}
+
 async fn overwrite(
     node: DataNode,
     req: OverwriteRequest,
@@ -169,13 +184,12 @@ async fn release(
 ) -> Reply<Result<(), DataError>> {
     let part = node.hosted_part(req.partition)?;
     node.lead(&part).await?;
+    let ranges = match part.ec {
+        Some(ec) => nacre_api::shards::shard_ranges(ec, &req.ranges),
+        None => req.ranges.clone(),
+    };
     let out = node
-        .propose(
-            &part,
-            &DataCommand::Release {
-                ranges: req.ranges.clone(),
-            },
-        )
+        .propose(&part, &DataCommand::Release { ranges })
         .await?;
     if out.is_ok() {
         let mut t = lock(&part.tracks);

@@ -123,6 +123,7 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&FuncRow)) -> anyhow::Result
             compress,
             at,
             fallback_inline: false,
+            ec: None,
         };
         cluster
             .create_volume_with(&mc, "inline", 1, 3, zstd(FuncAt::Inline))
