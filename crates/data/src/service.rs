@@ -70,6 +70,7 @@ mod forward;
 mod gc;
 mod metrics;
 mod ops;
+mod rebuild;
 mod repair;
 mod room;
 mod router;
@@ -85,6 +86,9 @@ use crate::repl::extent::track_from_disk;
 use crate::repl::{Action, Event, Replication};
 use append::{Streams, Track};
 pub use scrub::ScrubReport;
+
+/// Why a replica rebuilding its shards refuses reads and writes.
+const REBUILDING: &str = "this replica is rebuilding its shards from the others";
 
 /// Tiny writes start on this boundary so a release can punch whole pages.
 const TINY_ALIGN: u64 = 4096;
@@ -107,6 +111,12 @@ struct Part {
     /// Which shard of each stripe this replica holds (its place in the partition's replicas);
     /// only shard 0's replica places stripes (`WriteTiny`).
     shard: usize,
+    /// Every replica of the partition, in the map's order (for an erasure-coded one, where
+    /// `replicas` is this node alone).
+    members: Mutex<Vec<Replica>>,
+    /// An erasure-coded replica rebuilding its shards from the others (`rebuild`): it serves
+    /// nothing and is not reported.
+    rebuilding: std::sync::atomic::AtomicBool,
     store: Arc<ExtentStore>,
     shared: Arc<SmShared>,
     tracks: Mutex<HashMap<ExtentId, Arc<Track>>>,
@@ -224,7 +234,14 @@ impl Part {
 
     /// Why the partition takes no appends, if it does not.
     fn degraded(&self) -> Option<String> {
+        if self.is_rebuilding() {
+            return Some(REBUILDING.into());
+        }
         lock(&self.repl).degraded().map(str::to_owned)
+    }
+
+    fn is_rebuilding(&self) -> bool {
+        self.rebuilding.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Why an append to `extent` is refused, if it is: the partition is read-only, or the extent
@@ -403,15 +420,23 @@ impl DataNode {
         let _one = one.lock().await;
         if let Some(p) = self.part(spec.id) {
             *lock(&p.replicas) = replicas;
+            *lock(&p.members) = spec.replicas.clone();
             return Ok(());
         }
         let dir = self.part_dir(spec.id);
+        // A replica of an erasure-coded partition in a new directory rebuilds its shards first
+        // (`rebuild`), and so does one whose rebuild a restart cut short.
+        let marker = dir.join(rebuild::MARKER);
+        let rebuilding = ec.is_some() && (!dir.exists() || marker.exists());
         let cfg = self.inner.config.store.clone();
         let wrap = self.inner.config.wrap_disk.clone();
         let spares = self.inner.spares.clone();
         let started = Instant::now();
         let store = tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&dir).map_err(err_str)?;
+            if rebuilding {
+                std::fs::write(&marker, b"").map_err(err_str)?;
+            }
             let disk: Arc<dyn Disk> = Arc::new(FileDisk::new(&dir).map_err(err_str)?);
             let disk = wrap.map_or(disk.clone(), |w| (w.0)(&dir, disk));
             // One pool for the node: a new extent takes a spare of any partition.
@@ -443,6 +468,8 @@ impl DataNode {
             replicas: Mutex::new(replicas),
             ec,
             shard,
+            members: Mutex::new(spec.replicas.clone()),
+            rebuilding: std::sync::atomic::AtomicBool::new(rebuilding),
             store,
             shared,
             tracks: Mutex::default(),
@@ -460,7 +487,11 @@ impl DataNode {
             gc: Mutex::default(),
             last_sweep: Mutex::new(None),
         });
-        lock(&self.inner.parts).insert(spec.id, part);
+        lock(&self.inner.parts).insert(spec.id, part.clone());
+        if let Some(ec) = ec.filter(|_| rebuilding) {
+            let node = self.clone();
+            tokio::spawn(async move { node.rebuild(part, ec).await });
+        }
         // Until now the partition answered its leader `UnknownGroup`: on a restart this is what
         // keeps it from taking appends (docs/ARCHITECTURE.md, "Writable again after a restart").
         tracing::info!(

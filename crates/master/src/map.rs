@@ -166,6 +166,13 @@ pub enum Command {
         load: FuncLoad,
         now_ms: u64,
     },
+    /// Moves replica `old` (a node that is down) of an erasure-coded data partition to `new`, an
+    /// up data node not hosting it, which rebuilds its shards from the other replicas.
+    ReplaceReplica {
+        partition: PartitionId,
+        old: NodeId,
+        new: NodeId,
+    },
 }
 
 /// What a command produced.
@@ -583,6 +590,55 @@ impl ClusterMap {
                 self.func_heartbeat(*node, *load, *now_ms)?;
                 Ok(Outcome::Done)
             }
+            Command::ReplaceReplica {
+                partition,
+                old,
+                new,
+            } => {
+                let p = self
+                    .data_partitions
+                    .get(partition)
+                    .ok_or(MapError::UnknownPartition(*partition))?;
+                if self.ec_of(&self.volume_name(p.volume)).is_none() {
+                    return Err(MapError::Invalid(format!(
+                        "{partition} is replicated: only a replica of an erasure-coded \
+                         partition can move"
+                    )));
+                }
+                let Some(i) = p.replicas.iter().position(|n| n == old) else {
+                    return Err(MapError::Invalid(format!(
+                        "{old} holds no replica of {partition}"
+                    )));
+                };
+                let is = |n: &NodeId, status| {
+                    self.nodes
+                        .get(n)
+                        .is_some_and(|n| n.role == Role::Data && n.status == status)
+                };
+                if !is(old, NodeStatus::Down) {
+                    return Err(MapError::Invalid(format!(
+                        "{old} is not down: its replica of {partition} stays"
+                    )));
+                }
+                if !is(new, NodeStatus::Up) || p.replicas.contains(new) {
+                    return Err(MapError::Invalid(format!(
+                        "{new} is not an up data node without a replica of {partition}"
+                    )));
+                }
+                let epoch = self.epoch + 1;
+                if let Some(p) = self.data_partitions.get_mut(partition) {
+                    p.replicas[i] = *new;
+                    p.ready.retain(|n| n != old);
+                    if p.leader == Some(*old) {
+                        p.leader = None;
+                    }
+                    // The new replica is created at this epoch: a node's older answers never
+                    // drop it.
+                    p.created_epoch = epoch;
+                }
+                self.refresh_partition_status();
+                Ok(Outcome::Done)
+            }
             Command::Heartbeat {
                 node,
                 used,
@@ -659,7 +715,7 @@ impl ClusterMap {
                 // An erasure-coded volume's data partitions hold a shard per replica.
                 let data_replicas = funcs.ec.map_or(*replicas, |ec| ec.k + ec.m);
                 for _ in 0..*data_partitions {
-                    let id = self.new_data_partition(vid, data_replicas)?;
+                    let id = self.new_data_partition(vid, data_replicas, funcs.ec.is_some())?;
                     vol.data_partitions.push(id);
                 }
                 self.volumes.insert(name.clone(), vol);
@@ -684,10 +740,11 @@ impl ClusterMap {
             }
             Command::AddDataPartitions { volume, count } => {
                 let (vid, replicas) = self.volume_ref(volume)?;
-                let replicas = self.ec_of(volume).map_or(replicas, |ec| ec.k + ec.m);
+                let ec = self.ec_of(volume);
+                let replicas = ec.map_or(replicas, |ec| ec.k + ec.m);
                 let mut ids = Vec::new();
                 for _ in 0..*count {
-                    ids.push(self.new_data_partition(vid, replicas)?);
+                    ids.push(self.new_data_partition(vid, replicas, ec.is_some())?);
                 }
                 if let Some(v) = self.volumes.get_mut(volume) {
                     v.data_partitions.extend(&ids);
@@ -864,6 +921,7 @@ impl ClusterMap {
         &mut self,
         volume: VolumeId,
         replicas: u8,
+        coded: bool,
     ) -> Result<PartitionId, MapError> {
         let (id, nodes) = self.place_new(Role::Data, replicas)?;
         self.data_partitions.insert(
@@ -873,7 +931,12 @@ impl ClusterMap {
                 volume,
                 replicas: nodes,
                 leader: None,
-                status: PartitionStatus::Rw,
+                // An erasure-coded partition is writable once every replica reported it.
+                status: if coded {
+                    PartitionStatus::Ro
+                } else {
+                    PartitionStatus::Rw
+                },
                 used: 0,
                 full: false,
                 ops_per_s: 0,
@@ -885,8 +948,16 @@ impl ClusterMap {
         Ok(id)
     }
 
-    /// A partition is RW exactly when all its replicas are up.
+    /// A partition is RW exactly when all its replicas are up; an erasure-coded one also needs
+    /// every replica to have reported it (a moved replica reports once it has rebuilt its
+    /// shards).
     fn refresh_partition_status(&mut self) {
+        let coded: Vec<VolumeId> = self
+            .volumes
+            .values()
+            .filter(|v| self.ec_of(&v.name).is_some())
+            .map(|v| v.id)
+            .collect();
         let nodes = &self.nodes;
         let status = |replicas: &[NodeId], full: bool| {
             let up = |r: &NodeId| nodes.get(r).is_some_and(|n| n.status == NodeStatus::Up);
@@ -900,8 +971,75 @@ impl ClusterMap {
             p.status = status(&p.replicas, false);
         }
         for p in self.data_partitions.values_mut() {
-            p.status = status(&p.replicas, p.full);
+            let unready =
+                coded.contains(&p.volume) && p.replicas.iter().any(|r| !p.ready.contains(r));
+            p.status = status(&p.replicas, p.full || unready);
         }
+    }
+
+    /// The moves of erasure-coded partitions' replicas off data nodes down for at least
+    /// `after_ms` (silent since their last heartbeat), each to the up data node (heard from
+    /// within the last `silence_ms`, not full) hosting fewest partitions among those without a
+    /// replica of the partition, in a zone the partition does not use yet when there is one.
+    pub fn rebuild_plan(&self, now_ms: u64, after_ms: u64, silence_ms: u64) -> Vec<Command> {
+        let gone = |n: &NodeId| {
+            self.nodes.get(n).is_some_and(|n| {
+                n.status == NodeStatus::Down
+                    && now_ms.saturating_sub(n.last_heartbeat_ms) >= after_ms
+            })
+        };
+        let mut hosted: BTreeMap<NodeId, usize> = BTreeMap::new();
+        let candidates: Vec<Candidate> = self
+            .candidates(Role::Data)
+            .into_iter()
+            .filter(|c| {
+                self.nodes
+                    .get(&c.id)
+                    .is_some_and(|n| now_ms.saturating_sub(n.last_heartbeat_ms) <= silence_ms)
+            })
+            .collect();
+        for c in &candidates {
+            hosted.insert(c.id, c.partitions as usize);
+        }
+        let mut cmds = Vec::new();
+        for p in self.data_partitions.values() {
+            if self.ec_of(&self.volume_name(p.volume)).is_none() {
+                continue;
+            }
+            let mut replicas = p.replicas.clone();
+            for old in p.replicas.iter().filter(|n| gone(n)) {
+                let zones: Vec<&str> = replicas
+                    .iter()
+                    .filter_map(|r| self.nodes.get(r))
+                    .map(|n| n.zone.as_str())
+                    .collect();
+                let Some(new) = candidates
+                    .iter()
+                    .filter(|c| !replicas.contains(&c.id))
+                    .min_by_key(|c| {
+                        (
+                            zones.contains(&c.zone.as_str()),
+                            hosted.get(&c.id).copied().unwrap_or(0),
+                            c.used_ppm,
+                            c.id,
+                        )
+                    })
+                    .map(|c| c.id)
+                else {
+                    continue;
+                };
+                *hosted.entry(new).or_default() += 1;
+                if let Some(r) = replicas.iter_mut().find(|r| *r == old) {
+                    *r = new;
+                }
+                cmds.push(Command::ReplaceReplica {
+                    partition: p.id,
+                    old: *old,
+                    new,
+                });
+            }
+        }
+        cmds
     }
 
     fn replicas(&self, ids: &[NodeId]) -> Vec<Replica> {

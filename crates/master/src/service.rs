@@ -142,6 +142,10 @@ pub struct MasterConfig {
     /// Create a `default` tenant (with fresh keys) when the cluster has none, so that volumes can be
     /// created without a tenant step.
     pub default_tenant: bool,
+    /// A data node down this long (silent past `node_timeout`, then this) has its replicas of
+    /// erasure-coded partitions moved to other data nodes, which rebuild their shards from the
+    /// other replicas ([`ClusterMap::rebuild_plan`]).
+    pub rebuild_after: Duration,
 }
 
 impl Default for MasterConfig {
@@ -159,6 +163,7 @@ impl Default for MasterConfig {
             max_create_backoff: Duration::from_secs(10),
             create_timeout: Duration::from_secs(5),
             default_tenant: true,
+            rebuild_after: Duration::from_secs(120),
         }
     }
 }
@@ -389,6 +394,11 @@ impl Master {
                 }
             }
         }
+        cmds.extend(map.rebuild_plan(
+            Self::now_ms(),
+            self.config.rebuild_after.as_millis() as u64,
+            c.placement_silence.as_millis() as u64,
+        ));
         for v in map.volumes.values() {
             let writable = v
                 .data_partitions
@@ -672,6 +682,11 @@ fn describe(cmd: &Command) -> String {
             format!("splitting the last meta partition of volume {volume}")
         }
         Command::CreateTenant { name, .. } => format!("creating tenant {name}"),
+        Command::ReplaceReplica {
+            partition,
+            old,
+            new,
+        } => format!("moving the shards of {partition} from {old} to {new}"),
         other => format!("{other:?}"),
     }
 }

@@ -795,3 +795,106 @@ fn erasure_codes_parse_and_bad_ones_say_why() {
         assert!(e.contains(why), "{bad}: {e}");
     }
 }
+
+/// Every node's heartbeat at `now_ms`, reporting every partition it holds (`but` is silent).
+fn heartbeat_all(m: &mut ClusterMap, now_ms: u64, but: Option<NodeId>) {
+    for n in m.nodes.keys().copied().collect::<Vec<_>>() {
+        if Some(n) == but {
+            continue;
+        }
+        let reports = m
+            .assigned(n)
+            .into_iter()
+            .map(|spec| PartitionReport {
+                id: spec.id,
+                leader: true,
+                ..PartitionReport::default()
+            })
+            .collect();
+        heartbeat(m, n, now_ms, reports);
+    }
+}
+
+#[test]
+fn a_dead_node_s_shards_move_to_another_node_which_reports_them_once_rebuilt() {
+    let mut m = cluster(3, 4, 1);
+    m.apply(&Command::CreateVolume {
+        name: "coded".into(),
+        owner: "t1".into(),
+        replicas: 3,
+        capacity: 0,
+        meta_partitions: 1,
+        data_partitions: 3,
+        inode_step: 1000,
+        funcs: VolumeFuncs {
+            ec: Some(nacre_api::master::parse_ec("2+1").unwrap()),
+            ..VolumeFuncs::default()
+        },
+    })
+    .unwrap();
+    let coded = |m: &ClusterMap| -> Vec<_> { m.data_partitions.values().cloned().collect() };
+    assert!(
+        coded(&m).iter().all(|p| p.status == PartitionStatus::Ro),
+        "read-only until every replica reported"
+    );
+    heartbeat_all(&mut m, 1_000, None);
+    assert!(coded(&m).iter().all(|p| p.status == PartitionStatus::Rw));
+
+    // A data node holding a replica goes silent, is marked down, and stays down.
+    let victim = coded(&m)[0].replicas[1];
+    heartbeat_all(&mut m, 10_000, Some(victim));
+    m.apply(&Command::CheckLiveness {
+        now_ms: 10_000,
+        timeout_ms: 5_000,
+    })
+    .unwrap();
+    assert!(
+        m.rebuild_plan(10_000, 60_000, 3_000).is_empty(),
+        "not down long enough"
+    );
+    heartbeat_all(&mut m, 61_500, Some(victim));
+    let plan = m.rebuild_plan(61_500, 60_000, 3_000);
+    let held: Vec<_> = coded(&m)
+        .iter()
+        .filter(|p| p.replicas.contains(&victim))
+        .map(|p| p.id)
+        .collect();
+    assert_eq!(plan.len(), held.len(), "one move per replica: {plan:?}");
+    for cmd in &plan {
+        m.apply(cmd).unwrap();
+    }
+    for p in coded(&m) {
+        assert!(!p.replicas.contains(&victim));
+        let mut nodes = p.replicas.clone();
+        nodes.sort();
+        nodes.dedup();
+        assert_eq!(nodes.len(), 3, "still on distinct nodes");
+        if held.contains(&p.id) {
+            assert_eq!(
+                p.status,
+                PartitionStatus::Ro,
+                "the new replica is rebuilding"
+            );
+        }
+    }
+    // A move applied twice, or off a node that is up, is refused.
+    assert!(m.apply(&plan[0]).is_err());
+    // The new replicas report once rebuilt: writable again.
+    heartbeat_all(&mut m, 62_000, Some(victim));
+    assert!(coded(&m).iter().all(|p| p.status == PartitionStatus::Rw));
+    assert!(m.rebuild_plan(62_000, 60_000, 3_000).is_empty());
+    // Replicated partitions never move (their Raft groups keep their members).
+    let plain = {
+        create(&mut m, "plain", 1, 1).unwrap();
+        m.volumes["plain"].data_partitions[0]
+    };
+    let (old, new) = (m.data_partitions[&plain].replicas[0], victim);
+    assert!(matches!(
+        m.apply(&Command::ReplaceReplica {
+            partition: plain,
+            old,
+            new
+        }),
+        Err(MapError::Invalid(_))
+    ));
+}

@@ -67,7 +67,7 @@ enum Cmd {
     /// heartbeat_ms, capacity, raft_early_appends, spare_bytes, spare_keep_secs, direct_streams,
     /// scrub_rate, scrub_period_secs, gc_period_secs, gc_grace_secs; [master] id, peers, tick_ms, duty_interval_ms,
     /// node_timeout_ms, min_writable_data_partitions, data_partitions_step, meta_split_inodes,
-    /// meta_split_memory, meta_split_step, default_tenant; [msgr] workers, assign, max_frame, conns_per_peer,
+    /// meta_split_memory, meta_split_step, default_tenant, rebuild_after_ms; [msgr] workers, assign, max_frame, conns_per_peer,
     /// max_inflight_per_conn, max_inflight_bytes_per_conn, max_inflight_total,
     /// max_inflight_bytes_total, connect_timeout_ms, default_deadline_ms; [func] workers,
     /// max_inflight. `--print-config` shows them all with their values.

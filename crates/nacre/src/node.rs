@@ -147,6 +147,9 @@ pub struct MasterSection {
     pub meta_split_step: u64,
     /// Create a `default` tenant when there is none.
     pub default_tenant: bool,
+    /// A data node down this long has its shards of erasure-coded partitions rebuilt on
+    /// other nodes.
+    pub rebuild_after_ms: u64,
 }
 
 impl Default for MasterSection {
@@ -165,6 +168,7 @@ impl Default for MasterSection {
             meta_split_memory: d.meta_split_memory,
             meta_split_step: d.meta_split_step,
             default_tenant: d.default_tenant,
+            rebuild_after_ms: d.rebuild_after.as_millis() as u64,
         }
     }
 }
@@ -181,6 +185,7 @@ impl MasterSection {
             meta_split_memory: self.meta_split_memory,
             meta_split_step: self.meta_split_step,
             default_tenant: self.default_tenant,
+            rebuild_after: Duration::from_millis(self.rebuild_after_ms),
             ..MasterConfig::default()
         }
     }

@@ -12,7 +12,8 @@ use nacre_types::Ino;
 
 mod common;
 use common::cluster::{ONE_AT_A_TIME, client_with_volume, create_named, open_named, runtime};
-use common::cluster::{shut_down, start_cluster};
+use common::cluster::{shut_down, start_cluster, start_node, wait_writable};
+use common::{Proc, free_port};
 
 const ME: Caller = Caller { uid: 0, gid: 0 };
 
@@ -41,6 +42,46 @@ async fn read_all(fs: &NetFs, ino: Ino) -> Vec<u8> {
     }
     fs.release(fh).await.unwrap();
     out
+}
+
+/// Writes `n` files of up to `max` random bytes into a new directory `dir` and returns them.
+async fn write_files(
+    fs: &NetFs,
+    rng: &mut Rng,
+    dir: &str,
+    n: usize,
+    max: usize,
+) -> Vec<(String, Ino, Vec<u8>)> {
+    let d = fs
+        .mkdir(ROOT_INO, dir.as_bytes(), 0o755, ME)
+        .await
+        .unwrap()
+        .attr
+        .ino;
+    let mut files = Vec::new();
+    for i in 0..n {
+        let name = format!("{dir}/{i}");
+        let data = random(rng, max);
+        let (e, fh) = fs
+            .create(d, i.to_string().as_bytes(), 0o644, ME, OpenFlags::WRITE)
+            .await
+            .unwrap();
+        fs.write(fh, 0, Bytes::copy_from_slice(&data))
+            .await
+            .unwrap();
+        fs.flush(fh).await.unwrap();
+        fs.release(fh).await.unwrap();
+        files.push((name, e.attr.ino, data));
+    }
+    files
+}
+
+async fn check_files(fs: &NetFs, files: &[(String, Ino, Vec<u8>)]) {
+    for (name, ino, model) in files {
+        if let Err(e) = same(&read_all(fs, *ino).await, model) {
+            panic!("{name}: {e}");
+        }
+    }
 }
 
 fn same(got: &[u8], want: &[u8]) -> Result<(), String> {
@@ -171,6 +212,95 @@ fn an_erasure_coded_volume_reads_every_byte_back_with_a_data_node_killed() {
         let fh = lost.open(*ino, OpenFlags::READ).await.unwrap();
         let r = lost.read(fh, 0, 1 << 20).await;
         assert!(r.is_err(), "read with two of three shards gone: {r:?}");
+        shut_down(&msgr).await;
+    });
+}
+
+/// A master that marks a silent node down after 2 s and moves its erasure-coded replicas to
+/// other nodes half a second later.
+fn start_quick_master(addr: &str, dir: &std::path::Path) -> Proc {
+    Proc::spawn(&[
+        ("NACRE_ROLE", "master".into()),
+        ("NACRE_NAME", "master".into()),
+        ("NACRE_LISTEN", addr.into()),
+        ("NACRE_HTTP_LISTEN", String::new()),
+        ("NACRE_DATA_DIR", dir.join("master").display().to_string()),
+        ("NACRE_MASTER__TICK_MS", "50".into()),
+        ("NACRE_MASTER__DUTY_INTERVAL_MS", "200".into()),
+        ("NACRE_MASTER__NODE_TIMEOUT_MS", "2000".into()),
+        ("NACRE_MASTER__REBUILD_AFTER_MS", "500".into()),
+        ("NACRE_MASTER__MIN_WRITABLE_DATA_PARTITIONS", "0".into()),
+        ("NACRE_MASTER__DEFAULT_TENANT", "false".into()),
+        ("NACRE_MSGR__WORKERS", "1".into()),
+    ])
+}
+
+#[test]
+fn a_lost_data_node_s_shards_are_rebuilt_on_another_and_serve_reads() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let master_addr = format!("127.0.0.1:{}", free_port());
+    let _master = start_quick_master(&master_addr, dir.path());
+    let mut procs: Vec<Proc> = Vec::new();
+    let mut datas: Vec<(String, Option<Proc>)> = Vec::new();
+    for i in 0..3 {
+        let a = format!("127.0.0.1:{}", free_port());
+        procs.push(start_node("meta", i, &a, &master_addr, dir.path()));
+    }
+    for i in 0..4 {
+        let a = format!("127.0.0.1:{}", free_port());
+        let p = start_node("data", i, &a, &master_addr, dir.path());
+        datas.push((a, Some(p)));
+    }
+    for p in procs
+        .iter_mut()
+        .chain(datas.iter_mut().filter_map(|(_, p)| p.as_mut()))
+    {
+        p.wait_log(
+            "registered with the master",
+            std::time::Duration::from_secs(30),
+        );
+    }
+    runtime().block_on(async {
+        let (msgr, mc) = client_with_volume(&master_addr).await;
+        create_named(&mc, "ec", coded("2+1")).await;
+        let fs = NetFs::new(open_named(&msgr, &mc, "ec").await);
+        let mut rng = Rng::with_seed(7);
+        let mut files = write_files(&fs, &mut rng, "small", 40, 20_000).await;
+        files.extend(write_files(&fs, &mut rng, "large", 4, 3 << 20).await);
+
+        // A node holding a replica of the first partition dies for good.
+        let view = mc.volume("ec").await.unwrap();
+        let part = &view.data_partitions[0];
+        let holders: Vec<String> = part.spec.replicas.iter().map(|r| r.addr.clone()).collect();
+        let lost = datas.iter().position(|(a, _)| *a == holders[0]).unwrap();
+        datas[lost].1.take().unwrap().kill();
+        // The master moves its replicas to the fourth node, which rebuilds them; then the
+        // partitions are writable again.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let v = mc.volume("ec").await.unwrap();
+            let moved = v
+                .data_partitions
+                .iter()
+                .all(|p| p.spec.replicas.iter().all(|r| r.addr != holders[0]));
+            if moved {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "replicas not moved off the lost node"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        wait_writable(&mc, "ec", std::time::Duration::from_secs(60)).await;
+
+        // Another original holder dies too: each stripe of the first partition now needs the
+        // rebuilt shard.
+        let second = datas.iter().position(|(a, _)| *a == holders[1]).unwrap();
+        datas[second].1.take().unwrap().kill();
+        let reader = NetFs::new(open_named(&msgr, &mc, "ec").await);
+        check_files(&reader, &files).await;
         shut_down(&msgr).await;
     });
 }

@@ -169,6 +169,11 @@ impl DataNode {
         let mut reports = Vec::new();
         let me = self.raft().map(|r| r.id()).ok();
         for p in parts {
+            // A replica rebuilding its shards is reported once it holds them: the partition
+            // stays read-only meanwhile.
+            if p.is_rebuilding() {
+                continue;
+            }
             // The leader the group published (no round trip to the Raft loop, which may be in a
             // log write: a change of writability is reported at once).
             let leader = match (&p.gate, me) {

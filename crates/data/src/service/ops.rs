@@ -108,6 +108,9 @@ impl DataNode {
     /// follower, rewritten here and the read retried (`READ_REPAIRS` times at most, for
     /// `READ_REPAIR_FOR`).
     pub(super) async fn read(&self, part: &Part, req: &ReadRequest) -> Result<Bytes, DataError> {
+        if part.is_rebuilding() {
+            return Err(DataError::ReadOnly(super::REBUILDING.into()));
+        }
         let committed = self.leader_track(part, req.extent).await?.committed();
         let end = req.offset.saturating_add(u64::from(req.len));
         if end > committed {
