@@ -88,13 +88,15 @@ pub struct VolumeInfo {
     pub used: u64,
     /// The storage functions of its file data (`VolumeFuncs`), as text: `-` when none.
     pub functions: String,
+    /// Its erasure code, if its file data is erasure-coded.
+    pub ec: Option<nacre_func::EcSpec>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PartitionInfo {
     pub id: PartitionId,
     pub volume: String,
-    /// `meta` or `data`.
+    /// `meta`, `data`, or `data, ec K+M`.
     pub kind: String,
     /// Inode range of a meta partition; `end` is absent for the open-ended last one.
     pub start: Option<u64>,
@@ -557,18 +559,27 @@ fn volume_info(map: &ClusterMap, name: &str) -> Option<VolumeInfo> {
             .sum(),
         used: data.map(|p| p.used).sum(),
         functions: functions_text(&map.volume_funcs.get(name).copied().unwrap_or_default()),
+        ec: map.ec_of(name),
     })
 }
 
-/// `zstd:1 in 64 KiB blocks, service (inline when none is up)`, or `-` for none.
+/// `zstd:1 in 64 KiB blocks, ec 4+2, service (inline when none is up)`, or `-` for none.
 pub fn functions_text(f: &VolumeFuncs) -> String {
-    let Some(c) = &f.compress else {
-        return "-".into();
-    };
-    match f.at {
-        FuncAt::Service if f.fallback_inline => format!("{c}, service (inline when none is up)"),
-        at => format!("{c}, {at}"),
+    let mut parts: Vec<String> = Vec::new();
+    if let Some(c) = &f.compress {
+        parts.push(c.to_string());
     }
+    if let Some(ec) = &f.ec {
+        parts.push(format!("ec {}+{}", ec.k, ec.m));
+    }
+    if parts.is_empty() {
+        return "-".into();
+    }
+    let at = match f.at {
+        FuncAt::Service if f.fallback_inline => "service (inline when none is up)".to_string(),
+        at => at.to_string(),
+    };
+    format!("{}, {at}", parts.join(", "))
 }
 
 fn partitions(map: &ClusterMap, volume: Option<&str>) -> Vec<PartitionInfo> {
@@ -614,7 +625,10 @@ fn partitions(map: &ClusterMap, volume: Option<&str>) -> Vec<PartitionInfo> {
         .map(|p| PartitionInfo {
             id: p.id,
             volume: name_of(p.volume),
-            kind: "data".into(),
+            kind: match map.ec_of(&name_of(p.volume)) {
+                Some(ec) => format!("data, ec {}+{}", ec.k, ec.m),
+                None => "data".into(),
+            },
             start: None,
             end: None,
             replicas: p.replicas.clone(),

@@ -651,8 +651,9 @@ fn volume_table(vs: &[VolumeInfo]) -> Table {
     t
 }
 
-/// `data: 1.2 GiB in 310 files, stored in 402 MiB (0.33 of it) on each replica`.
-fn usage_line(u: &nacre_api::meta::Usage) -> String {
+/// `data: 1.2 GiB in 310 files, stored in 402 MiB (0.33 of it) on each replica`; on an
+/// erasure-coded volume, `… stored in 402 MiB (0.33 of it), 603 MiB with parity over 6 nodes`.
+fn usage_line(u: &nacre_api::meta::Usage, ec: Option<nacre_func::EcSpec>) -> String {
     let ratio = if u.logical_bytes == 0 {
         String::new()
     } else {
@@ -661,8 +662,16 @@ fn usage_line(u: &nacre_api::meta::Usage) -> String {
             u.stored_bytes as f64 / u.logical_bytes as f64
         )
     };
+    let place = match ec {
+        None => " on each replica".to_string(),
+        Some(ec) => format!(
+            ", {} with parity over {} nodes",
+            bytes(u.stored_bytes / u64::from(ec.k.max(1)) * ec.total() as u64),
+            ec.total()
+        ),
+    };
     format!(
-        "data: {} in {} files, stored in {}{ratio} on each replica",
+        "data: {} in {} files, stored in {}{ratio}{place}",
         bytes(u.logical_bytes),
         u.files,
         bytes(u.stored_bytes)
@@ -755,7 +764,7 @@ async fn vol(admin: &Admin, cmd: VolCmd, json: bool) -> anyhow::Result<()> {
             println!("{}", volume_table(std::slice::from_ref(&d.volume)));
             println!("{}", partition_table(&d.partitions));
             match (&d.usage, &d.usage_error) {
-                (Some(u), _) => println!("{}", usage_line(u)),
+                (Some(u), _) => println!("{}", usage_line(u, d.volume.ec)),
                 (None, e) => println!(
                     "data: unknown ({})",
                     e.as_deref().unwrap_or("no meta partition answered")

@@ -182,6 +182,18 @@ fn corrupted_blocks() {
     assert!(faults(&s, "corrupt") >= 3, "{s}");
 }
 
+/// On an erasure-coded volume (2+1): data nodes killed under the workload (reads of their shards
+/// reconstructed from the others), and flipped bytes in shards found by the scrub and rebuilt
+/// from the other replicas.
+#[test]
+fn an_erasure_coded_volume_under_kills_and_flipped_bytes() {
+    let s = schedule_with("kill-data", 12, &["--ec", "2+1"]);
+    assert!(faults(&s, "kill-data") >= 2, "{s}");
+    assert_eq!(s["erasure_code"], "2+1", "{s}");
+    let s = schedule_with("corrupt", 12, &["--ec", "2+1"]);
+    assert!(faults(&s, "corrupt") >= 3, "{s}");
+}
+
 #[test]
 fn bad_input_on_every_port() {
     let s = schedule("garbage", 8);

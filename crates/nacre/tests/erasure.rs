@@ -94,6 +94,92 @@ fn same(got: &[u8], want: &[u8]) -> Result<(), String> {
     }
 }
 
+/// Large files (several runs of whole blocks, then overwrites and a truncate) through `fs`,
+/// and small files written behind through `small`; bytes with 4 bits of entropy each when
+/// `compressible`.
+async fn write_mixed(
+    fs: &NetFs,
+    small: &NetFs,
+    seed: u64,
+    compressible: bool,
+) -> Vec<(String, Ino, Vec<u8>)> {
+    let mut rng = Rng::with_seed(seed);
+    let bytes = |rng: &mut Rng, max: usize| {
+        let mut b = random(rng, max);
+        if compressible {
+            b.iter_mut().for_each(|x| *x = b'a' + *x % 16);
+        }
+        b
+    };
+    let mut files: Vec<(String, Ino, Vec<u8>)> = Vec::new();
+    // Large files (several runs of whole blocks), then overwrites and a truncate.
+    for i in 0..3 {
+        let name = format!("big{i}");
+        let (e, fh) = fs
+            .create(ROOT_INO, name.as_bytes(), 0o644, ME, OpenFlags::READ_WRITE)
+            .await
+            .unwrap();
+        let mut model = bytes(&mut rng, 5 << 20);
+        let mut at = 0;
+        while at < model.len() {
+            let end = (at + (128 << 10)).min(model.len());
+            let piece = Bytes::copy_from_slice(&model[at..end]);
+            fs.write(fh, at as u64, piece).await.unwrap();
+            at = end;
+        }
+        fs.flush(fh).await.unwrap();
+        for _ in 0..20 {
+            let off = rng.usize(..model.len() + (64 << 10));
+            let data = bytes(&mut rng, 30 << 10);
+            fs.write(fh, off as u64, Bytes::copy_from_slice(&data))
+                .await
+                .unwrap();
+            if model.len() < off + data.len() {
+                model.resize(off + data.len(), 0);
+            }
+            model[off..off + data.len()].copy_from_slice(&data);
+        }
+        fs.flush(fh).await.unwrap();
+        let size = rng.usize(..model.len());
+        fs.setattr(
+            e.attr.ino,
+            SetAttr {
+                size: Some(size as u64),
+                ..SetAttr::default()
+            },
+        )
+        .await
+        .unwrap();
+        model.truncate(size);
+        fs.release(fh).await.unwrap();
+        files.push((name, e.attr.ino, model));
+    }
+    // Small files written behind, packed into shared tiny extents, stripe by stripe.
+    let d = small
+        .mkdir(ROOT_INO, b"d", 0o755, ME)
+        .await
+        .unwrap()
+        .attr
+        .ino;
+    for i in 0..60 {
+        let name = format!("s{i}");
+        let data = bytes(&mut rng, 12_000);
+        let (e, fh) = small
+            .create(d, name.as_bytes(), 0o644, ME, OpenFlags::WRITE)
+            .await
+            .unwrap();
+        small
+            .write(fh, 0, Bytes::copy_from_slice(&data))
+            .await
+            .unwrap();
+        small.flush(fh).await.unwrap();
+        small.release(fh).await.unwrap();
+        files.push((name, e.attr.ino, data));
+    }
+    small.sync_dir(d).await.unwrap();
+    files
+}
+
 #[test]
 fn an_erasure_coded_volume_reads_every_byte_back_with_a_data_node_killed() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -102,97 +188,44 @@ fn an_erasure_coded_volume_reads_every_byte_back_with_a_data_node_killed() {
     runtime().block_on(async {
         let (msgr, mc) = client_with_volume(&cluster.master_addr).await;
         create_named(&mc, "ec", coded("2+1")).await;
+        let zstd = VolumeFuncs {
+            compress: Some("zstd".parse().unwrap()),
+            ..coded("2+1")
+        };
+        create_named(&mc, "ecz", zstd).await;
         let behind = NetFsConfig {
             write_behind: true,
             flush_delay: Some(std::time::Duration::from_millis(20)),
             ..NetFsConfig::default()
         };
-        let fs = NetFs::new(open_named(&msgr, &mc, "ec").await);
-        let small = NetFs::with_config(open_named(&msgr, &mc, "ec").await, behind);
-        let mut rng = Rng::with_seed(20261207);
-        let mut files: Vec<(String, Ino, Vec<u8>)> = Vec::new();
-        // Large files (several runs of whole blocks), then overwrites and a truncate.
-        for i in 0..3 {
-            let name = format!("big{i}");
-            let (e, fh) = fs
-                .create(ROOT_INO, name.as_bytes(), 0o644, ME, OpenFlags::READ_WRITE)
-                .await
-                .unwrap();
-            let mut model = random(&mut rng, 5 << 20);
-            let mut at = 0;
-            while at < model.len() {
-                let end = (at + (128 << 10)).min(model.len());
-                let piece = Bytes::copy_from_slice(&model[at..end]);
-                fs.write(fh, at as u64, piece).await.unwrap();
-                at = end;
+        let mut volumes = Vec::new();
+        for (name, compressible) in [("ec", false), ("ecz", true)] {
+            let fs = NetFs::new(open_named(&msgr, &mc, name).await);
+            let small = NetFs::with_config(open_named(&msgr, &mc, name).await, behind.clone());
+            let files = write_mixed(&fs, &small, 20261207, compressible).await;
+            volumes.push((name, files));
+        }
+        for (name, files) in &volumes {
+            let other = NetFs::new(open_named(&msgr, &mc, name).await);
+            for (file, ino, _) in files {
+                let (_, keys) = other.meta().extents(*ino).await.unwrap();
+                assert!(
+                    keys.iter().all(|k| k.framed.is_some()),
+                    "{name} {file}: every key names a stripe's frame"
+                );
             }
-            fs.flush(fh).await.unwrap();
-            for _ in 0..20 {
-                let off = rng.usize(..model.len() + (64 << 10));
-                let data = random(&mut rng, 30 << 10);
-                fs.write(fh, off as u64, Bytes::copy_from_slice(&data))
-                    .await
-                    .unwrap();
-                if model.len() < off + data.len() {
-                    model.resize(off + data.len(), 0);
-                }
-                model[off..off + data.len()].copy_from_slice(&data);
-            }
-            fs.flush(fh).await.unwrap();
-            let size = rng.usize(..model.len());
-            fs.setattr(
-                e.attr.ino,
-                SetAttr {
-                    size: Some(size as u64),
-                    ..SetAttr::default()
-                },
-            )
+            check_files(&other, files).await;
+        }
+        // Compressible bytes take less room than they hold.
+        let usage = NetFs::new(open_named(&msgr, &mc, "ecz").await)
+            .meta()
+            .usage()
             .await
             .unwrap();
-            model.truncate(size);
-            fs.release(fh).await.unwrap();
-            files.push((name, e.attr.ino, model));
-        }
-        // Small files written behind, packed into shared tiny extents, stripe by stripe.
-        let d = small
-            .mkdir(ROOT_INO, b"d", 0o755, ME)
-            .await
-            .unwrap()
-            .attr
-            .ino;
-        for i in 0..60 {
-            let name = format!("s{i}");
-            let data = random(&mut rng, 12_000);
-            let (e, fh) = small
-                .create(d, name.as_bytes(), 0o644, ME, OpenFlags::WRITE)
-                .await
-                .unwrap();
-            small
-                .write(fh, 0, Bytes::copy_from_slice(&data))
-                .await
-                .unwrap();
-            small.flush(fh).await.unwrap();
-            small.release(fh).await.unwrap();
-            files.push((name, e.attr.ino, data));
-        }
-        small.sync_dir(d).await.unwrap();
-
-        let check = |fs: NetFs, files: Vec<(String, Ino, Vec<u8>)>| async move {
-            for (name, ino, model) in &files {
-                if let Err(e) = same(&read_all(&fs, *ino).await, model) {
-                    panic!("{name}: {e}");
-                }
-            }
-        };
-        let other = NetFs::new(open_named(&msgr, &mc, "ec").await);
-        for (name, ino, _) in &files {
-            let (_, keys) = other.meta().extents(*ino).await.unwrap();
-            assert!(
-                keys.iter().all(|k| k.framed.is_some()),
-                "{name}: every key names a stripe's frame"
-            );
-        }
-        check(other, files.clone()).await;
+        assert!(
+            usage.stored_bytes * 10 < usage.logical_bytes * 7,
+            "{usage:?}"
+        );
 
         // The data node of the first partition's shard 0 gone: every stripe there misses a
         // data shard and is rebuilt from the other data shard and the parity.
@@ -200,15 +233,17 @@ fn an_erasure_coded_volume_reads_every_byte_back_with_a_data_node_killed() {
         let first = &view.data_partitions[0].spec.replicas[0].addr;
         let dead = cluster.data_addrs.iter().position(|a| a == first).unwrap();
         cluster.datas[dead].take().unwrap().kill();
-        let degraded = NetFs::new(open_named(&msgr, &mc, "ec").await);
-        check(degraded, files.clone()).await;
+        for (name, files) in &volumes {
+            let degraded = NetFs::new(open_named(&msgr, &mc, name).await);
+            check_files(&degraded, files).await;
+        }
 
         // Two of three: more shards lost than the code rebuilds. Reads fail, they return no
         // made-up bytes.
         let second = (0..3).find(|&i| cluster.datas[i].is_some()).unwrap();
         cluster.datas[second].take().unwrap().kill();
         let lost = NetFs::new(open_named(&msgr, &mc, "ec").await);
-        let (_, ino, _) = &files[0];
+        let (_, ino, _) = &volumes[0].1[0];
         let fh = lost.open(*ino, OpenFlags::READ).await.unwrap();
         let r = lost.read(fh, 0, 1 << 20).await;
         assert!(r.is_err(), "read with two of three shards gone: {r:?}");

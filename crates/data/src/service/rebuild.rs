@@ -34,8 +34,11 @@ pub(super) const MARKER: &str = "REBUILD";
 /// Bytes of each tiny extent rebuilt at a time.
 const CHUNK: u64 = 1 << 20;
 
-/// Time allowed for one call to another replica.
-const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How calls to another replica are made: at background priority, within 10 s.
+const OPTS: CallOptions = CallOptions {
+    timeout: Some(Duration::from_secs(10)),
+    flags: nacre_proto::Flags::BACKGROUND,
+};
 
 impl DataNode {
     /// Rebuilds `part`'s shards until done (another replica that does not answer is asked
@@ -65,103 +68,15 @@ impl DataNode {
     /// One attempt: lists every other replica's tiny extents, rebuilds each extent up to its
     /// longest copy, syncs, and removes the marker. Returns the bytes rebuilt.
     async fn rebuild_once(&self, part: &Arc<Part>, ec: EcSpec) -> Result<u64, DataError> {
-        let members = lock(&part.members).clone();
-        if members.len() != ec.total() {
-            return Err(DataError::Invalid(format!(
-                "{} replicas listed for {} shards",
-                members.len(),
-                ec.total()
-            )));
-        }
-        let opts = CallOptions {
-            timeout: Some(CALL_TIMEOUT),
-            ..CallOptions::default()
-        };
-        // (replica index, its tiny extents' lengths)
-        let mut sources: Vec<(usize, Vec<(ExtentId, u64)>)> = Vec::new();
-        for (i, r) in members.iter().enumerate() {
-            if i == part.shard {
-                continue;
-            }
-            let req = ListExtentsRequest { partition: part.id };
-            let call = self.inner.client.call_with::<ListExtents>(
-                &r.addr,
-                &req,
-                Payload::none(),
-                opts,
-            );
-            if let Ok((Ok(ExtentList { extents, .. }), _)) = call.await {
-                let tiny = extents
-                    .into_iter()
-                    .filter(|(e, _, _)| ExtentStore::is_tiny(*e))
-                    .map(|(e, len, _)| (e, len))
-                    .collect();
-                sources.push((i, tiny));
-            }
-        }
-        let k = usize::from(ec.k);
-        if sources.len() < k {
-            return Err(DataError::ReadOnly(format!(
-                "{} of the other replicas answered, {k} are needed",
-                sources.len()
-            )));
-        }
+        let sources = self.shard_sources(part, ec).await?;
         let mut rebuilt = 0;
         for id in 1..=TINY_EXTENTS {
             let extent = ExtentId(id);
-            let len_of = |list: &[(ExtentId, u64)]| {
-                list.iter()
-                    .find(|(e, _)| *e == extent)
-                    .map_or(0, |(_, l)| *l)
-            };
-            let end = sources.iter().map(|(_, l)| len_of(l)).max().unwrap_or(0);
+            let end = sources.iter().map(|s| s.len_of(extent)).max().unwrap_or(0);
             let mut at = 0;
             while at < end {
                 let n = (end - at).min(CHUNK);
-                let mut slots: Vec<Option<Shard>> = vec![None; ec.total()];
-                let mut present = 0;
-                for (i, list) in &sources {
-                    if present == k {
-                        break;
-                    }
-                    // Past a copy's end its bytes are zeros (no stripe reached there on it).
-                    let has = len_of(list).saturating_sub(at).min(n);
-                    let mut bytes = if has == 0 {
-                        Vec::new()
-                    } else {
-                        let req = ReadRequest {
-                            partition: part.id,
-                            extent,
-                            offset: at,
-                            len: has as u32,
-                        };
-                        let addr = &members[*i].addr;
-                        match self
-                            .inner
-                            .client
-                            .call_with::<Read>(addr, &req, Payload::none(), opts)
-                            .await
-                        {
-                            Ok((Ok(()), data)) if data.bytes.len() as u64 == has => {
-                                data.bytes.to_vec()
-                            }
-                            _ => continue,
-                        }
-                    };
-                    bytes.resize(n as usize, 0);
-                    slots[*i] = Some(Shard::new(bytes.into()));
-                    present += 1;
-                }
-                if present < k {
-                    return Err(DataError::ReadOnly(format!(
-                        "{extent} at {at}: {present} replicas served their shards, {k} are needed"
-                    )));
-                }
-                let mine = nacre_func::ec_rebuild(ec, slots)
-                    .map_err(|e| DataError::Io(format!("rebuilding {extent} at {at}: {e}")))?
-                    .shards
-                    .swap_remove(part.shard)
-                    .data;
+                let mine = self.decode_range(part, ec, &sources, extent, at, n).await?;
                 let store = part.store.clone();
                 off_worker(move || store.write(extent, at, &mine).map_err(write_error)).await?;
                 rebuilt += n;
@@ -187,5 +102,154 @@ impl DataNode {
         })
         .await?;
         Ok(rebuilt)
+    }
+
+    /// The other replicas of `part` that list their tiny extents; at least `k` of them.
+    async fn shard_sources(&self, part: &Part, ec: EcSpec) -> Result<Vec<Source>, DataError> {
+        let members = lock(&part.members).clone();
+        if members.len() != ec.total() {
+            return Err(DataError::Invalid(format!(
+                "{} replicas listed for {} shards",
+                members.len(),
+                ec.total()
+            )));
+        }
+        let mut sources = Vec::new();
+        for (index, r) in members.into_iter().enumerate() {
+            if index == part.shard {
+                continue;
+            }
+            let req = ListExtentsRequest { partition: part.id };
+            let call =
+                self.inner
+                    .client
+                    .call_with::<ListExtents>(&r.addr, &req, Payload::none(), OPTS);
+            if let Ok((Ok(ExtentList { extents, .. }), _)) = call.await {
+                let lens = extents
+                    .into_iter()
+                    .filter(|(e, _, _)| ExtentStore::is_tiny(*e))
+                    .map(|(e, len, _)| (e, len))
+                    .collect();
+                sources.push(Source {
+                    index,
+                    addr: r.addr,
+                    lens,
+                });
+            }
+        }
+        let k = usize::from(ec.k);
+        if sources.len() < k {
+            return Err(DataError::ReadOnly(format!(
+                "{} of the other replicas answered, {k} are needed",
+                sources.len()
+            )));
+        }
+        Ok(sources)
+    }
+
+    /// This replica's shard bytes `[at, at + n)` of tiny extent `extent`, decoded from the
+    /// same range on `k` of `sources` (past a copy's end its bytes are zeros: no stripe reached
+    /// there on it).
+    async fn decode_range(
+        &self,
+        part: &Part,
+        ec: EcSpec,
+        sources: &[Source],
+        extent: ExtentId,
+        at: u64,
+        n: u64,
+    ) -> Result<Vec<u8>, DataError> {
+        let k = usize::from(ec.k);
+        let mut slots: Vec<Option<Shard>> = vec![None; ec.total()];
+        let mut present = 0;
+        for s in sources {
+            if present == k {
+                break;
+            }
+            let has = s.len_of(extent).saturating_sub(at).min(n);
+            let mut bytes = if has == 0 {
+                Vec::new()
+            } else {
+                let req = ReadRequest {
+                    partition: part.id,
+                    extent,
+                    offset: at,
+                    len: has as u32,
+                };
+                let call =
+                    self.inner
+                        .client
+                        .call_with::<Read>(&s.addr, &req, Payload::none(), OPTS);
+                match call.await {
+                    Ok((Ok(()), data)) if data.bytes.len() as u64 == has => data.bytes.to_vec(),
+                    _ => continue,
+                }
+            };
+            bytes.resize(n as usize, 0);
+            slots[s.index] = Some(Shard::new(bytes.into()));
+            present += 1;
+        }
+        if present < k {
+            return Err(DataError::ReadOnly(format!(
+                "{extent} at {at}: {present} replicas served their shards, {k} are needed"
+            )));
+        }
+        Ok(nacre_func::ec_rebuild(ec, slots)
+            .map_err(|e| DataError::Io(format!("decoding {extent} at {at}: {e}")))?
+            .shards
+            .swap_remove(part.shard)
+            .data
+            .to_vec())
+    }
+
+    /// Repairs block `block` of tiny extent `extent` of an erasure-coded replica (found bad by
+    /// the scrub) from the other replicas' shards of the same bytes.
+    pub(super) async fn repair_block_from_shards(
+        &self,
+        part: &Part,
+        ec: EcSpec,
+        extent: ExtentId,
+        block: u64,
+    ) -> Result<(), DataError> {
+        let bs = u64::from(part.store.block_size());
+        let start = block.saturating_mul(bs);
+        let len = part.store.len(extent).map_err(crate::sm::store_error)?;
+        let n = len.saturating_sub(start).min(bs);
+        if n == 0 {
+            return Ok(());
+        }
+        let sources = self.shard_sources(part, ec).await?;
+        let data = self
+            .decode_range(part, ec, &sources, extent, start, n)
+            .await?;
+        match self
+            .install_blocks(part, extent, block, data.into(), u64::MAX, true)
+            .await
+        {
+            Ok(true) => {
+                tracing::info!(partition = %part.id, %extent, block, "block of a shard rebuilt from the others");
+                Ok(())
+            }
+            Ok(false) => Err(DataError::ReadOnly(format!(
+                "{extent} block {block} changed while it was rebuilt"
+            ))),
+            Err(e) => Err(DataError::Io(e)),
+        }
+    }
+}
+
+/// Another replica of the partition, and its tiny extents' lengths.
+struct Source {
+    index: usize,
+    addr: String,
+    lens: Vec<(ExtentId, u64)>,
+}
+
+impl Source {
+    fn len_of(&self, extent: ExtentId) -> u64 {
+        self.lens
+            .iter()
+            .find(|(e, _)| *e == extent)
+            .map_or(0, |(_, l)| *l)
     }
 }

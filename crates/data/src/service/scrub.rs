@@ -133,7 +133,11 @@ impl DataNode {
                         continue;
                     }
                     failing = Some((block, tries + 1));
-                    match self.repair_block_from_followers(part, extent, block).await {
+                    let repaired = match part.ec {
+                        Some(ec) => self.repair_block_from_shards(part, ec, extent, block).await,
+                        None => self.repair_block_from_followers(part, extent, block).await,
+                    };
+                    match repaired {
                         Ok(()) => {
                             report.repaired += 1;
                             if let Some(m) = &self.inner.config.metrics {

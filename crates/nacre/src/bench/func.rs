@@ -9,8 +9,9 @@
 //!   bytes (about 3:1 for zstd-1); checksum and erasure coding (4+2) take 1 MiB; reconstruct
 //!   rebuilds a stripe missing its first two data shards. Inline at depth 1 is one core's figure.
 //! - **Writes through the client** (`randwrite-4k`, `write-64k` rows) on two volumes compressed
-//!   with zstd-1, one compressing inline and one on the function server (no fallback: every
-//!   block goes there). At depth `D`, `D` writers each own a file: `randwrite-4k` writes 4 KiB at
+//!   with zstd-1 and two erasure-coded 2+1 (`ec-2+1`: one stripe of two data shards and a parity
+//!   shard per 64 KiB block), one of each running its function inline and one on the function
+//!   server (no fallback: every block goes there). At depth `D`, `D` writers each own a file: `randwrite-4k` writes 4 KiB at
 //!   random aligned offsets of a file of `file_mib` MiB written beforehand (each write a
 //!   copy-on-write of a piece of a compressed block: compress, replicated append, key commit);
 //!   `write-64k` appends 64 KiB writes to a new file. Each writer ends with an `fsync` inside the
@@ -57,6 +58,8 @@ pub struct FuncRow {
     pub implementation: &'static str,
     /// The transform (`compress-zstd1`, …) or the write workload.
     pub workload: String,
+    /// The volume's functions for a write workload (`zstd-1`, `ec-2+1`), `-` for a transform.
+    pub volume: &'static str,
     /// Bytes of input per call, or per write.
     pub size: usize,
     pub depth: usize,
@@ -131,6 +134,17 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&FuncRow)) -> anyhow::Result
         cluster
             .create_volume_with(&mc, "service", 1, 3, zstd(FuncAt::Service))
             .await?;
+        let ec = |at| VolumeFuncs {
+            ec: Some(EcSpec { k: 2, m: 1 }),
+            at,
+            ..VolumeFuncs::default()
+        };
+        cluster
+            .create_volume_with(&mc, "ec-inline", 1, 3, ec(FuncAt::Inline))
+            .await?;
+        cluster
+            .create_volume_with(&mc, "ec-service", 1, 3, ec(FuncAt::Service))
+            .await?;
         wait_for_funcs(&mc).await?;
         let mut rows = Vec::new();
         let mut emit = |r: FuncRow, rows: &mut Vec<FuncRow>| {
@@ -163,14 +177,16 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&FuncRow)) -> anyhow::Result
             if !p.parts.iter().any(|x| x == workload) {
                 continue;
             }
-            for &depth in &p.depths {
-                for name in ["inline", "service"] {
-                    let vol = NetVolume::connect(msgr.client(), mc.clone(), name)
-                        .await
-                        .map_err(|e| anyhow::anyhow!("cannot open volume {name}: {e}"))?;
-                    let fs = NetFs::new(Arc::new(vol));
-                    let r = writes(&fs, name, workload, depth, p).await?;
-                    emit(r, &mut rows);
+            for (volume, names) in VOLUMES {
+                for &depth in &p.depths {
+                    for (name, implementation) in names.into_iter().zip(["inline", "service"]) {
+                        let vol = NetVolume::connect(msgr.client(), mc.clone(), name)
+                            .await
+                            .map_err(|e| anyhow::anyhow!("cannot open volume {name}: {e}"))?;
+                        let fs = NetFs::new(Arc::new(vol));
+                        let r = writes(&fs, implementation, volume, workload, depth, p).await?;
+                        emit(r, &mut rows);
+                    }
                 }
             }
         }
@@ -182,6 +198,13 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&FuncRow)) -> anyhow::Result
     cluster.stop().await?;
     out
 }
+
+/// The volumes the writes run on: (their functions, the names of the volume running them
+/// inline and of the one running them on the function server).
+const VOLUMES: [(&str, [&str; 2]); 2] = [
+    ("zstd-1", ["inline", "service"]),
+    ("ec-2+1", ["ec-inline", "ec-service"]),
+];
 
 /// Waits (bounded) until the master lists a function server that is up.
 async fn wait_for_funcs(mc: &MasterClient) -> anyhow::Result<()> {
@@ -277,6 +300,7 @@ async fn transform(
     let ops = total(tasks).await?;
     Ok(row(
         implementation,
+        "-",
         workload,
         size,
         depth,
@@ -296,6 +320,7 @@ async fn total(mut tasks: tokio::task::JoinSet<anyhow::Result<u64>>) -> anyhow::
 
 fn row(
     implementation: &'static str,
+    volume: &'static str,
     workload: &str,
     size: usize,
     depth: usize,
@@ -307,6 +332,7 @@ fn row(
         bench: "func",
         implementation,
         workload: workload.to_string(),
+        volume,
         size,
         depth,
         ops,
@@ -320,6 +346,7 @@ fn row(
 async fn writes(
     fs: &NetFs,
     implementation: &'static str,
+    volume: &'static str,
     workload: &str,
     depth: usize,
     p: &Params,
@@ -379,6 +406,7 @@ async fn writes(
     let ops = total(tasks).await?;
     Ok(row(
         implementation,
+        volume,
         workload,
         size,
         depth,
@@ -393,6 +421,7 @@ pub fn print_table(rows: &[FuncRow]) {
     t.load_preset(UTF8_FULL_CONDENSED);
     t.set_header([
         "workload",
+        "volume",
         "size",
         "depth",
         "inline ops/s",
@@ -404,7 +433,10 @@ pub fn print_table(rows: &[FuncRow]) {
     let right = |s: String| Cell::new(s).set_alignment(CellAlignment::Right);
     for r in rows.iter().filter(|r| r.implementation == "inline") {
         let svc = rows.iter().find(|s| {
-            s.implementation == "service" && s.workload == r.workload && s.depth == r.depth
+            s.implementation == "service"
+                && s.workload == r.workload
+                && s.volume == r.volume
+                && s.depth == r.depth
         });
         let (so, sm, ratio) = svc.map_or(("-".into(), "-".into(), "-".into()), |s| {
             (
@@ -415,6 +447,7 @@ pub fn print_table(rows: &[FuncRow]) {
         });
         t.add_row(vec![
             Cell::new(&r.workload),
+            Cell::new(r.volume),
             right(crate::bench::report::human_size(r.size)),
             right(r.depth.to_string()),
             right(format!("{:.0}", r.ops_per_s)),

@@ -134,6 +134,10 @@ struct RunArgs {
     /// its clients: every write of the run goes through compressed frames.
     #[arg(long)]
     compress: Option<nacre_api::master::Compression>,
+    /// The volume erasure-codes its data as K data and M parity shards (e.g. `2+1`) on K+M data
+    /// nodes per partition: reads of a killed node's shards are reconstructed from the others.
+    #[arg(long, value_name = "K+M", value_parser = nacre_api::master::parse_ec)]
+    ec: Option<nacre_func::EcSpec>,
 }
 
 #[derive(Debug, Args)]
@@ -255,6 +259,8 @@ struct Summary {
     isolation: &'static str,
     /// The volume's compression (`--compress`), as text; `none` without.
     compression: String,
+    /// The volume's erasure code (`--ec`), as `K+M`; `none` without.
+    erasure_code: String,
     ops_acked: u64,
     ops_failed: u64,
     /// With `--fuse`: why the mount could not be unmounted cleanly.
@@ -385,8 +391,9 @@ fn run_check(a: RunArgs) -> anyhow::Result<()> {
 
 fn print_summary(s: &Summary) {
     println!(
-        "schedule {:?}, seed {}, {} s of faults, {} clients, isolation by {}, compression {}",
-        s.schedule, s.seed, s.duration_s, s.clients, s.isolation, s.compression
+        "schedule {:?}, seed {}, {} s of faults, {} clients, isolation by {}, compression {}, \
+         erasure code {}",
+        s.schedule, s.seed, s.duration_s, s.clients, s.isolation, s.compression, s.erasure_code
     );
     println!(
         "operations: {} acknowledged, {} failed (during faults)",
@@ -616,6 +623,7 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         inode_step: 1 << 20,
         funcs: nacre_api::master::VolumeFuncs {
             compress: a.compress,
+            ec: a.ec,
             ..Default::default()
         },
     })
@@ -995,6 +1003,9 @@ async fn drive(h: &mut Harness, a: &RunArgs, seed: u64) -> anyhow::Result<(Summa
         compression: a
             .compress
             .map_or_else(|| "none".to_string(), |c| c.to_string()),
+        erasure_code: a
+            .ec
+            .map_or_else(|| "none".to_string(), |ec| format!("{}+{}", ec.k, ec.m)),
         ops_acked: stats.acked,
         ops_failed: stats.failed,
         errors: stats.errors.clone(),

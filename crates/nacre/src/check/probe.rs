@@ -146,7 +146,9 @@ pub(super) async fn probe_targets(fs: &NetFs, vol: &NetVolume) -> anyhow::Result
             targets.push(Target::Meta(p, attr.ino));
         }
     }
-    for p in vol.data_partitions().iter() {
+    // An erasure-coded partition's replicas each lead a group of their own: there is no
+    // leader to fail over.
+    for p in vol.data_partitions().iter().filter(|p| p.ec.is_none()) {
         let e = vol.create_extent(p.id).await?;
         vol.append(p.id, e, 0, bytes::Bytes::from(vec![0u8; 4096]))
             .await?;
