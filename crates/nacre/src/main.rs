@@ -74,8 +74,8 @@ enum Cmd {
     Server(ServerArgs),
     /// Start a local cluster in this process and keep it running until Ctrl-C.
     ///
-    /// One master, three meta nodes, three data nodes and one function server (--funcs), each on
-    /// its own loopback port with its own directory under DIR. Addresses are printed and written to DIR/up.json, where the admin
+    /// One master, three meta nodes, three data nodes (--data-nodes) and one function server
+    /// (--funcs), each on its own loopback port with its own directory under DIR. Addresses are printed and written to DIR/up.json, where the admin
     /// commands (`nacre vol create …`) run in the same directory find them.
     Up(UpArgs),
     /// Stop the `nacre up` running in DIR (SIGTERM, then wait until it has unmounted and stopped).
@@ -146,6 +146,9 @@ struct UpArgs {
     /// Function servers to start (0 for none).
     #[arg(long, default_value_t = 1)]
     funcs: usize,
+    /// Data nodes to start (at least one; an erasure-coded volume K+M needs K+M of them).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..))]
+    data_nodes: u16,
     #[command(flatten)]
     mount_flags: mount::MountFlags,
 }
@@ -557,7 +560,7 @@ fn up(a: UpArgs) -> anyhow::Result<()> {
         let mut nodes = vec![];
         for (role, count) in [
             (RoleName::Meta, 3),
-            (RoleName::Data, 3),
+            (RoleName::Data, usize::from(a.data_nodes)),
             (RoleName::Func, a.funcs),
         ] {
             for i in 1..=count {
