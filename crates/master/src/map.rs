@@ -923,7 +923,13 @@ impl ClusterMap {
         replicas: u8,
         coded: bool,
     ) -> Result<PartitionId, MapError> {
-        let (id, nodes) = self.place_new(Role::Data, replicas)?;
+        let (id, mut nodes) = self.place_new(Role::Data, replicas)?;
+        if coded && !nodes.is_empty() {
+            // Replica 0 places every stripe of an erasure-coded partition: the partitions of a
+            // volume take turns among their nodes for it (placement lists the emptiest first).
+            let n = nodes.len();
+            nodes.rotate_left((id.0 % n as u64) as usize);
+        }
         self.data_partitions.insert(
             id,
             DataPartition {
@@ -1091,6 +1097,29 @@ impl ClusterMap {
                 created_epoch: p.created_epoch,
             }
         })
+    }
+
+    /// Data partitions of volume `name` that take writes, or will once created: a new
+    /// erasure-coded partition is read-only until every replica reported it, and counts as
+    /// writable meanwhile while its nodes are up (else the duty keeping writable partitions
+    /// would add more every round).
+    pub fn writable_data_partitions(&self, name: &str) -> u32 {
+        let Some(v) = self.volumes.get(name) else {
+            return 0;
+        };
+        let up = |n: &NodeId| {
+            self.nodes
+                .get(n)
+                .is_some_and(|n| n.status == NodeStatus::Up)
+        };
+        v.data_partitions
+            .iter()
+            .filter_map(|p| self.data_partitions.get(p))
+            .filter(|p| {
+                p.status == PartitionStatus::Rw
+                    || (!p.full && p.ready.len() < p.replicas.len() && p.replicas.iter().all(up))
+            })
+            .count() as u32
     }
 
     /// The erasure code of volume `name`, if its data is erasure-coded.

@@ -25,8 +25,8 @@ use tokio::sync::{Notify, watch};
 use nacre_api::data::SweepReport;
 use nacre_api::master::{
     CreatePartition, FuncHeartbeat, FuncHeartbeatRequest, GetFuncs, GetGc, GetSpace, GetVolume,
-    Heartbeat, HeartbeatReply, MapError, MasterError, MasterStatus, PartitionStatus,
-    PendingReplica, Register, RegisterFunc, RegisterFuncRequest, ReportGc, ReportGcRequest, Status,
+    Heartbeat, HeartbeatReply, MapError, MasterError, MasterStatus, PendingReplica, Register,
+    RegisterFunc, RegisterFuncRequest, ReportGc, ReportGcRequest, Status,
 };
 
 use crate::map::{ClusterMap, Command, Outcome};
@@ -400,15 +400,7 @@ impl Master {
             c.placement_silence.as_millis() as u64,
         ));
         for v in map.volumes.values() {
-            let writable = v
-                .data_partitions
-                .iter()
-                .filter(|p| {
-                    map.data_partitions
-                        .get(p)
-                        .is_some_and(|p| p.status == PartitionStatus::Rw)
-                })
-                .count() as u32;
+            let writable = map.writable_data_partitions(&v.name);
             if writable < c.min_writable_data_partitions {
                 let cmd = Command::AddDataPartitions {
                     volume: v.name.clone(),

@@ -837,8 +837,18 @@ fn a_dead_node_s_shards_move_to_another_node_which_reports_them_once_rebuilt() {
         coded(&m).iter().all(|p| p.status == PartitionStatus::Ro),
         "read-only until every replica reported"
     );
+    assert_eq!(
+        m.writable_data_partitions("coded"),
+        3,
+        "partitions being created count as writable: the duty adds no more"
+    );
     heartbeat_all(&mut m, 1_000, None);
     assert!(coded(&m).iter().all(|p| p.status == PartitionStatus::Rw));
+    // Replica 0 places every stripe: the partitions take turns among their nodes for it.
+    let mut firsts: Vec<_> = coded(&m).iter().map(|p| p.replicas[0]).collect();
+    firsts.sort();
+    firsts.dedup();
+    assert!(firsts.len() > 1, "every partition places on {firsts:?}");
 
     // A data node holding a replica goes silent, is marked down, and stays down.
     let victim = coded(&m)[0].replicas[1];
@@ -877,6 +887,7 @@ fn a_dead_node_s_shards_move_to_another_node_which_reports_them_once_rebuilt() {
             );
         }
     }
+    assert_eq!(m.writable_data_partitions("coded"), 3);
     // A move applied twice, or off a node that is up, is refused.
     assert!(m.apply(&plan[0]).is_err());
     // The new replicas report once rebuilt: writable again.
