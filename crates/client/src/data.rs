@@ -204,13 +204,7 @@ impl NetVolume {
         let ((), data) = self
             .data_call::<Read, _>(partition, &req, Payload::none(), true)
             .await?;
-        if data.bytes.len() != len as usize {
-            return Err(DataCallError::ShortRead {
-                want: len,
-                got: data.bytes.len(),
-            });
-        }
-        Ok(data.bytes)
+        whole(data, len)
     }
 
     /// Releases extent ranges (a normal extent from 0 to its end: deleted; other ranges punched
@@ -325,14 +319,19 @@ impl NetVolume {
         let ((), data) = self
             .replica_call::<Read, _>(addr, &req, Payload::none())
             .await?;
-        if data.bytes.len() != len as usize {
-            return Err(DataCallError::ShortRead {
-                want: len,
-                got: data.bytes.len(),
-            });
-        }
-        Ok(data.bytes)
+        whole(data, len)
     }
+}
+
+/// The bytes of a read's answer, which must be the `len` asked for.
+fn whole(data: Payload, len: u32) -> Result<Bytes, DataCallError> {
+    if data.bytes.len() != len as usize {
+        return Err(DataCallError::ShortRead {
+            want: len,
+            got: data.bytes.len(),
+        });
+    }
+    Ok(data.bytes)
 }
 
 /// Most packets a [`SeqWriter`] sends between two synced ones (1 MiB): it keeps their bytes until

@@ -423,12 +423,7 @@ impl ClusterMap {
         reports: &[PartitionReport],
     ) -> bool {
         let mut changed = false;
-        let coded: Vec<VolumeId> = self
-            .volumes
-            .values()
-            .filter(|v| self.ec_of(&v.name).is_some())
-            .map(|v| v.id)
-            .collect();
+        let coded = self.coded_volumes();
         if let Some(n) = self.nodes.get_mut(&node) {
             n.used = used;
             n.last_heartbeat_ms = now_ms.max(n.last_heartbeat_ms);
@@ -958,12 +953,7 @@ impl ClusterMap {
     /// every replica to have reported it (a moved replica reports once it has rebuilt its
     /// shards).
     fn refresh_partition_status(&mut self) {
-        let coded: Vec<VolumeId> = self
-            .volumes
-            .values()
-            .filter(|v| self.ec_of(&v.name).is_some())
-            .map(|v| v.id)
-            .collect();
+        let coded = self.coded_volumes();
         let nodes = &self.nodes;
         let status = |replicas: &[NodeId], full: bool| {
             let up = |r: &NodeId| nodes.get(r).is_some_and(|n| n.status == NodeStatus::Up);
@@ -1120,6 +1110,15 @@ impl ClusterMap {
                     || (!p.full && p.ready.len() < p.replicas.len() && p.replicas.iter().all(up))
             })
             .count() as u32
+    }
+
+    /// The volumes whose data is erasure-coded.
+    fn coded_volumes(&self) -> Vec<VolumeId> {
+        self.volumes
+            .values()
+            .filter(|v| self.ec_of(&v.name).is_some())
+            .map(|v| v.id)
+            .collect()
     }
 
     /// The erasure code of volume `name`, if its data is erasure-coded.

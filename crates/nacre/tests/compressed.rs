@@ -16,8 +16,8 @@ use nacre_types::Ino;
 
 mod common;
 use common::cluster::{
-    ONE_AT_A_TIME, client_with_volume, create_named, open_named, runtime, shut_down, start_cluster,
-    start_node,
+    ONE_AT_A_TIME, client_with_volume, create_named, open_named, read_file, runtime, same,
+    shut_down, start_cluster, start_node,
 };
 use common::free_port;
 
@@ -64,20 +64,6 @@ fn write_model(model: &mut Vec<u8>, off: u64, data: &[u8]) {
     model[off as usize..end].copy_from_slice(data);
 }
 
-async fn read_all(fs: &NetFs, ino: Ino) -> Vec<u8> {
-    let fh = fs.open(ino, OpenFlags::READ).await.unwrap();
-    let mut out = Vec::new();
-    loop {
-        let b = fs.read(fh, out.len() as u64, 1 << 20).await.unwrap();
-        if b.is_empty() {
-            break;
-        }
-        out.extend_from_slice(&b);
-    }
-    fs.release(fh).await.unwrap();
-    out
-}
-
 /// The bytes the keys of `keys` take in their extents: each frame once, however many keys
 /// share it.
 fn stored_bytes(keys: &[ExtentKey]) -> u64 {
@@ -91,16 +77,6 @@ fn stored_bytes(keys: &[ExtentKey]) -> u64 {
     ranges.sort_unstable();
     ranges.dedup();
     ranges.iter().map(|r| r.3).sum()
-}
-
-fn same(got: &[u8], want: &[u8]) -> Result<(), String> {
-    if got.len() != want.len() {
-        return Err(format!("{} bytes, want {}", got.len(), want.len()));
-    }
-    match got.iter().zip(want).position(|(a, b)| a != b) {
-        Some(i) => Err(format!("first difference at byte {i}")),
-        None => Ok(()),
-    }
 }
 
 #[test]
@@ -201,7 +177,7 @@ fn a_compressed_volume_reads_back_every_write_from_frames_that_take_less_room() 
         let other = NetFs::new(open_named(&msgr, &mc, "z").await);
         let (mut logical, mut stored) = (0u64, 0u64);
         for (i, (ino, model)) in files.iter().enumerate() {
-            if let Err(e) = same(&read_all(&other, *ino).await, model) {
+            if let Err(e) = same(&read_file(&other, *ino).await, model) {
                 panic!("f{i}: {e}; ops:\n{}", log.join("\n"));
             }
             let (attr, keys) = other.meta().extents(*ino).await.unwrap();
@@ -260,7 +236,7 @@ fn small_files_on_a_compressed_volume_are_written_behind_and_synced() {
         fs.sync_dir(d).await.unwrap();
         let other = NetFs::new(open_named(&msgr, &mc, "z").await);
         for (i, (ino, data)) in files.iter().enumerate() {
-            if let Err(e) = same(&read_all(&other, *ino).await, data) {
+            if let Err(e) = same(&read_file(&other, *ino).await, data) {
                 panic!("f{i}: {e}");
             }
             let (_, keys) = other.meta().extents(*ino).await.unwrap();
@@ -340,10 +316,10 @@ fn writes_compressed_on_function_servers_ride_out_their_death_by_the_volumes_pol
         let other = NetFs::new(open_named(&msgr, &mc, "fall").await);
         assert_eq!(written.len(), 20);
         for (ino, data) in &written {
-            same(&read_all(&other, *ino).await, data).unwrap();
+            same(&read_file(&other, *ino).await, data).unwrap();
         }
         let other = NetFs::new(open_named(&msgr, &mc, "strict").await);
-        same(&read_all(&other, b.0).await, &b.1).unwrap();
+        same(&read_file(&other, b.0).await, &b.1).unwrap();
         shut_down(&msgr).await;
     });
 }

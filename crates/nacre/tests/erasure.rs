@@ -12,6 +12,7 @@ use nacre_types::Ino;
 
 mod common;
 use common::cluster::{ONE_AT_A_TIME, client_with_volume, create_named, open_named, runtime};
+use common::cluster::{read_file, same, start_master_with};
 use common::cluster::{shut_down, start_cluster, start_node, wait_writable};
 use common::{Proc, free_port};
 
@@ -28,20 +29,6 @@ fn coded(ec: &str) -> VolumeFuncs {
 fn random(rng: &mut Rng, max: usize) -> Vec<u8> {
     let n = 1 + rng.usize(..max);
     (0..n).map(|_| rng.u8(..)).collect()
-}
-
-async fn read_all(fs: &NetFs, ino: Ino) -> Vec<u8> {
-    let fh = fs.open(ino, OpenFlags::READ).await.unwrap();
-    let mut out = Vec::new();
-    loop {
-        let b = fs.read(fh, out.len() as u64, 1 << 20).await.unwrap();
-        if b.is_empty() {
-            break;
-        }
-        out.extend_from_slice(&b);
-    }
-    fs.release(fh).await.unwrap();
-    out
 }
 
 /// Writes `n` files of up to `max` random bytes into a new directory `dir` and returns them.
@@ -78,19 +65,9 @@ async fn write_files(
 
 async fn check_files(fs: &NetFs, files: &[(String, Ino, Vec<u8>)]) {
     for (name, ino, model) in files {
-        if let Err(e) = same(&read_all(fs, *ino).await, model) {
+        if let Err(e) = same(&read_file(fs, *ino).await, model) {
             panic!("{name}: {e}");
         }
-    }
-}
-
-fn same(got: &[u8], want: &[u8]) -> Result<(), String> {
-    if got.len() != want.len() {
-        return Err(format!("{} bytes, want {}", got.len(), want.len()));
-    }
-    match got.iter().zip(want).position(|(a, b)| a != b) {
-        Some(i) => Err(format!("first difference at byte {i}")),
-        None => Ok(()),
     }
 }
 
@@ -251,31 +228,20 @@ fn an_erasure_coded_volume_reads_every_byte_back_with_a_data_node_killed() {
     });
 }
 
-/// A master that marks a silent node down after 2 s and moves its erasure-coded replicas to
-/// other nodes half a second later.
-fn start_quick_master(addr: &str, dir: &std::path::Path) -> Proc {
-    Proc::spawn(&[
-        ("NACRE_ROLE", "master".into()),
-        ("NACRE_NAME", "master".into()),
-        ("NACRE_LISTEN", addr.into()),
-        ("NACRE_HTTP_LISTEN", String::new()),
-        ("NACRE_DATA_DIR", dir.join("master").display().to_string()),
-        ("NACRE_MASTER__TICK_MS", "50".into()),
-        ("NACRE_MASTER__DUTY_INTERVAL_MS", "200".into()),
-        ("NACRE_MASTER__NODE_TIMEOUT_MS", "2000".into()),
-        ("NACRE_MASTER__REBUILD_AFTER_MS", "500".into()),
-        ("NACRE_MASTER__MIN_WRITABLE_DATA_PARTITIONS", "0".into()),
-        ("NACRE_MASTER__DEFAULT_TENANT", "false".into()),
-        ("NACRE_MSGR__WORKERS", "1".into()),
-    ])
-}
-
 #[test]
 fn a_lost_data_node_s_shards_are_rebuilt_on_another_and_serve_reads() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let master_addr = format!("127.0.0.1:{}", free_port());
-    let _master = start_quick_master(&master_addr, dir.path());
+    // A silent node is down after 2 s, and its erasure-coded replicas move half a second later.
+    let _master = start_master_with(
+        &master_addr,
+        dir.path(),
+        &[
+            ("NACRE_MASTER__NODE_TIMEOUT_MS", "2000".into()),
+            ("NACRE_MASTER__REBUILD_AFTER_MS", "500".into()),
+        ],
+    );
     let mut procs: Vec<Proc> = Vec::new();
     let mut datas: Vec<(String, Option<Proc>)> = Vec::new();
     for i in 0..3 {

@@ -201,32 +201,8 @@ impl Inner {
         spread: usize,
         data: Bytes,
     ) -> FsResult<(PartitionId, Written)> {
-        let mut failed: Vec<PartitionId> = Vec::new();
-        let mut last = DataCallError::NoWritablePartition;
-        let mut ride = crate::data::RideOut::default();
-        for attempt in 0usize.. {
-            let Some(p) = self
-                .vol
-                .pick_writable(attempt.wrapping_add(spread), &failed)
-            else {
-                // Every partition refused, or none is writable: wait for one (a node back,
-                // partitions added), up to `RIDE_OUT`.
-                if !ride.wait(&self.vol).await {
-                    break;
-                }
-                failed.clear();
-                continue;
-            };
-            match self.vol.write_tiny(p, data.clone()).await {
-                Ok(w) => return Ok((p, w)),
-                Err(e) if e.try_elsewhere() => {
-                    failed.push(p);
-                    last = e;
-                }
-                Err(e) => return Err(fs_err(e)),
-            }
-        }
-        Err(fs_err(last))
+        self.place(spread, |p| self.vol.write_tiny(p, data.clone()))
+            .await
     }
 
     /// Writes a run of stripes' shards (`shards[i]`: shard `i` of each, concatenated) to the
@@ -239,6 +215,17 @@ impl Inner {
         spread: usize,
         shards: Vec<Bytes>,
     ) -> FsResult<(PartitionId, Written)> {
+        self.place(spread, |p| self.write_stripes(p, &shards)).await
+    }
+
+    /// Runs `write` on a writable partition, the first one chosen by `spread`, moving on from
+    /// partitions that refuse it; when every one refused or none is writable, waits for one (a
+    /// node back, partitions added), up to `RIDE_OUT`.
+    async fn place<F, Fut>(&self, spread: usize, write: F) -> FsResult<(PartitionId, Written)>
+    where
+        F: Fn(PartitionId) -> Fut,
+        Fut: std::future::Future<Output = Result<Written, DataCallError>>,
+    {
         let mut failed: Vec<PartitionId> = Vec::new();
         let mut last = DataCallError::NoWritablePartition;
         let mut ride = crate::data::RideOut::default();
@@ -253,7 +240,7 @@ impl Inner {
                 failed.clear();
                 continue;
             };
-            match self.write_stripes(p, &shards).await {
+            match write(p).await {
                 Ok(w) => return Ok((p, w)),
                 Err(e) if e.try_elsewhere() => {
                     failed.push(p);

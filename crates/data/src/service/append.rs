@@ -387,14 +387,7 @@ impl DataNode {
         extent: ExtentId,
         data: &Payload,
     ) -> Result<Written, DataError> {
-        let track = match part.track(extent) {
-            Ok(t) => t,
-            Err(DataError::NotFound(_)) => lock(&part.tracks)
-                .entry(extent)
-                .or_insert_with(|| Track::new(0, 0))
-                .clone(),
-            Err(e) => return Err(e),
-        };
+        let track = tiny_track(part, extent)?;
         let len = data.bytes.len() as u64;
         let epoch = part.store.epoch();
         let (offset, committed_before) = {
@@ -452,14 +445,7 @@ impl DataNode {
         if let Some(why) = part.degraded() {
             return Err(DataError::ReadOnly(why));
         }
-        let track = match part.track(extent) {
-            Ok(t) => t,
-            Err(DataError::NotFound(_)) => lock(&part.tracks)
-                .entry(extent)
-                .or_insert_with(|| Track::new(0, 0))
-                .clone(),
-            Err(e) => return Err(e),
-        };
+        let track = tiny_track(part, extent)?;
         let epoch = part.store.epoch();
         let committed_before = {
             let (track, store, bytes) = (track.clone(), part.store.clone(), data.bytes.clone());
@@ -481,6 +467,18 @@ impl DataNode {
             offset,
             committed: track.committed(),
         })
+    }
+}
+
+/// The track of tiny extent `extent`, a new one when the extent has no file yet.
+fn tiny_track(part: &Part, extent: ExtentId) -> Result<Arc<Track>, DataError> {
+    match part.track(extent) {
+        Ok(t) => Ok(t),
+        Err(DataError::NotFound(_)) => Ok(lock(&part.tracks)
+            .entry(extent)
+            .or_insert_with(|| Track::new(0, 0))
+            .clone()),
+        Err(e) => Err(e),
     }
 }
 

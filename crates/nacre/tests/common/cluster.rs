@@ -15,7 +15,12 @@ use nacre_msgr::{Messenger, MsgrConfig, TcpTransport};
 use super::{Proc, free_port};
 
 pub fn start_master(addr: &str, dir: &Path) -> Proc {
-    Proc::spawn(&[
+    start_master_with(addr, dir, &[])
+}
+
+/// [`start_master`] with more settings (`NACRE_*` variables), which override its own.
+pub fn start_master_with(addr: &str, dir: &Path, more: &[(&str, String)]) -> Proc {
+    let mut envs = vec![
         ("NACRE_ROLE", "master".into()),
         ("NACRE_NAME", "master".into()),
         ("NACRE_LISTEN", addr.into()),
@@ -27,7 +32,10 @@ pub fn start_master(addr: &str, dir: &Path) -> Proc {
         ("NACRE_MASTER__MIN_WRITABLE_DATA_PARTITIONS", "0".into()),
         ("NACRE_MASTER__DEFAULT_TENANT", "false".into()),
         ("NACRE_MSGR__WORKERS", "1".into()),
-    ])
+    ];
+    envs.retain(|(k, _)| !more.iter().any(|(m, _)| m == k));
+    envs.extend(more.iter().cloned());
+    Proc::spawn(&envs)
 }
 
 pub fn start_node(role: &str, i: usize, addr: &str, master: &str, dir: &Path) -> Proc {
@@ -179,4 +187,31 @@ pub async fn create_named(mc: &MasterClient, name: &str, funcs: VolumeFuncs) {
     .await
     .unwrap();
     wait_writable(mc, name, Duration::from_secs(30)).await;
+}
+
+/// Every byte of file `ino` through `fs`.
+pub async fn read_file(fs: &nacre_client::NetFs, ino: nacre_types::Ino) -> Vec<u8> {
+    use nacre_client::{FileSystem, OpenFlags};
+    let fh = fs.open(ino, OpenFlags::READ).await.unwrap();
+    let mut out = Vec::new();
+    loop {
+        let b = fs.read(fh, out.len() as u64, 1 << 20).await.unwrap();
+        if b.is_empty() {
+            break;
+        }
+        out.extend_from_slice(&b);
+    }
+    fs.release(fh).await.unwrap();
+    out
+}
+
+/// `got` is `want`, or how they differ.
+pub fn same(got: &[u8], want: &[u8]) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{} bytes, want {}", got.len(), want.len()));
+    }
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        Some(i) => Err(format!("first difference at byte {i}")),
+        None => Ok(()),
+    }
 }
