@@ -204,11 +204,33 @@ fn an_erasure_coded_volume_reads_every_byte_back_with_a_data_node_killed() {
             "{usage:?}"
         );
 
-        // The data node of the first partition's shard 0 gone: every stripe there misses a
-        // data shard and is rebuilt from the other data shard and the parity.
+        // The data node of the first partition's shard 0 stopped, holding its connections and
+        // answering nothing: reads of its shards go to the others after a first attempt, not
+        // after the call's timeout (3 s).
         let view = mc.volume("ec").await.unwrap();
         let first = &view.data_partitions[0].spec.replicas[0].addr;
         let dead = cluster.data_addrs.iter().position(|a| a == first).unwrap();
+        cluster.datas[dead].as_ref().unwrap().pause();
+        let mut slowest = std::time::Duration::ZERO;
+        for (name, files) in &volumes {
+            let cut_off = NetFs::new(open_named(&msgr, &mc, name).await);
+            for (file, ino, model) in files {
+                let started = std::time::Instant::now();
+                let got = read_file(&cut_off, *ino).await;
+                slowest = slowest.max(started.elapsed());
+                if let Err(e) = same(&got, model) {
+                    panic!("{name} {file}: {e}");
+                }
+            }
+        }
+        assert!(
+            slowest < std::time::Duration::from_secs(2),
+            "a file took {slowest:?} to read with a replica cut off"
+        );
+        cluster.datas[dead].as_ref().unwrap().resume();
+
+        // The same node gone: every stripe there misses a data shard and is rebuilt from the
+        // other data shard and the parity.
         cluster.datas[dead].take().unwrap().kill();
         for (name, files) in &volumes {
             let degraded = NetFs::new(open_named(&msgr, &mc, name).await);

@@ -682,9 +682,11 @@ async fn read_framed(
 }
 
 /// The `stored` bytes of the stripe key `k` names on erasure-coded partition `k.partition`:
-/// its data shards, each from its replica (those past `stored` are zero padding and not read);
-/// when one cannot be read (its replica is down, suspect, or its block fails its checksum),
-/// the parity shards too, and the stripe is reconstructed in the client from any `k` shards.
+/// its data shards, each from its replica (those past `stored` are zero padding and not read).
+/// When one cannot be read (its replica is down or suspect, or its block fails its checksum),
+/// or has not answered within [`FIRST_ATTEMPT`](crate::net::FIRST_ATTEMPT) (a replica cut off answers nothing until the
+/// call times out; it is then suspect, and later reads skip it for a while), the other shards are
+/// read too, and the stripe is reconstructed in the client from the first `k` that arrive.
 async fn read_stripe(
     vol: &Arc<NetVolume>,
     ec: EcSpec,
@@ -702,24 +704,62 @@ async fn read_stripe(
     }
     let len = at.shard_len as u32;
     let mut slots: Vec<Option<Bytes>> = vec![None; total];
+    let mut asked = vec![false; total];
     let mut reads = JoinSet::new();
-    let read = |reads: &mut JoinSet<_>, i: usize| {
+    let read = |reads: &mut JoinSet<_>, asked: &mut [bool], i: usize| {
+        asked[i] = true;
         let (vol, addr, (p, e)) = (vol.clone(), addrs[i].clone(), (k.partition, k.extent));
         reads.spawn(async move { (i, vol.read_shard(p, &addr, e, at.base, len).await) });
     };
+    let mut degraded = false;
     for (i, slot) in slots.iter_mut().enumerate().take(data) {
         if i as u64 * at.shard_len >= stored {
             *slot = Some(Bytes::from(vec![0u8; len as usize]));
-        } else if !vol.is_suspect(&addrs[i]) {
-            read(&mut reads, i);
+        } else if vol.is_suspect(&addrs[i]) {
+            degraded = true;
+        } else {
+            read(&mut reads, &mut asked, i);
         }
     }
+    let hedge = tokio::time::sleep(crate::net::FIRST_ATTEMPT);
+    tokio::pin!(hedge);
     let mut last = None;
-    while let Some(r) = reads.join_next().await {
-        match r {
-            Ok((i, Ok(b))) => slots[i] = Some(b),
-            Ok((_, Err(e))) => last = Some(e),
-            Err(e) => last = Some(DataCallError::Call(CallError::Unknown(e.to_string()))),
+    loop {
+        let have_data = slots[..data].iter().all(Option::is_some);
+        let present = slots.iter().filter(|s| s.is_some()).count();
+        if have_data || (degraded && present >= data) {
+            break;
+        }
+        if degraded {
+            for i in 0..total {
+                if !asked[i] && slots[i].is_none() {
+                    read(&mut reads, &mut asked, i);
+                }
+            }
+        }
+        tokio::select! {
+            r = reads.join_next() => match r {
+                None => break,
+                Some(Ok((i, Ok(b)))) => slots[i] = Some(b),
+                Some(Ok((_, Err(e)))) => {
+                    last = Some(e);
+                    degraded = true;
+                }
+                Some(Err(e)) => {
+                    last = Some(DataCallError::Call(CallError::Unknown(e.to_string())));
+                    degraded = true;
+                }
+            },
+            () = &mut hedge, if !degraded => {
+                // Replicas that have not answered a read in that long are most likely down or
+                // cut off: later reads go around them at once, for a while.
+                for i in 0..data {
+                    if asked[i] && slots[i].is_none() {
+                        vol.mark_suspect(&addrs[i]);
+                    }
+                }
+                degraded = true;
+            }
         }
     }
     if slots[..data].iter().all(Option::is_some) {
@@ -729,19 +769,6 @@ async fn read_stripe(
         }
         frame.truncate(stored as usize);
         return Ok(frame.freeze());
-    }
-    // Degraded: the parity shards, and the data shards of replicas skipped as suspect.
-    for i in 0..total {
-        if slots[i].is_none() && (i >= data || vol.is_suspect(&addrs[i])) {
-            read(&mut reads, i);
-        }
-    }
-    while let Some(r) = reads.join_next().await {
-        match r {
-            Ok((i, Ok(b))) => slots[i] = Some(b),
-            Ok((_, Err(e))) => last = Some(e),
-            Err(e) => last = Some(DataCallError::Call(CallError::Unknown(e.to_string()))),
-        }
     }
     let present = slots.iter().filter(|s| s.is_some()).count();
     if present < data {
