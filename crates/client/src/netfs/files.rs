@@ -687,20 +687,53 @@ async fn read_framed(
 /// or has not answered within [`FIRST_ATTEMPT`](crate::net::FIRST_ATTEMPT) (a replica cut off answers nothing until the
 /// call times out; it is then suspect, and later reads skip it for a while), the other shards are
 /// read too, and the stripe is reconstructed in the client from the first `k` that arrive.
+///
+/// Fewer than `k` shards readable (a node restarting while another is slow) is ridden out: the
+/// stripe is read again, with growing pauses, for the volume's `retry_for` (15 s), before the
+/// read fails.
 async fn read_stripe(
     vol: &Arc<NetVolume>,
     ec: EcSpec,
     k: &ExtentKey,
     stored: u64,
 ) -> Result<Bytes, DataCallError> {
+    let until = tokio::time::Instant::now() + vol.retry_for;
+    let mut pause = std::time::Duration::from_millis(100);
+    loop {
+        match read_stripe_once(vol, ec, k, stored).await {
+            Err(Short(e)) if tokio::time::Instant::now() + pause < until => {
+                tracing::debug!(partition = %k.partition, extent = %k.extent, error = %e, "too few shards readable; reading the stripe again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_secs(1));
+            }
+            Err(Short(e) | Final(e)) => return Err(e),
+            Ok(b) => return Ok(b),
+        }
+    }
+}
+
+/// Why a stripe could not be read: too few shards could be (`Short`, worth another try), or
+/// what was read does not decode (`Final`).
+enum StripeError {
+    Short(DataCallError),
+    Final(DataCallError),
+}
+use StripeError::{Final, Short};
+
+async fn read_stripe_once(
+    vol: &Arc<NetVolume>,
+    ec: EcSpec,
+    k: &ExtentKey,
+    stored: u64,
+) -> Result<Bytes, StripeError> {
     let at = StripeAt::of_key(ec, k.extent_offset, stored);
     let addrs = vol.replica_addrs(k.partition);
     let (data, total) = (usize::from(ec.k), ec.total());
     if addrs.len() != total {
-        return Err(bad_frame(
+        return Err(Final(bad_frame(
             k,
             format!("the view lists {} replicas for {total} shards", addrs.len()),
-        ));
+        )));
     }
     let len = at.shard_len as u32;
     let mut slots: Vec<Option<Bytes>> = vec![None; total];
@@ -772,13 +805,13 @@ async fn read_stripe(
     }
     let present = slots.iter().filter(|s| s.is_some()).count();
     if present < data {
-        return Err(last.unwrap_or(DataCallError::NoWritablePartition));
+        return Err(Short(last.unwrap_or(DataCallError::NoWritablePartition)));
     }
     tracing::debug!(
         partition = %k.partition, extent = %k.extent, base = at.base, present,
         "a stripe read degraded, reconstructing it"
     );
-    nacre_func::ec_reconstruct(ec, slots, stored).map_err(|e| bad_frame(k, e.to_string()))
+    nacre_func::ec_reconstruct(ec, slots, stored).map_err(|e| Final(bad_frame(k, e.to_string())))
 }
 
 fn bad_frame(k: &ExtentKey, why: String) -> DataCallError {
