@@ -267,6 +267,13 @@ impl Inner {
                 ),
             )));
         }
+        // A replica that did not answer lately would hold the packet for the call's timeout:
+        // another partition takes it at once.
+        if let Some(a) = addrs.iter().find(|a| self.vol.is_suspect(a)) {
+            return Err(DataCallError::Data(nacre_api::data::DataError::ReadOnly(
+                format!("its replica {a} did not answer lately"),
+            )));
+        }
         let w = self
             .vol
             .write_shard_0(p, &addrs[0], shards[0].clone())
