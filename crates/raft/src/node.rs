@@ -557,12 +557,7 @@ impl<S: StateMachine> RaftNode<S> {
             ..Config::default()
         };
         cfg.validate()?;
-        let mut node = RawNode::new(&cfg, storage, &self.logger)?;
-        // A group whose only voter is this node (an erasure-coded data partition's replica) has
-        // nobody to wait for: it leads at once instead of after an election timeout (1–2 s).
-        if node.raft.prs().conf().to_conf_state().get_voters() == [self.id] {
-            node.campaign()?;
-        }
+        let node = RawNode::new(&cfg, storage, &self.logger)?;
         self.groups.insert(
             group,
             Group {

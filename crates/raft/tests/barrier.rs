@@ -270,20 +270,3 @@ fn a_restart_of_many_groups_replays_them_in_rounds_of_bounded_size() {
     assert!(cut >= 4, "no round was cut ({rounds:?})");
     assert!(rounds.iter().all(|&n| n <= 60), "{rounds:?}");
 }
-
-/// A group whose only voter is this node leads without waiting for an election timeout: no tick
-/// passes here, when it is created and when it is added again over its log (a restart).
-#[test]
-fn a_lone_voter_leads_at_once_when_created_and_after_a_restart() {
-    let log = Arc::new(MemLogStore::new());
-    for run in 0..2 {
-        let mut node = RaftNode::new(1, NodeConfig::default(), log.clone());
-        node.add_group(1, &[1], Counter::default()).unwrap();
-        for _ in 0..3 {
-            node.process_ready().unwrap();
-        }
-        assert!(node.is_leader(1), "run {run}: not leading without ticks");
-        node.propose(1, b"x".to_vec()).unwrap();
-        node.process_ready().unwrap();
-    }
-}
