@@ -14,7 +14,8 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::Shared;
-use crate::conn::{Conn, Direct, Lane, Outgoing, Permits};
+use crate::balance::ConnInfo;
+use crate::conn::{self, Conn, Direct, Lane, Outgoing, Permits};
 use crate::error::MsgrError;
 use crate::handler::Payload;
 
@@ -440,26 +441,30 @@ impl Client {
         // Callers write to the socket through a second descriptor of it (see `Lane`); it is
         // non-blocking from here on, before the driver attaches it.
         let worker = shared.workers.assign();
-        let worker_counters = &worker.counters;
         let sock = stream.writer();
-        let lane = Lane::new(sock, worker_counters.clone());
         let (tx, rx) = mpsc::unbounded_channel();
+        let info = ConnInfo::new(
+            shared.conns.next_id(),
+            "client",
+            Arc::clone(addr),
+            worker.index(),
+            tx.downgrade(),
+        );
+        let lane = Lane::new(sock, worker.counters.clone(), info);
         let handle = ConnHandle {
             tx,
             lane: Arc::clone(&lane),
             reqs: Arc::new(Semaphore::new(cfg.max_inflight_per_conn as usize)),
             bytes: Arc::new(Semaphore::new(cfg.max_inflight_bytes_per_conn as usize)),
         };
-        let metrics = shared.metrics.clone();
-        let limits = cfg.limits();
-        let peer = Arc::clone(addr);
-        worker.spawn(async move {
-            match stream.attach() {
-                Ok(io) => Conn::client(io, peer, limits, rx, lane, metrics).await,
-                // Dropping `rx` fails the callers waiting on this connection with `Reset`.
-                Err(e) => tracing::warn!(peer = %peer, error = %e, "cannot attach connection"),
-            }
-        });
+        let conn = Conn::client(
+            Arc::clone(shared),
+            worker.index(),
+            Arc::clone(addr),
+            rx,
+            lane,
+        );
+        conn::spawn(conn, stream);
         Ok(handle)
     }
 }

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use nacre_proto::FrameLimits;
 
+use crate::balance::BalanceConfig;
 use crate::policy::AssignKind;
 
 /// Messenger settings. `Default` is what a production node runs with.
@@ -13,6 +14,11 @@ pub struct MsgrConfig {
     pub workers: usize,
     /// How new connections (accepted or opened) are assigned to workers.
     pub assign: AssignKind,
+    /// Whether and how live connections move between workers.
+    pub balance: BalanceConfig,
+    /// Dual workers: a server connection's requests are decoded on its worker and handled on the
+    /// next one, so reading overlaps with handling.
+    pub dual: bool,
     /// Bound on body + data of one frame, both directions.
     pub max_frame: u32,
     /// Connections opened to one peer by a client; calls are spread over them.
@@ -36,6 +42,8 @@ impl Default for MsgrConfig {
         Self {
             workers: 2,
             assign: AssignKind::RoundRobin,
+            balance: BalanceConfig::default(),
+            dual: false,
             max_frame: nacre_proto::DEFAULT_MAX_FRAME,
             conns_per_peer: 1,
             max_inflight_per_conn: 1024,
@@ -60,6 +68,10 @@ impl MsgrConfig {
         if self.workers == 0 {
             return Err(ConfigError::NoWorkers);
         }
+        let b = &self.balance;
+        if b.interval.is_zero() || !(b.threshold > 0.0 && b.threshold <= 1.0) || b.max_moves == 0 {
+            return Err(ConfigError::Balance);
+        }
         if self.conns_per_peer == 0 {
             return Err(ConfigError::NoConnsPerPeer);
         }
@@ -82,6 +94,10 @@ impl MsgrConfig {
 pub enum ConfigError {
     #[error("msgr.workers must be at least 1")]
     NoWorkers,
+    #[error(
+        "msgr balancer: the interval must be above zero, the threshold in (0, 1] and max_moves at least 1"
+    )]
+    Balance,
     #[error("msgr.conns_per_peer must be at least 1")]
     NoConnsPerPeer,
     #[error("msgr in-flight request limits must be at least 1")]

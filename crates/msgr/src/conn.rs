@@ -34,10 +34,12 @@ use tokio::io::{AsyncReadExt, AsyncWrite};
 use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::time::{Instant, Sleep};
 
+use crate::Shared;
+use crate::balance::ConnInfo;
 use crate::error::MsgrError;
 use crate::handler::{Handler, Payload, Reply, Request};
 use crate::metrics::{MsgrMetrics, OpName, WorkerCounters};
-use crate::transport::{BoxFuture, Stream};
+use crate::transport::{BoxFuture, DetachedStream, Stream};
 
 /// Iterations of the driver loop before it yields to other connections on the worker.
 const BUDGET: usize = 32;
@@ -75,6 +77,9 @@ pub(crate) enum Outgoing {
     Kick,
     /// Stop reading, finish in-flight work, close.
     Close,
+    /// Move to worker `n` (the balancer, or a test): the driver detaches its socket at its next
+    /// poll and continues on that worker with everything it had (buffers, queue, pending calls).
+    Migrate(usize),
 }
 
 /// A finished server-side request.
@@ -122,6 +127,10 @@ pub(crate) struct ServerSide {
     pub(crate) max_conn_bytes: u64,
     pub(crate) inflight_gauge: Gauge,
     pub(crate) tx: mpsc::UnboundedSender<Outgoing>,
+    /// Run handlers on the next worker rather than on the connection's own.
+    pub(crate) dual: bool,
+    /// Dropped when the connection ends (the accept loop's record of it).
+    pub(crate) _guard: Option<Box<dyn std::any::Any + Send>>,
     inflight_reqs: u32,
     inflight_bytes: u64,
     /// A decoded frame waiting for budget.
@@ -134,19 +143,21 @@ impl ServerSide {
         handler: Arc<dyn Handler>,
         total_reqs: Arc<Semaphore>,
         total_bytes: Arc<Semaphore>,
-        max_conn_reqs: u32,
-        max_conn_bytes: u64,
+        cfg: &crate::MsgrConfig,
         inflight_gauge: Gauge,
         tx: mpsc::UnboundedSender<Outgoing>,
+        guard: Box<dyn std::any::Any + Send>,
     ) -> Self {
         Self {
             handler,
             total_reqs,
             total_bytes,
-            max_conn_reqs,
-            max_conn_bytes,
+            max_conn_reqs: cfg.max_inflight_per_conn,
+            max_conn_bytes: u64::from(cfg.max_inflight_bytes_per_conn),
             inflight_gauge,
             tx,
+            dual: cfg.dual,
+            _guard: Some(guard),
             inflight_reqs: 0,
             inflight_bytes: 0,
             stalled: None,
@@ -208,10 +219,12 @@ impl Book {
 /// the requests waiting for answers. See the module's invariants for when a caller writes itself.
 pub(crate) struct Lane {
     state: Mutex<LaneState>,
-    counters: WorkerCounters,
+    pub(crate) info: Arc<ConnInfo>,
 }
 
 struct LaneState {
+    /// The counters of the worker the connection is on.
+    counters: WorkerCounters,
     /// A second descriptor of the socket, for callers' own writes; `None` when the transport has
     /// none (memory) or the connection is gone.
     sock: Option<std::net::TcpStream>,
@@ -238,9 +251,14 @@ pub(crate) enum Direct {
 }
 
 impl Lane {
-    pub(crate) fn new(sock: Option<std::net::TcpStream>, counters: WorkerCounters) -> Arc<Self> {
+    pub(crate) fn new(
+        sock: Option<std::net::TcpStream>,
+        counters: WorkerCounters,
+        info: Arc<ConnInfo>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             state: Mutex::new(LaneState {
+                counters,
                 sock,
                 wq: VecDeque::new(),
                 wq_bytes: 0,
@@ -250,7 +268,7 @@ impl Lane {
                 queued: 0,
                 closing: false,
             }),
-            counters,
+            info,
         })
     }
 
@@ -273,7 +291,7 @@ impl Lane {
         }
         st.book
             .insert(frame.header.request_id, reply, deadline, timeout);
-        Ok(st.write(&self.counters, Queued::new(frame, Permits::default())))
+        Ok(st.write(&self.info, Queued::new(frame, Permits::default())))
     }
 
     /// Writes a one-way frame from this thread, or hands it back.
@@ -290,7 +308,7 @@ impl Lane {
         if !st.may_write() {
             return Err((frame, permits));
         }
-        Ok(st.write(&self.counters, Queued::new(frame, permits)))
+        Ok(st.write(&self.info, Queued::new(frame, permits)))
     }
 
     /// Counts a caller's frame about to go through the driver's channel (`undo` if it did not).
@@ -310,7 +328,7 @@ impl LaneState {
     }
 
     /// Writes `q` to the socket as far as it goes without blocking; queues the rest.
-    fn write(&mut self, counters: &WorkerCounters, q: Queued) -> Direct {
+    fn write(&mut self, info: &ConnInfo, q: Queued) -> Direct {
         let written = match &self.sock {
             Some(sock) => {
                 let mut sock: &std::net::TcpStream = sock;
@@ -330,10 +348,12 @@ impl LaneState {
             }
             None => 0,
         };
-        counters.bytes_out.inc_by(written as u64);
+        self.counters.bytes_out.inc_by(written as u64);
+        info.count_bytes(written as u64);
         if written == q.len() {
-            counters.frames_out.inc();
-            counters.direct.inc();
+            self.counters.frames_out.inc();
+            self.counters.direct.inc();
+            info.count_frame();
             return Direct::Written;
         }
         self.woff = written;
@@ -346,8 +366,9 @@ impl LaneState {
         self.wq.push_back(q);
     }
 
-    fn advance_written(&mut self, counters: &WorkerCounters, mut written: usize) {
-        counters.bytes_out.inc_by(written as u64);
+    fn advance_written(&mut self, info: &ConnInfo, mut written: usize) {
+        self.counters.bytes_out.inc_by(written as u64);
+        info.count_bytes(written as u64);
         while written > 0 {
             let Some(front) = self.wq.front() else { break };
             let rest = front.len() - self.woff;
@@ -356,7 +377,8 @@ impl LaneState {
                 self.woff = 0;
                 self.wq_bytes -= front.len();
                 self.wq.pop_front();
-                counters.frames_out.inc();
+                self.counters.frames_out.inc();
+                info.count_frame();
             } else {
                 self.woff += written;
                 written = 0;
@@ -389,6 +411,20 @@ impl ClientSide {
             None => self.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
         }
         st.timer_at = Some(deadline);
+    }
+
+    /// Drops the timer before the connection leaves its worker (a timer belongs to one runtime).
+    fn detach(&mut self, st: &mut LaneState) {
+        self.timer = None;
+        st.timer_at = None;
+    }
+
+    /// Arms the timer on the connection's new worker for the earliest pending deadline.
+    fn rearm(&mut self, st: &mut LaneState) {
+        st.book.pop_answered();
+        if let Some(&(deadline, _)) = st.book.deadlines.front() {
+            self.arm(st, deadline);
+        }
     }
 
     /// Fails every request past its deadline once the timer fires; re-arms.
@@ -432,10 +468,13 @@ enum Side {
     Server(Box<ServerSide>),
 }
 
-/// Drives one connection until it closes. Dropping it (e.g. when the worker stops) fails every
-/// outstanding request with `Reset`.
+/// One connection's state: everything but its socket, so that it can move to another worker with
+/// the socket detached. Dropping it (e.g. when the worker stops) fails every outstanding request
+/// with `Reset`.
 pub(crate) struct Conn {
-    io: Stream,
+    shared: Arc<Shared>,
+    /// The worker it runs on.
+    worker: usize,
     peer: Arc<str>,
     limits: FrameLimits,
     decoder: Decoder,
@@ -449,62 +488,127 @@ pub(crate) struct Conn {
     closing: bool,
     /// Why the connection is going away, reported to outstanding callers.
     close_reason: Option<String>,
+    /// A worker to move to, at the driver's next safe point.
+    migrate_to: Option<usize>,
+    /// When the connection left its previous worker.
+    moved_at: Option<std::time::Instant>,
+}
+
+/// How a driver's poll loop ended.
+enum Exit {
+    Closed,
+    Migrate(usize),
+}
+
+/// A connection attached to its worker: the future that worker runs.
+struct Driver {
+    io: Stream,
+    conn: Conn,
+}
+
+impl Future for Driver {
+    type Output = Exit;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Exit> {
+        let this = &mut *self;
+        let t0 = std::time::Instant::now();
+        let r = this.conn.drive(&mut this.io, cx);
+        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        this.conn
+            .lane
+            .info
+            .busy_ns
+            .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+        r
+    }
+}
+
+/// Runs `conn` on its worker over `stream` until it closes, following it when it migrates.
+pub(crate) fn spawn(mut conn: Conn, stream: DetachedStream) {
+    let shared = Arc::clone(&conn.shared);
+    shared.workers.get(conn.worker).spawn(async move {
+        let io = match stream.attach() {
+            Ok(io) => io,
+            Err(e) => {
+                // Dropping `conn` fails its callers with `Reset`.
+                tracing::warn!(peer = %conn.peer, error = %e, "cannot attach connection");
+                conn.begin_close(&format!("cannot attach: {e}"));
+                return;
+            }
+        };
+        conn.attached();
+        let mut driver = Driver { io, conn };
+        if let Exit::Migrate(to) = (&mut driver).await {
+            let Driver { io, mut conn } = driver;
+            match io.detach() {
+                Ok(stream) => {
+                    conn.move_to(to);
+                    spawn(conn, stream);
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %conn.peer, error = %e, "cannot detach connection to move it");
+                    conn.begin_close(&format!("cannot detach: {e}"));
+                }
+            }
+        }
+    });
 }
 
 impl Conn {
-    /// A client connection; its callers write through `lane` too.
+    /// A client connection on worker `worker`; its callers write through `lane` too.
     pub(crate) fn client(
-        io: Stream,
+        shared: Arc<Shared>,
+        worker: usize,
         peer: Arc<str>,
-        limits: FrameLimits,
         rx: mpsc::UnboundedReceiver<Outgoing>,
         lane: Arc<Lane>,
-        metrics: MsgrMetrics,
     ) -> Self {
         Self::new(
-            io,
+            shared,
+            worker,
             peer,
-            limits,
             rx,
             Side::Client(ClientSide::default()),
             lane,
-            metrics,
         )
     }
 
+    /// A server connection on worker `worker`.
     pub(crate) fn server(
-        io: Stream,
+        shared: Arc<Shared>,
+        worker: usize,
         peer: Arc<str>,
-        limits: FrameLimits,
         rx: mpsc::UnboundedReceiver<Outgoing>,
         server: ServerSide,
-        counters: WorkerCounters,
-        metrics: MsgrMetrics,
+        info: Arc<ConnInfo>,
     ) -> Self {
+        let counters = shared.workers.get(worker).counters.clone();
         Self::new(
-            io,
+            shared,
+            worker,
             peer,
-            limits,
             rx,
             Side::Server(Box::new(server)),
-            Lane::new(None, counters),
-            metrics,
+            Lane::new(None, counters, info),
         )
     }
 
     fn new(
-        io: Stream,
+        shared: Arc<Shared>,
+        worker: usize,
         peer: Arc<str>,
-        limits: FrameLimits,
         rx: mpsc::UnboundedReceiver<Outgoing>,
         side: Side,
         lane: Arc<Lane>,
-        metrics: MsgrMetrics,
     ) -> Self {
-        let counters = lane.counters.clone();
+        let counters = lane.lock().counters.clone();
         counters.connections.inc();
+        shared.conns.insert(&lane.info);
+        let limits = shared.config.limits();
+        let metrics = shared.metrics.clone();
         Self {
-            io,
+            shared,
+            worker,
             peer,
             limits,
             decoder: Decoder::new(limits),
@@ -516,6 +620,40 @@ impl Conn {
             metrics,
             closing: false,
             close_reason: None,
+            migrate_to: None,
+            moved_at: None,
+        }
+    }
+
+    /// Moves the connection's accounting to worker `to` (its socket is detached).
+    fn move_to(&mut self, to: usize) {
+        let to = to % self.shared.workers.len();
+        let counters = self.shared.workers.get(to).counters.clone();
+        self.counters.connections.dec();
+        counters.connections.inc();
+        self.counters = counters.clone();
+        {
+            let mut st = self.lane.lock();
+            st.counters = counters;
+            if let Side::Client(c) = &mut self.side {
+                c.detach(&mut st);
+            }
+        }
+        self.worker = to;
+        let info = &self.lane.info;
+        info.worker.store(to, std::sync::atomic::Ordering::Relaxed);
+        info.migrations
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.moved_at = Some(std::time::Instant::now());
+    }
+
+    /// Called on the connection's worker once its socket is attached there.
+    fn attached(&mut self) {
+        if let Some(at) = self.moved_at.take() {
+            self.metrics.migrated(at.elapsed().as_secs_f64());
+        }
+        if let Side::Client(c) = &mut self.side {
+            c.rearm(&mut self.lane.lock());
         }
     }
 
@@ -553,6 +691,11 @@ impl Conn {
             Outgoing::Kick => {}
             Outgoing::Done(done) => self.on_done(done),
             Outgoing::Close => self.begin_close("closed by local shutdown"),
+            Outgoing::Migrate(to) => {
+                if to < self.shared.workers.len() && to != self.worker && !self.closing {
+                    self.migrate_to = Some(to);
+                }
+            }
         }
     }
 
@@ -623,7 +766,7 @@ impl Conn {
     }
 
     /// Writes queued frames until the socket would block. Returns whether anything was written.
-    fn poll_write_queue(&mut self, cx: &mut Context<'_>) -> io::Result<bool> {
+    fn poll_write_queue(&mut self, io: &mut Stream, cx: &mut Context<'_>) -> io::Result<bool> {
         let mut progress = false;
         let mut st = self.lane.lock();
         while !st.wq.is_empty() {
@@ -644,11 +787,11 @@ impl Conn {
                     n += 1;
                 }
             }
-            match Pin::new(&mut self.io).poll_write_vectored(cx, &iov[..n]) {
+            match Pin::new(&mut *io).poll_write_vectored(cx, &iov[..n]) {
                 Poll::Ready(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
                 Poll::Ready(Ok(written)) => {
                     progress = true;
-                    st.advance_written(&self.counters, written);
+                    st.advance_written(&self.lane.info, written);
                 }
                 Poll::Ready(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
                 Poll::Ready(Err(e)) => return Err(e),
@@ -668,7 +811,7 @@ impl Conn {
 
     /// Reads once and handles every whole frame buffered. Returns whether anything happened, or the
     /// reason to close the connection.
-    fn poll_read(&mut self, cx: &mut Context<'_>) -> Result<bool, Closed> {
+    fn poll_read(&mut self, io: &mut Stream, cx: &mut Context<'_>) -> Result<bool, Closed> {
         let mut progress = self.retry_stalled(cx);
         if !self.may_admit() {
             return Ok(progress);
@@ -677,7 +820,7 @@ impl Conn {
             self.rbuf.reserve(READ_CHUNK);
         }
         let read = {
-            let fut = std::pin::pin!(self.io.read_buf(&mut self.rbuf));
+            let fut = std::pin::pin!(io.read_buf(&mut self.rbuf));
             fut.poll(cx)
         };
         match read {
@@ -686,6 +829,7 @@ impl Conn {
             Poll::Ready(Ok(n)) => {
                 progress = true;
                 self.counters.bytes_in.inc_by(n as u64);
+                self.lane.info.count_bytes(n as u64);
             }
             Poll::Ready(Err(e)) if e.kind() == io::ErrorKind::Interrupted => progress = true,
             Poll::Ready(Err(e)) => return Err(Closed::Io(e)),
@@ -695,6 +839,7 @@ impl Conn {
                 Ok(Some(frame)) => {
                     progress = true;
                     self.counters.frames_in.inc();
+                    self.lane.info.count_frame();
                     self.on_frame(frame, cx);
                 }
                 Ok(None) => break,
@@ -832,6 +977,17 @@ impl Conn {
             permits,
             result: Ok(Reply::default()),
         };
+        let workers = &self.shared.workers;
+        if s.dual && workers.len() > 1 {
+            // Decoding stays here; the handler runs on the next worker and its reply comes back
+            // through the channel.
+            let tx = s.tx.clone();
+            workers.get(self.worker + 1).spawn(async move {
+                done.result = fut.await;
+                let _ = tx.send(Outgoing::Done(done));
+            });
+            return;
+        }
         match fut.as_mut().poll(cx) {
             Poll::Ready(result) => {
                 done.result = result;
@@ -904,11 +1060,11 @@ fn error_frame(op: nacre_proto::Op, request_id: u64, e: &RemoteError) -> Frame {
     Frame::new(Kind::Error, op, request_id, encode_body(e), Bytes::new())
 }
 
-impl Future for Conn {
-    type Output = ();
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let this = &mut *self;
+impl Conn {
+    /// One poll of the connection: moves messages, timers, writes and reads along until nothing
+    /// more can happen now, the connection is done, or it is to move to another worker.
+    fn drive(&mut self, io: &mut Stream, cx: &mut Context<'_>) -> Poll<Exit> {
+        let this = self;
         // A source that returned Pending during this call has registered the waker; polling it again
         // before anything changed would only repeat the registration.
         let mut rx_waiting = false;
@@ -930,6 +1086,9 @@ impl Future for Conn {
                     Poll::Pending => rx_waiting = true,
                 }
             }
+            if let Some(to) = this.migrate_to.take() {
+                return Poll::Ready(Exit::Migrate(to));
+            }
             if progress {
                 // A finished request may have returned the budget a stalled frame waits for.
                 read_waiting = false;
@@ -945,29 +1104,29 @@ impl Future for Conn {
                     timer_waiting = true;
                 }
             }
-            match this.poll_write_queue(cx) {
+            match this.poll_write_queue(io, cx) {
                 Ok(p) => progress |= p,
                 Err(e) => {
                     this.metrics.error("reset");
                     this.begin_close(&e.to_string());
-                    return Poll::Ready(());
+                    return Poll::Ready(Exit::Closed);
                 }
             }
             if !read_waiting {
-                match this.poll_read(cx) {
+                match this.poll_read(io, cx) {
                     Ok(true) => progress = true,
                     Ok(false) => read_waiting = true,
                     Err(closed) => {
                         progress = true;
                         if this.handle_closed(closed) {
-                            return Poll::Ready(());
+                            return Poll::Ready(Exit::Closed);
                         }
                     }
                 }
             }
             if this.drained() {
-                let _ = Pin::new(&mut this.io).poll_shutdown(cx);
-                return Poll::Ready(());
+                let _ = Pin::new(&mut *io).poll_shutdown(cx);
+                return Poll::Ready(Exit::Closed);
             }
             if !progress {
                 return Poll::Pending;
@@ -981,6 +1140,7 @@ impl Future for Conn {
 impl Drop for Conn {
     fn drop(&mut self) {
         self.counters.connections.dec();
+        self.shared.conns.remove(self.lane.info.id);
         let err = self.reset_error();
         // Close first, so that a caller woken by the errors below finds the handle closed and
         // reconnects instead of queueing onto this dead connection.

@@ -28,6 +28,7 @@
 //! # Ok(()) }
 //! ```
 
+mod balance;
 mod client;
 mod config;
 mod conn;
@@ -46,6 +47,7 @@ use std::sync::Arc;
 
 use prometheus_client::registry::Registry;
 
+pub use balance::{BalanceConfig, BalanceKind, ConnLoad, ConnStat, Move, plan, spread};
 pub use client::{CallOptions, Client};
 pub use config::{ConfigError, MsgrConfig};
 pub use error::MsgrError;
@@ -53,7 +55,7 @@ pub use handler::{Handler, Incoming, Payload, Reply, Request, Router};
 pub use metrics::MsgrMetrics;
 pub use policy::{AssignKind, AssignPolicy, WorkerLoad};
 pub use transport::{BoxFuture, DetachedStream, Listener, Stream, TcpTransport, Transport};
-pub use worker::{Worker, Workers};
+pub use worker::{Worker, WorkerStat, Workers};
 
 pub(crate) struct Shared {
     pub(crate) name: String,
@@ -61,6 +63,9 @@ pub(crate) struct Shared {
     pub(crate) workers: Workers,
     pub(crate) transport: Arc<dyn Transport>,
     pub(crate) metrics: MsgrMetrics,
+    /// Every live connection (for the balancer and for inspection).
+    pub(crate) conns: balance::ConnTable,
+    balancer: std::sync::Mutex<Option<balance::Balancer>>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -85,15 +90,21 @@ impl Messenger {
         config.validate().map_err(io::Error::other)?;
         let metrics = MsgrMetrics::default();
         let workers = Workers::start(name, config.workers, config.assign.build(), &metrics)?;
-        Ok(Self {
-            shared: Arc::new(Shared {
-                name: name.to_string(),
-                config,
-                workers,
-                transport,
-                metrics,
-            }),
-        })
+        let balance = config.balance.clone();
+        let shared = Arc::new(Shared {
+            name: name.to_string(),
+            config,
+            workers,
+            transport,
+            metrics,
+            conns: balance::ConnTable::default(),
+            balancer: std::sync::Mutex::new(None),
+        });
+        if balance.policy != BalanceKind::Off && shared.workers.len() > 1 {
+            let b = balance::Balancer::start(name, Arc::downgrade(&shared), balance)?;
+            *nacre_types::sync::lock(&shared.balancer) = Some(b);
+        }
+        Ok(Self { shared })
     }
 
     /// The configuration this messenger runs with.
@@ -136,9 +147,36 @@ impl Messenger {
         server::serve(Arc::clone(&self.shared), listener, handler, shutdown)
     }
 
-    /// Stops the worker threads and waits for them; connections still open are dropped. Must not be
-    /// called from inside a worker.
+    /// Every live connection: where it runs and what it has cost.
+    pub fn connections(&self) -> Vec<ConnStat> {
+        let mut all: Vec<ConnStat> = self.shared.conns.all().iter().map(|c| c.stat()).collect();
+        all.sort_by_key(|c| c.id);
+        all
+    }
+
+    /// Each worker's connections, traffic and busy time.
+    pub fn worker_stats(&self) -> Vec<WorkerStat> {
+        self.shared.workers.stats()
+    }
+
+    /// Connections moved between workers since the messenger started.
+    pub fn migrations(&self) -> u64 {
+        self.shared.metrics.migrations()
+    }
+
+    /// Asks connection `id` to move to worker `to` (what the balancer does). It moves at its
+    /// driver's next poll; `false` when no such connection or worker exists.
+    pub fn migrate(&self, id: u64, to: usize) -> bool {
+        to < self.shared.workers.len() && self.shared.conns.migrate(id, to)
+    }
+
+    /// Stops the balancer and the worker threads and waits for them; connections still open are
+    /// dropped. Must not be called from inside a worker.
     pub fn shutdown(&self) {
+        let balancer = nacre_types::sync::lock(&self.shared.balancer).take();
+        if let Some(mut b) = balancer {
+            b.stop();
+        }
         self.shared.workers.shutdown();
     }
 }

@@ -83,6 +83,9 @@ pub struct MsgrMetrics {
     inflight: Family<SideLabel, Gauge>,
     served: Histograms,
     results: Family<OpResult, Counter>,
+    migrations: Counter,
+    migration_pause: Histogram,
+    spread: Gauge<f64, std::sync::atomic::AtomicU64>,
 }
 
 impl Default for MsgrMetrics {
@@ -96,6 +99,10 @@ impl Default for MsgrMetrics {
             inflight: Family::default(),
             served: Family::new_with_constructor(service_histogram),
             results: Family::default(),
+            migrations: Counter::default(),
+            // 1 µs doubling to about 65 ms.
+            migration_pause: Histogram::new(exponential_buckets(1e-6, 2.0, 17)),
+            spread: Gauge::default(),
         }
     }
 }
@@ -154,6 +161,22 @@ impl MsgrMetrics {
             self.results.clone(),
         );
         r.register(
+            "migrations",
+            "Connections moved between workers by the balancer (or on request)",
+            self.migrations.clone(),
+        );
+        r.register(
+            "migration_pause_seconds",
+            "Time a moving connection is not served: from leaving its worker to running on the next",
+            self.migration_pause.clone(),
+        );
+        r.register(
+            "worker_load_spread",
+            "Standard deviation of the workers' load over the balancer's last interval, as a \
+             fraction of the busiest worker's load (what the balancer's threshold compares)",
+            self.spread.clone(),
+        );
+        r.register(
             "inflight_requests",
             "Requests in flight (side=client: awaiting a reply; side=server: being served)",
             self.inflight.clone(),
@@ -177,6 +200,19 @@ impl MsgrMetrics {
                 worker: index.to_string(),
             }),
         }
+    }
+
+    pub(crate) fn migrated(&self, pause_secs: f64) {
+        self.migrations.inc();
+        self.migration_pause.observe(pause_secs);
+    }
+
+    pub(crate) fn migrations(&self) -> u64 {
+        self.migrations.get()
+    }
+
+    pub(crate) fn set_spread(&self, v: f64) {
+        self.spread.set(v);
     }
 
     pub(crate) fn error(&self, kind: &'static str) {

@@ -3,7 +3,6 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -11,7 +10,8 @@ use nacre_types::sync::lock;
 use tokio::sync::{Notify, Semaphore, mpsc};
 
 use crate::Shared;
-use crate::conn::{Conn, Outgoing, ServerSide};
+use crate::balance::ConnInfo;
+use crate::conn::{self, Conn, Outgoing, ServerSide};
 use crate::handler::Handler;
 use crate::transport::Listener;
 
@@ -22,6 +22,19 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 struct Registry {
     conns: Mutex<HashMap<u64, mpsc::UnboundedSender<Outgoing>>>,
     changed: Notify,
+}
+
+/// A connection's entry in the accept loop's registry, removed when the connection ends.
+struct Registered {
+    registry: Arc<Registry>,
+    id: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        lock(&self.registry.conns).remove(&self.id);
+        self.registry.changed.notify_waiters();
+    }
 }
 
 pub(crate) async fn serve<F>(
@@ -37,7 +50,6 @@ where
     let total_reqs = Arc::new(Semaphore::new(cfg.max_inflight_total as usize));
     let total_bytes = Arc::new(Semaphore::new(cfg.max_inflight_bytes_total as usize));
     let registry = Arc::new(Registry::default());
-    let next_id = AtomicU64::new(1);
     let local = listener.local_addr().unwrap_or_default();
     tracing::debug!(name = %shared.name, addr = %local, "serving");
     let mut shutdown = std::pin::pin!(shutdown);
@@ -56,34 +68,27 @@ where
                 continue;
             }
         };
-        let id = next_id.fetch_add(1, Ordering::Relaxed);
+        let id = shared.conns.next_id();
         let (tx, rx) = mpsc::unbounded_channel();
         lock(&registry.conns).insert(id, tx.clone());
-        let worker = shared.workers.assign();
+        let worker = shared.workers.assign().index();
+        let peer: Arc<str> = peer.into();
+        let info = ConnInfo::new(id, "server", Arc::clone(&peer), worker, tx.downgrade());
+        let registered = Registered {
+            registry: Arc::clone(&registry),
+            id,
+        };
         let side = ServerSide::new(
             Arc::clone(&handler),
             Arc::clone(&total_reqs),
             Arc::clone(&total_bytes),
-            cfg.max_inflight_per_conn,
-            u64::from(cfg.max_inflight_bytes_per_conn),
+            cfg,
             shared.metrics.inflight("server"),
             tx,
+            Box::new(registered),
         );
-        let counters = worker.counters.clone();
-        let metrics = shared.metrics.clone();
-        let limits = cfg.limits();
-        let registry2 = Arc::clone(&registry);
-        worker.spawn(async move {
-            match stream.attach() {
-                Ok(io) => {
-                    let conn = Conn::server(io, peer.into(), limits, rx, side, counters, metrics);
-                    conn.await;
-                }
-                Err(e) => tracing::warn!(error = %e, "cannot attach accepted connection"),
-            }
-            lock(&registry2.conns).remove(&id);
-            registry2.changed.notify_waiters();
-        });
+        let conn = Conn::server(Arc::clone(&shared), worker, peer, rx, side, info);
+        conn::spawn(conn, stream);
     }
     drop(listener);
     // Graceful close: every connection stops reading, answers what it has, and exits.

@@ -40,6 +40,23 @@ impl Worker {
         self.handle.spawn(fut)
     }
 
+    /// Time this worker's thread has spent running tasks since it started.
+    pub fn busy(&self) -> std::time::Duration {
+        self.handle.metrics().worker_total_busy_duration(0)
+    }
+
+    /// This worker's connections, traffic and busy time.
+    pub fn stat(&self) -> WorkerStat {
+        let l = self.load();
+        WorkerStat {
+            index: self.index,
+            connections: l.connections,
+            bytes: l.bytes,
+            frames: l.frames,
+            busy: self.busy(),
+        }
+    }
+
     /// This worker's load as seen by assignment policies.
     pub fn load(&self) -> WorkerLoad {
         let c = &self.counters;
@@ -49,6 +66,19 @@ impl Worker {
             frames: c.frames_in.get() + c.frames_out.get(),
         }
     }
+}
+
+/// A snapshot of one worker ([`crate::Messenger::worker_stats`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerStat {
+    pub index: usize,
+    pub connections: u64,
+    /// Bytes read and written since it started.
+    pub bytes: u64,
+    /// Frames read and written since it started.
+    pub frames: u64,
+    /// Time spent running tasks since it started.
+    pub busy: std::time::Duration,
 }
 
 /// The pool of workers of one messenger.
@@ -129,6 +159,16 @@ impl Workers {
     /// Current load of every worker.
     pub fn loads(&self) -> Vec<WorkerLoad> {
         self.workers.iter().map(Worker::load).collect()
+    }
+
+    /// Every worker's busy time since it started.
+    pub fn busy(&self) -> Vec<std::time::Duration> {
+        self.workers.iter().map(Worker::busy).collect()
+    }
+
+    /// A snapshot of every worker.
+    pub fn stats(&self) -> Vec<WorkerStat> {
+        self.workers.iter().map(Worker::stat).collect()
     }
 
     /// The worker the policy picks for a new connection.

@@ -15,7 +15,9 @@ use nacre_funcsvc::{FuncAgentConfig, FuncMetrics, FuncServer, FuncServerConfig, 
 use nacre_master::map::Role;
 use nacre_master::{MASTER_GROUP, Master, MasterConfig, MasterSm};
 use nacre_meta::{MetaNode, MetaNodeConfig};
-use nacre_msgr::{AssignKind, Messenger, MsgrConfig, Payload, Router, TcpTransport};
+use nacre_msgr::{
+    AssignKind, BalanceConfig, BalanceKind, Messenger, MsgrConfig, Payload, Router, TcpTransport,
+};
 use nacre_proto::msg::sys::{Echo, EchoResponse, Ping, PingResponse};
 use nacre_raft::{EngineLogStore, LogStore, RaftHandle, StoreConfig};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -261,6 +263,19 @@ pub struct MsgrSection {
     pub workers: usize,
     /// `round-robin` or `least-connections`.
     pub assign: String,
+    /// Connection balancer: `off`, `busy`, `bytes` or `frames` (what counts as load).
+    pub balance: String,
+    pub balance_interval_ms: u64,
+    /// Move connections when the standard deviation of worker loads exceeds this fraction of the
+    /// busiest worker's load.
+    pub balance_threshold: f64,
+    pub balance_max_moves: usize,
+    /// Intervals a moved connection stays put.
+    pub balance_cooldown: u32,
+    /// Leave connections alone while the busiest worker is busy less than this fraction of the time.
+    pub balance_min_busy: f64,
+    /// Dual workers: handle a connection's requests on the worker after the one that reads them.
+    pub dual: bool,
     pub max_frame: u32,
     pub conns_per_peer: usize,
     pub max_inflight_per_conn: u32,
@@ -277,6 +292,13 @@ impl Default for MsgrSection {
         Self {
             workers: d.workers,
             assign: d.assign.to_string(),
+            balance: d.balance.policy.to_string(),
+            balance_interval_ms: d.balance.interval.as_millis() as u64,
+            balance_threshold: d.balance.threshold,
+            balance_max_moves: d.balance.max_moves,
+            balance_cooldown: d.balance.cooldown,
+            balance_min_busy: d.balance.min_busy,
+            dual: d.dual,
             max_frame: d.max_frame,
             conns_per_peer: d.conns_per_peer,
             max_inflight_per_conn: d.max_inflight_per_conn,
@@ -295,9 +317,22 @@ impl MsgrSection {
             .assign
             .parse()
             .map_err(|e: String| anyhow::anyhow!("msgr.assign: {e}"))?;
+        let policy: BalanceKind = self
+            .balance
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("msgr.balance: {e}"))?;
         let c = MsgrConfig {
             workers: self.workers,
             assign,
+            balance: BalanceConfig {
+                policy,
+                interval: Duration::from_millis(self.balance_interval_ms),
+                threshold: self.balance_threshold,
+                max_moves: self.balance_max_moves,
+                cooldown: self.balance_cooldown,
+                min_busy: self.balance_min_busy,
+            },
+            dual: self.dual,
             max_frame: self.max_frame,
             conns_per_peer: self.conns_per_peer,
             max_inflight_per_conn: self.max_inflight_per_conn,
