@@ -488,8 +488,8 @@ pub(crate) struct Conn {
     closing: bool,
     /// Why the connection is going away, reported to outstanding callers.
     close_reason: Option<String>,
-    /// A worker to move to, at the driver's next safe point.
-    migrate_to: Option<usize>,
+    /// A move under way: the connection is served here until the target worker is running.
+    moving: Option<Moving>,
     /// When the connection left its previous worker.
     moved_at: Option<std::time::Instant>,
 }
@@ -497,7 +497,31 @@ pub(crate) struct Conn {
 /// How a driver's poll loop ended.
 enum Exit {
     Closed,
-    Migrate(usize),
+    Migrate(Moving),
+}
+
+/// A connection about to move: the task waiting for it on the target worker says when it runs,
+/// and takes the connection then. Until that signal the connection is served where it is, so the
+/// pause is one hand-over between two running workers, not the wait for a busy one to get round to
+/// a new task.
+struct Moving {
+    to: usize,
+    ready: oneshot::Receiver<()>,
+    hand: oneshot::Sender<(Conn, DetachedStream)>,
+}
+
+/// Spawns the task on worker `to` that will take the connection.
+fn prepare_move(shared: &Shared, to: usize) -> Moving {
+    let (ready_tx, ready) = oneshot::channel();
+    let (hand, taken) = oneshot::channel::<(Conn, DetachedStream)>();
+    shared.workers.get(to).spawn(async move {
+        if ready_tx.send(()).is_ok()
+            && let Ok((conn, stream)) = taken.await
+        {
+            run(conn, stream).await;
+        }
+    });
+    Moving { to, ready, hand }
 }
 
 /// A connection attached to its worker: the future that worker runs.
@@ -523,35 +547,39 @@ impl Future for Driver {
     }
 }
 
-/// Runs `conn` on its worker over `stream` until it closes, following it when it migrates.
-pub(crate) fn spawn(mut conn: Conn, stream: DetachedStream) {
+/// Runs `conn` on its worker over `stream` until it closes or moves on.
+pub(crate) fn spawn(conn: Conn, stream: DetachedStream) {
     let shared = Arc::clone(&conn.shared);
-    shared.workers.get(conn.worker).spawn(async move {
-        let io = match stream.attach() {
-            Ok(io) => io,
-            Err(e) => {
-                // Dropping `conn` fails its callers with `Reset`.
-                tracing::warn!(peer = %conn.peer, error = %e, "cannot attach connection");
-                conn.begin_close(&format!("cannot attach: {e}"));
-                return;
+    shared.workers.get(conn.worker).spawn(run(conn, stream));
+}
+
+async fn run(mut conn: Conn, stream: DetachedStream) {
+    let io = match stream.attach() {
+        Ok(io) => io,
+        Err(e) => {
+            // Dropping `conn` fails its callers with `Reset`.
+            tracing::warn!(peer = %conn.peer, error = %e, "cannot attach connection");
+            conn.begin_close(&format!("cannot attach: {e}"));
+            return;
+        }
+    };
+    conn.attached();
+    let mut driver = Driver { io, conn };
+    if let Exit::Migrate(m) = (&mut driver).await {
+        let Driver { io, mut conn } = driver;
+        match io.detach() {
+            Ok(stream) => {
+                conn.move_to(m.to);
+                // If the target's task is gone (its worker stopped), dropping the connection
+                // fails its callers.
+                let _ = m.hand.send((conn, stream));
             }
-        };
-        conn.attached();
-        let mut driver = Driver { io, conn };
-        if let Exit::Migrate(to) = (&mut driver).await {
-            let Driver { io, mut conn } = driver;
-            match io.detach() {
-                Ok(stream) => {
-                    conn.move_to(to);
-                    spawn(conn, stream);
-                }
-                Err(e) => {
-                    tracing::warn!(peer = %conn.peer, error = %e, "cannot detach connection to move it");
-                    conn.begin_close(&format!("cannot detach: {e}"));
-                }
+            Err(e) => {
+                tracing::warn!(peer = %conn.peer, error = %e, "cannot detach connection to move it");
+                conn.begin_close(&format!("cannot detach: {e}"));
             }
         }
-    });
+    }
 }
 
 impl Conn {
@@ -620,7 +648,7 @@ impl Conn {
             metrics,
             closing: false,
             close_reason: None,
-            migrate_to: None,
+            moving: None,
             moved_at: None,
         }
     }
@@ -650,7 +678,7 @@ impl Conn {
     /// Called on the connection's worker once its socket is attached there.
     fn attached(&mut self) {
         if let Some(at) = self.moved_at.take() {
-            self.metrics.migrated(at.elapsed().as_secs_f64());
+            self.metrics.migrated(at.elapsed());
         }
         if let Side::Client(c) = &mut self.side {
             c.rearm(&mut self.lane.lock());
@@ -692,8 +720,9 @@ impl Conn {
             Outgoing::Done(done) => self.on_done(done),
             Outgoing::Close => self.begin_close("closed by local shutdown"),
             Outgoing::Migrate(to) => {
-                if to < self.shared.workers.len() && to != self.worker && !self.closing {
-                    self.migrate_to = Some(to);
+                let valid = to < self.shared.workers.len() && to != self.worker;
+                if valid && !self.closing && self.moving.is_none() {
+                    self.moving = Some(prepare_move(&self.shared, to));
                 }
             }
         }
@@ -1086,8 +1115,17 @@ impl Conn {
                     Poll::Pending => rx_waiting = true,
                 }
             }
-            if let Some(to) = this.migrate_to.take() {
-                return Poll::Ready(Exit::Migrate(to));
+            if let Some(m) = &mut this.moving {
+                match Pin::new(&mut m.ready).poll(cx) {
+                    Poll::Ready(Ok(())) => {
+                        if let Some(m) = this.moving.take() {
+                            return Poll::Ready(Exit::Migrate(m));
+                        }
+                    }
+                    // The target worker is stopping: stay.
+                    Poll::Ready(Err(_)) => this.moving = None,
+                    Poll::Pending => {}
+                }
             }
             if progress {
                 // A finished request may have returned the budget a stalled frame waits for.

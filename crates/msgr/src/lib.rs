@@ -164,6 +164,11 @@ impl Messenger {
         self.shared.metrics.migrations()
     }
 
+    /// How long the latest migrations (up to 4,096) left their connection unserved.
+    pub fn recent_migration_pauses(&self) -> Vec<std::time::Duration> {
+        self.shared.metrics.recent_pauses()
+    }
+
     /// Asks connection `id` to move to worker `to` (what the balancer does). It moves at its
     /// driver's next poll; `false` when no such connection or worker exists.
     pub fn migrate(&self, id: u64, to: usize) -> bool {

@@ -65,6 +65,9 @@ impl prometheus_client::encoding::EncodeLabelValue for OpName {
     }
 }
 
+/// Migration pauses kept for [`crate::Messenger::recent_migration_pauses`].
+const RECENT_PAUSES: usize = 4096;
+
 type Histograms = Family<OpLabel, Histogram, fn() -> Histogram>;
 
 /// Buckets of [`MsgrMetrics`]'s service-time histograms: 25 µs doubling to about 1.6 s (17).
@@ -85,6 +88,8 @@ pub struct MsgrMetrics {
     results: Family<OpResult, Counter>,
     migrations: Counter,
     migration_pause: Histogram,
+    /// The latest pauses (nanoseconds), for benchmarks' percentiles.
+    recent_pauses: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<u64>>>,
     spread: Gauge<f64, std::sync::atomic::AtomicU64>,
 }
 
@@ -102,6 +107,7 @@ impl Default for MsgrMetrics {
             migrations: Counter::default(),
             // 1 µs doubling to about 65 ms.
             migration_pause: Histogram::new(exponential_buckets(1e-6, 2.0, 17)),
+            recent_pauses: Default::default(),
             spread: Gauge::default(),
         }
     }
@@ -202,9 +208,21 @@ impl MsgrMetrics {
         }
     }
 
-    pub(crate) fn migrated(&self, pause_secs: f64) {
+    pub(crate) fn migrated(&self, pause: std::time::Duration) {
         self.migrations.inc();
-        self.migration_pause.observe(pause_secs);
+        self.migration_pause.observe(pause.as_secs_f64());
+        let mut recent = nacre_types::sync::lock(&self.recent_pauses);
+        if recent.len() == RECENT_PAUSES {
+            recent.pop_front();
+        }
+        recent.push_back(u64::try_from(pause.as_nanos()).unwrap_or(u64::MAX));
+    }
+
+    pub(crate) fn recent_pauses(&self) -> Vec<std::time::Duration> {
+        nacre_types::sync::lock(&self.recent_pauses)
+            .iter()
+            .map(|&ns| std::time::Duration::from_nanos(ns))
+            .collect()
     }
 
     pub(crate) fn migrations(&self) -> u64 {

@@ -354,9 +354,29 @@ struct BenchRaftArgs {
 
 #[derive(Debug, Args)]
 struct BenchMsgrArgs {
-    /// Message sizes (comma-separated; units k, m).
-    #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "4k,64k,1m")]
-    sizes: Vec<usize>,
+    /// Message sizes (comma-separated; units k, m). Default 4k,64k,1m; with --skew 4k,8k,64k,1m.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    sizes: Option<Vec<usize>>,
+    /// The connection balancer's experiment: two heavy and six light connections (or a uniform
+    /// control) on a two-worker server, static against balanced against balanced+dual.
+    #[arg(long)]
+    skew: bool,
+    /// With --skew: messenger modes to compare (static, balanced, balanced+dual).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "static,balanced,balanced+dual"
+    )]
+    modes: Vec<String>,
+    /// With --skew: offered loads (skewed, uniform).
+    #[arg(long, value_delimiter = ',', default_value = "skewed,uniform")]
+    loads: Vec<String>,
+    /// With --skew: the balancer's interval in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    interval_ms: u64,
+    /// With --skew: the balancer's threshold (fraction of the busiest worker's load).
+    #[arg(long, default_value_t = 0.2)]
+    threshold: f64,
     /// Requests in flight (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1,16,128")]
     inflight: Vec<usize>,
@@ -850,12 +870,15 @@ fn ping(a: PingArgs) -> anyhow::Result<()> {
 
 fn bench_msgr(a: BenchMsgrArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.secs > 0.0, "--secs must be positive");
+    if a.skew {
+        return bench_msgr_skew(a);
+    }
     anyhow::ensure!(
         a.inflight.iter().all(|&n| n > 0),
         "--inflight values must be at least 1"
     );
     let p = bench::msgr::Params {
-        sizes: a.sizes,
+        sizes: a.sizes.unwrap_or_else(|| vec![4 << 10, 64 << 10, 1 << 20]),
         inflight: a.inflight,
         duration: Duration::from_secs_f64(a.secs),
         warmup: Duration::from_secs_f64(a.warmup_secs.max(0.0)),
@@ -881,6 +904,56 @@ fn bench_msgr(a: BenchMsgrArgs) -> anyhow::Result<()> {
     })?;
     if !json {
         report::print_table(&rows);
+    }
+    Ok(())
+}
+
+fn bench_msgr_skew(a: BenchMsgrArgs) -> anyhow::Result<()> {
+    let modes = a
+        .modes
+        .iter()
+        .map(|m| bench::skew::Mode::parse(m))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow::anyhow!("--modes: {e}"))?;
+    let loads = a
+        .loads
+        .iter()
+        .map(|m| bench::skew::Load::parse(m))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow::anyhow!("--loads: {e}"))?;
+    anyhow::ensure!(
+        a.threshold > 0.0 && a.threshold <= 1.0,
+        "--threshold must be in (0, 1]"
+    );
+    anyhow::ensure!(a.interval_ms > 0, "--interval-ms must be positive");
+    let p = bench::skew::Params {
+        sizes: a
+            .sizes
+            .unwrap_or_else(|| vec![4 << 10, 8 << 10, 64 << 10, 1 << 20]),
+        modes,
+        loads,
+        duration: Duration::from_secs_f64(a.secs),
+        warmup: Duration::from_secs_f64(a.warmup_secs.max(0.0)),
+        interval: Duration::from_millis(a.interval_ms),
+        threshold: a.threshold,
+        rounds: a.rounds.max(1),
+    };
+    let json = a.json;
+    let rows = bench::skew::run(&p, |r| {
+        if json {
+            let _ = report::print_json(std::slice::from_ref(r));
+        } else {
+            eprintln!(
+                "  {} {} size={}: {:.0} ops/s",
+                r.implementation,
+                r.load,
+                report::human_size(r.size),
+                r.ops_per_s
+            );
+        }
+    })?;
+    if !json {
+        report::print_skew_table(&rows);
     }
     Ok(())
 }

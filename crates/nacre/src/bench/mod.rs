@@ -8,3 +8,4 @@ pub mod meta;
 pub mod msgr;
 pub mod raft;
 pub mod report;
+pub mod skew;

@@ -67,7 +67,53 @@ pub fn print_table(rows: &[MsgrRow]) {
     println!("{t}");
 }
 
-pub fn print_json(rows: &[MsgrRow]) -> anyhow::Result<()> {
+/// The `--skew` experiment's table.
+pub fn print_skew_table(rows: &[super::skew::SkewRow]) {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header([
+        "impl",
+        "load",
+        "size",
+        "ops/s",
+        "MiB/s",
+        "p50 µs",
+        "p99 µs",
+        "light p99 µs",
+        "spread %",
+        "moves",
+        "pause p99 µs",
+        "vs static",
+    ]);
+    for r in rows {
+        let right = |s: String| Cell::new(s).set_alignment(CellAlignment::Right);
+        t.add_row(vec![
+            Cell::new(r.implementation),
+            Cell::new(r.load),
+            right(human_size(r.size)),
+            right(format!("{:.0}", r.ops_per_s)),
+            right(format!("{:.1}", r.mib_per_s)),
+            right(format!("{:.1}", r.p50_us)),
+            right(format!("{:.1}", r.p99_us)),
+            right(
+                r.light_p99_us
+                    .map(|v| format!("{v:.1}"))
+                    .unwrap_or_default(),
+            ),
+            right(format!("{:.1}", r.worker_spread_pct)),
+            right(r.migrations.to_string()),
+            right(format!("{:.1}", r.migration_pause_p99_us)),
+            right(
+                r.vs_static
+                    .map(|v| format!("{:.0}%", v * 100.0))
+                    .unwrap_or_default(),
+            ),
+        ]);
+    }
+    println!("{t}");
+}
+
+pub fn print_json<T: serde::Serialize>(rows: &[T]) -> anyhow::Result<()> {
     for r in rows {
         println!("{}", serde_json::to_string(r)?);
     }
