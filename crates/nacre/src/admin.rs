@@ -203,6 +203,12 @@ pub struct NodeArgs {
 enum NodeCmd {
     /// Every registered meta, data and func node.
     List,
+    /// One process's messenger, asked directly: its workers (connections, traffic, busy time),
+    /// its live connections and how often the balancer moved them.
+    Info {
+        /// The node's address (`host:port`, as `nacre node list` shows it).
+        addr: String,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -357,7 +363,13 @@ pub fn run(cmd: AdminCmd) -> anyhow::Result<()> {
         };
         let msgr = Messenger::new("cli", cfg, Arc::new(TcpTransport))?;
         let admin = Admin::new(MasterClient::new(msgr.client(), masters));
-        let r = dispatch(&admin, cmd, json).await;
+        let r = match cmd {
+            AdminCmd::Node(NodeArgs {
+                cmd: NodeCmd::Info { addr },
+                ..
+            }) => node_info(&msgr.client(), &addr, json).await,
+            cmd => dispatch(&admin, cmd, json).await,
+        };
         let m = msgr.clone();
         tokio::task::spawn_blocking(move || m.shutdown()).await?;
         r
@@ -395,6 +407,55 @@ pub(crate) fn resolve_masters_in(given: &[String], up_dir: &Path) -> anyhow::Res
         .unwrap_or_default();
     anyhow::ensure!(!masters.is_empty(), "{} lists no masters", path.display());
     Ok(masters)
+}
+
+/// `nacre node info ADDR`.
+async fn node_info(client: &nacre_msgr::Client, addr: &str, json: bool) -> anyhow::Result<()> {
+    use nacre_proto::msg::sys::{MsgrInfo, MsgrInfoRequest};
+    let (info, _) = client
+        .call::<MsgrInfo>(addr, &MsgrInfoRequest {}, nacre_msgr::Payload::none())
+        .await
+        .with_context(|| format!("cannot ask {addr} for its messenger's state"))?;
+    if json {
+        return print_json(&info);
+    }
+    println!(
+        "{}: {} workers, balancer {}, dual workers {}, {} connection moves",
+        info.name,
+        info.workers.len(),
+        info.balance,
+        if info.dual { "on" } else { "off" },
+        info.migrations
+    );
+    let secs = |ms: u64| format!("{:.1}s", ms as f64 / 1000.0);
+    let mut t = table(&["worker", "connections", "traffic", "frames", "busy"]);
+    for w in &info.workers {
+        t.add_row(vec![
+            w.index.to_string(),
+            w.connections.to_string(),
+            bytes(w.bytes),
+            w.frames.to_string(),
+            secs(w.busy_ms),
+        ]);
+    }
+    println!("{t}");
+    let mut t = table(&[
+        "conn", "side", "peer", "worker", "busy", "traffic", "frames", "moves",
+    ]);
+    for c in &info.connections {
+        t.add_row(vec![
+            c.id.to_string(),
+            c.side.clone(),
+            c.peer.clone(),
+            c.worker.to_string(),
+            secs(c.busy_ms),
+            bytes(c.bytes),
+            c.frames.to_string(),
+            c.migrations.to_string(),
+        ]);
+    }
+    println!("{t}");
+    Ok(())
 }
 
 fn print_json<T: Serialize>(v: &T) -> anyhow::Result<()> {
@@ -488,6 +549,10 @@ async fn dispatch(admin: &Admin, cmd: AdminCmd, json: bool) -> anyhow::Result<()
             }
             Ok(())
         }
+        AdminCmd::Node(NodeArgs {
+            cmd: NodeCmd::Info { addr },
+            ..
+        }) => anyhow::bail!("node info {addr} is answered by the node itself, not a master"),
         AdminCmd::Node(NodeArgs {
             cmd: NodeCmd::List, ..
         }) => {

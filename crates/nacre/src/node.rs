@@ -18,7 +18,9 @@ use nacre_meta::{MetaNode, MetaNodeConfig};
 use nacre_msgr::{
     AssignKind, BalanceConfig, BalanceKind, Messenger, MsgrConfig, Payload, Router, TcpTransport,
 };
-use nacre_proto::msg::sys::{Echo, EchoResponse, Ping, PingResponse};
+use nacre_proto::msg::sys::{
+    ConnectionInfo, Echo, EchoResponse, MsgrInfo, MsgrInfoResponse, Ping, PingResponse, WorkerInfo,
+};
 use nacre_raft::{EngineLogStore, LogStore, RaftHandle, StoreConfig};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
@@ -361,8 +363,10 @@ pub struct Node {
 }
 
 /// The ops every process serves, whatever its roles.
-pub fn system_router(name: &str) -> Router {
+pub fn system_router(name: &str, msgr: &Messenger) -> Router {
     let name = name.to_string();
+    let info_name = name.clone();
+    let msgr = msgr.clone();
     Router::new()
         .route::<Ping, _, _>(move |_req, _inc| {
             let name = name.clone();
@@ -377,6 +381,46 @@ pub fn system_router(name: &str) -> Router {
             }
         })
         .route::<Echo, _, _>(|_req, inc| async move { Ok((EchoResponse {}, inc.data)) })
+        .route::<MsgrInfo, _, _>(move |_req, _inc| {
+            let resp = msgr_info(&info_name, &msgr);
+            async move { Ok((resp, Payload::none())) }
+        })
+}
+
+fn msgr_info(name: &str, msgr: &Messenger) -> MsgrInfoResponse {
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let cfg = msgr.config();
+    MsgrInfoResponse {
+        name: name.to_string(),
+        balance: cfg.balance.policy.to_string(),
+        dual: cfg.dual,
+        migrations: msgr.migrations(),
+        workers: msgr
+            .worker_stats()
+            .into_iter()
+            .map(|w| WorkerInfo {
+                index: w.index as u32,
+                connections: w.connections,
+                bytes: w.bytes,
+                frames: w.frames,
+                busy_ms: ms(w.busy),
+            })
+            .collect(),
+        connections: msgr
+            .connections()
+            .into_iter()
+            .map(|c| ConnectionInfo {
+                id: c.id,
+                side: c.side.to_string(),
+                peer: c.peer,
+                worker: c.worker as u32,
+                busy_ms: ms(c.busy),
+                bytes: c.bytes,
+                frames: c.frames,
+                migrations: c.migrations,
+            })
+            .collect(),
+    }
 }
 
 impl Node {
@@ -418,7 +462,7 @@ impl Node {
             cfg.advertise.clone()
         };
 
-        let mut router = system_router(&cfg.name);
+        let mut router = system_router(&cfg.name, &msgr);
         let mut admin = None;
         let mut raft = None;
         match cfg.role {

@@ -131,6 +131,55 @@ pub mod sys {
         type Request = EchoRequest;
         type Response = EchoResponse;
     }
+
+    /// The messenger's state: workers, live connections, the balancer's moves (`nacre node info`).
+    #[derive(Debug)]
+    pub struct MsgrInfo;
+
+    #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct MsgrInfoRequest {}
+
+    #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+    pub struct MsgrInfoResponse {
+        pub name: String,
+        /// The balancer's policy (`off`, `busy`, `bytes`, `frames`).
+        pub balance: String,
+        pub dual: bool,
+        /// Connections moved between workers since the process started.
+        pub migrations: u64,
+        pub workers: Vec<WorkerInfo>,
+        pub connections: Vec<ConnectionInfo>,
+    }
+
+    #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct WorkerInfo {
+        pub index: u32,
+        pub connections: u64,
+        pub bytes: u64,
+        pub frames: u64,
+        /// Time spent running since the process started.
+        pub busy_ms: u64,
+    }
+
+    #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct ConnectionInfo {
+        pub id: u64,
+        /// `client` (opened by the node) or `server` (accepted).
+        pub side: String,
+        pub peer: String,
+        pub worker: u32,
+        pub busy_ms: u64,
+        pub bytes: u64,
+        pub frames: u64,
+        pub migrations: u64,
+    }
+
+    impl Rpc for MsgrInfo {
+        const OP: Op = Op(0x0003);
+        const NAME: &'static str = "msgr_info";
+        type Request = MsgrInfoRequest;
+        type Response = MsgrInfoResponse;
+    }
 }
 
 #[cfg(test)]
