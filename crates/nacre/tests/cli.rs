@@ -279,6 +279,27 @@ fn up_starts_a_cluster_the_admin_commands_find() {
     assert_eq!(info["gc"]["unreferenced_bytes"], 0, "{info}");
     let nodes = admin(&["node", "list"]);
     assert_eq!(nodes.matches(" up ").count(), 7, "{nodes}");
+    // A node's messenger, asked directly: its workers and the connections the cluster opened.
+    let listed: serde_json::Value =
+        serde_json::from_str(&admin(&["node", "list", "--json"])).unwrap();
+    let data = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["role"] == "Data")
+        .unwrap();
+    let addr = data["addr"].as_str().unwrap();
+    let info: serde_json::Value =
+        serde_json::from_str(&admin(&["node", "info", addr, "--json"])).unwrap();
+    assert_eq!(info["balance"], "off", "{info}");
+    assert!(!info["workers"].as_array().unwrap().is_empty(), "{info}");
+    let conns = info["connections"].as_array().unwrap();
+    assert!(conns.iter().any(|c| c["side"] == "server"), "{info}");
+    let table = admin(&["node", "info", addr]);
+    assert!(
+        table.contains("balancer off") && table.contains("peer"),
+        "{table}"
+    );
     // The function server `up` starts by default.
     let funcs: serde_json::Value = serde_json::from_str(&admin(&["func", "ls", "--json"])).unwrap();
     let funcs = funcs.as_array().unwrap();
