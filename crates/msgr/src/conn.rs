@@ -43,9 +43,6 @@ use crate::transport::{BoxFuture, DetachedStream, Stream};
 
 /// Iterations of the driver loop before it yields to other connections on the worker.
 const BUDGET: usize = 32;
-/// Time after which the driver loop yields even within its budget: a connection moving large
-/// frames must not hold its worker for milliseconds while others on it (or one moving to it) wait.
-const SLICE: Duration = Duration::from_micros(200);
 /// Read buffer growth step.
 const READ_CHUNK: usize = 64 * 1024;
 /// Slices per vectored write (each frame is up to three).
@@ -1102,11 +1099,7 @@ impl Conn {
         let mut rx_waiting = false;
         let mut timer_waiting = false;
         let mut read_waiting = false;
-        let start = std::time::Instant::now();
         for _ in 0..BUDGET {
-            if start.elapsed() >= SLICE {
-                break;
-            }
             let mut progress = false;
             while !rx_waiting && this.lane.lock().wq_bytes < WRITE_QUEUE_HIGH {
                 match this.rx.poll_recv(cx) {

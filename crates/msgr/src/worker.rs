@@ -17,10 +17,6 @@ use tokio::task::JoinHandle;
 use crate::metrics::{MsgrMetrics, WorkerCounters};
 use crate::policy::{AssignPolicy, WorkerLoad};
 
-/// Tasks a worker runs from its own queue between looks at work sent from other threads (tokio's
-/// default is 31: a moved connection waited up to 31 busy connections' turns).
-const GLOBAL_QUEUE_INTERVAL: u32 = 4;
-
 /// One worker event loop.
 #[derive(Debug)]
 pub struct Worker {
@@ -112,9 +108,6 @@ impl Workers {
                 .name(format!("{name}-w{index}"))
                 .spawn(move || {
                     let rt = match tokio::runtime::Builder::new_current_thread()
-                        // Work handed over from other threads (a connection moving here, a
-                        // handler of a dual-worker connection) waits at most this many tasks.
-                        .global_queue_interval(GLOBAL_QUEUE_INTERVAL)
                         .enable_all()
                         .build()
                     {
