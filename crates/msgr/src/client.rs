@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use nacre_proto::msg::sys::{BundleJoin, BundleJoinOp};
 use nacre_proto::msg::{RemoteError, Rpc, decode_body, encode_body};
 use nacre_proto::{Flags, Frame, Kind, Op};
 use nacre_types::sync::lock;
@@ -27,6 +28,10 @@ pub struct CallOptions {
     pub timeout: Option<Duration>,
     /// Frame flags (e.g. background priority).
     pub flags: Flags,
+    /// Send over the peer's bundle (`msgr.bundle_conns` > 1): calls marked so reach the peer's
+    /// handler in the order they were made, spread over several connections, and a call whose
+    /// connection resets is sent again on another (crate::bundle).
+    pub bundled: bool,
 }
 
 /// Sends requests to peers by address. Cheap to clone; clones share connections and budgets.
@@ -39,6 +44,8 @@ pub struct Client {
 struct Inner {
     shared: Arc<Shared>,
     peers: Mutex<HashMap<Arc<str>, Arc<Peer>>>,
+    /// Bundled peers: their own connections, which start with a bundle join.
+    bundles: Mutex<HashMap<Arc<str>, Arc<Peer>>>,
     total_reqs: Arc<Semaphore>,
     total_bytes: Arc<Semaphore>,
     next_id: AtomicU64,
@@ -50,6 +57,79 @@ struct Peer {
     addr: Arc<str>,
     slots: Box<[Slot]>,
     next: AtomicUsize,
+    bundle: Option<BundleTx>,
+}
+
+impl Peer {
+    fn new(addr: Arc<str>, n: usize, bundle: Option<BundleTx>) -> Self {
+        Self {
+            addr,
+            slots: (0..n).map(|_| Slot::default()).collect(),
+            next: AtomicUsize::new(0),
+            bundle,
+        }
+    }
+}
+
+/// A bundled call in flight. When it ends without an answer (an error, or its caller dropped it),
+/// the peer is told not to wait for it: otherwise every later call would wait the receiver's gap
+/// timeout for it.
+struct Pending<'a> {
+    peer: &'a Peer,
+    seq: u64,
+    answered: bool,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        let Some(b) = &self.peer.bundle else { return };
+        lock(&b.pending).remove(&self.seq);
+        if self.answered {
+            return;
+        }
+        for slot in self.peer.slots.iter() {
+            if let Some(c) = live(slot)
+                && c.oneway(b.join_frame(self.seq), Permits::default())
+            {
+                break;
+            }
+        }
+    }
+}
+
+/// The sending end of a bundle.
+#[derive(Debug)]
+struct BundleTx {
+    id: u64,
+    next_seq: AtomicU64,
+    /// Calls sent and not yet answered or given up.
+    pending: Mutex<std::collections::BTreeSet<u64>>,
+}
+
+impl BundleTx {
+    /// The lowest sequence number still waited for.
+    fn low(&self) -> u64 {
+        lock(&self.pending)
+            .first()
+            .copied()
+            .unwrap_or_else(|| self.next_seq.load(Ordering::SeqCst))
+    }
+
+    /// The frame that opens a connection of the bundle, or says that call `skip` was given up.
+    fn join_frame(&self, skip: u64) -> Frame {
+        let j = BundleJoin {
+            bundle: self.id,
+            low: self.low(),
+            skip,
+        };
+        Frame::new(
+            Kind::OneWay,
+            BundleJoinOp::OP,
+            0,
+            encode_body(&j),
+            Bytes::new(),
+        )
+    }
 }
 
 #[derive(Debug, Default)]
@@ -131,6 +211,7 @@ impl Client {
             next_id: AtomicU64::new(1),
             inflight: shared.metrics.inflight("client"),
             peers: Mutex::new(HashMap::new()),
+            bundles: Mutex::new(HashMap::new()),
             shared,
         };
         Self {
@@ -199,9 +280,14 @@ impl Client {
         frame.header.flags = opts.flags;
         let cost = self.cost(&frame);
         inner.inflight.inc();
-        let result = self
-            .send_request(addr, frame, cost, deadline, timeout)
-            .await;
+        let result = if opts.bundled && inner.shared.config.bundle_conns > 1 {
+            self.send_bundled(addr, frame, cost, deadline, timeout)
+                .await
+        } else {
+            let (peer, slot) = self.pick(addr);
+            self.send_on(&peer, slot, frame, cost, deadline, timeout)
+                .await
+        };
         inner.inflight.dec();
         let frame = result.inspect_err(|e| inner.shared.metrics.error(e.kind_label()))?;
         if frame.header.kind == Kind::Error {
@@ -217,26 +303,97 @@ impl Client {
         Ok(frame)
     }
 
-    /// Sends a request on a connection to `addr` and waits for its answer. Without contention this
-    /// arms no timer: the connection enforces the deadline once the request is queued on it.
-    async fn send_request(
+    /// Sends call `frame` over the bundle to `addr` with the bundle's next sequence number; when
+    /// its connection resets (or cannot be opened) sends it again on the next, at most twice
+    /// around the bundle.
+    async fn send_bundled(
         &self,
         addr: &str,
+        mut frame: Frame,
+        cost: u32,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Frame, MsgrError> {
+        let peer = self.bundle_peer(addr);
+        let Some(b) = &peer.bundle else {
+            return Err(MsgrError::Shutdown);
+        };
+        let seq = {
+            // Numbered and recorded as pending at once, so `low` never passes a call in flight.
+            let mut pending = lock(&b.pending);
+            let seq = b.next_seq.fetch_add(1, Ordering::SeqCst);
+            pending.insert(seq);
+            seq
+        };
+        frame.header.seq = seq;
+        let mut guard = Pending {
+            peer: &peer,
+            seq,
+            answered: false,
+        };
+        let n = peer.slots.len();
+        let start = peer.next.fetch_add(1, Ordering::Relaxed);
+        let mut last = None;
+        for attempt in 0..2 * n {
+            let slot = (start + attempt) % n;
+            match self
+                .send_on(&peer, slot, frame.clone(), cost, deadline, timeout)
+                .await
+            {
+                Err(e @ (MsgrError::Reset { .. } | MsgrError::Connect { .. })) => last = Some(e),
+                out => {
+                    guard.answered = out.is_ok();
+                    return out;
+                }
+            }
+        }
+        Err(last.unwrap_or(MsgrError::Shutdown))
+    }
+
+    /// The bundle to `addr` (created on first use).
+    fn bundle_peer(&self, addr: &str) -> Arc<Peer> {
+        let inner = &*self.inner;
+        let mut bundles = lock(&inner.bundles);
+        if let Some(p) = bundles.get(addr) {
+            return Arc::clone(p);
+        }
+        let addr: Arc<str> = addr.into();
+        let tx = BundleTx {
+            id: fastrand::u64(..),
+            next_seq: AtomicU64::new(1),
+            pending: Mutex::new(std::collections::BTreeSet::new()),
+        };
+        let p = Arc::new(Peer::new(
+            Arc::clone(&addr),
+            inner.shared.config.bundle_conns,
+            Some(tx),
+        ));
+        bundles.insert(addr, Arc::clone(&p));
+        p
+    }
+
+    /// Sends a request on connection `slot` of `peer` and waits for its answer. Without
+    /// contention this arms no timer: the connection enforces the deadline once the request is
+    /// queued on it.
+    async fn send_on(
+        &self,
+        peer: &Peer,
+        slot: usize,
         frame: Frame,
         cost: u32,
         deadline: Instant,
         timeout: Duration,
     ) -> Result<Frame, MsgrError> {
         let inner = &*self.inner;
+        let addr = &*peer.addr;
         let timed_out = || MsgrError::Timeout {
             peer: addr.to_string(),
             op: "call",
             after: timeout,
         };
-        let (peer, slot) = self.pick(addr);
         let conn = match live(&peer.slots[slot]) {
             Some(c) => c,
-            None => tokio::time::timeout_at(deadline, self.conn(&peer, slot, deadline))
+            None => tokio::time::timeout_at(deadline, self.conn(peer, slot, deadline))
                 .await
                 .map_err(|_| timed_out())??,
         };
@@ -388,11 +545,7 @@ impl Client {
                 None => {
                     let addr: Arc<str> = addr.into();
                     let n = inner.shared.config.conns_per_peer;
-                    let p = Arc::new(Peer {
-                        addr: Arc::clone(&addr),
-                        slots: (0..n).map(|_| Slot::default()).collect(),
-                        next: AtomicUsize::new(0),
-                    });
+                    let p = Arc::new(Peer::new(Arc::clone(&addr), n, None));
                     peers.insert(addr, Arc::clone(&p));
                     p
                 }
@@ -418,6 +571,10 @@ impl Client {
             return Ok(h);
         }
         let h = self.open(&peer.addr, deadline).await?;
+        if let Some(b) = &peer.bundle {
+            // The first frame on the connection, before any caller can see it.
+            h.oneway(b.join_frame(0), Permits::default());
+        }
         *lock(&slot.live) = Some(h.clone());
         Ok(h)
     }

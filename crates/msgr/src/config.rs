@@ -23,6 +23,9 @@ pub struct MsgrConfig {
     pub max_frame: u32,
     /// Connections opened to one peer by a client; calls are spread over them.
     pub conns_per_peer: usize,
+    /// Connections of a bundle: calls marked `bundled` go over this many connections per peer and
+    /// still reach it in order (`crate::bundle`). 1: bundled calls take the ordinary path.
+    pub bundle_conns: usize,
     /// Requests in flight on one connection (client: awaiting a reply; server: being served).
     pub max_inflight_per_conn: u32,
     /// Request bytes in flight on one connection.
@@ -46,6 +49,7 @@ impl Default for MsgrConfig {
             dual: false,
             max_frame: nacre_proto::DEFAULT_MAX_FRAME,
             conns_per_peer: 1,
+            bundle_conns: 1,
             max_inflight_per_conn: 1024,
             max_inflight_bytes_per_conn: 64 << 20,
             max_inflight_total: 16 * 1024,
@@ -72,7 +76,7 @@ impl MsgrConfig {
         if b.interval.is_zero() || !(b.threshold > 0.0 && b.threshold <= 1.0) || b.max_moves == 0 {
             return Err(ConfigError::Balance);
         }
-        if self.conns_per_peer == 0 {
+        if self.conns_per_peer == 0 || self.bundle_conns == 0 {
             return Err(ConfigError::NoConnsPerPeer);
         }
         if self.max_inflight_per_conn == 0 || self.max_inflight_total == 0 {
@@ -98,7 +102,7 @@ pub enum ConfigError {
         "msgr balancer: the interval must be above zero, the threshold in (0, 1] and max_moves at least 1"
     )]
     Balance,
-    #[error("msgr.conns_per_peer must be at least 1")]
+    #[error("msgr.conns_per_peer and msgr.bundle_conns must be at least 1")]
     NoConnsPerPeer,
     #[error("msgr in-flight request limits must be at least 1")]
     NoInflightRequests,

@@ -25,7 +25,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
-use nacre_proto::msg::{RemoteError, encode_body};
+use nacre_proto::msg::sys::{BundleJoin, BundleJoinOp};
+use nacre_proto::msg::{RemoteError, Rpc, decode_body, encode_body};
 use nacre_proto::{Decoder, Frame, FrameError, FrameLimits, HEADER_LEN, Kind};
 use nacre_types::ErrorCode;
 use prometheus_client::metrics::gauge::Gauge;
@@ -36,6 +37,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::Shared;
 use crate::balance::ConnInfo;
+use crate::bundle::{BundleRx, Bundles};
 use crate::error::MsgrError;
 use crate::handler::{Handler, Payload, Reply, Request};
 use crate::metrics::{MsgrMetrics, OpName, WorkerCounters};
@@ -131,6 +133,9 @@ pub(crate) struct ServerSide {
     pub(crate) dual: bool,
     /// Dropped when the connection ends (the accept loop's record of it).
     pub(crate) _guard: Option<Box<dyn std::any::Any + Send>>,
+    /// The server's bundles, and the one this connection joined.
+    bundles: Arc<Bundles>,
+    bundle: Option<Arc<BundleRx>>,
     inflight_reqs: u32,
     inflight_bytes: u64,
     /// A decoded frame waiting for budget.
@@ -139,14 +144,15 @@ pub(crate) struct ServerSide {
 }
 
 impl ServerSide {
+    /// `totals`: the server's budgets of requests and request bytes in flight.
     pub(crate) fn new(
         handler: Arc<dyn Handler>,
-        total_reqs: Arc<Semaphore>,
-        total_bytes: Arc<Semaphore>,
+        (total_reqs, total_bytes): (Arc<Semaphore>, Arc<Semaphore>),
         cfg: &crate::MsgrConfig,
         inflight_gauge: Gauge,
         tx: mpsc::UnboundedSender<Outgoing>,
         guard: Box<dyn std::any::Any + Send>,
+        bundles: Arc<Bundles>,
     ) -> Self {
         Self {
             handler,
@@ -158,6 +164,8 @@ impl ServerSide {
             tx,
             dual: cfg.dual,
             _guard: Some(guard),
+            bundles,
+            bundle: None,
             inflight_reqs: 0,
             inflight_bytes: 0,
             stalled: None,
@@ -893,7 +901,16 @@ impl Conn {
                     tracing::debug!(peer = %self.peer, op = %frame.header.op, "server sent a request on a client connection; dropped");
                 }
             },
-            Side::Server(_) => match frame.header.kind {
+            Side::Server(s) => match frame.header.kind {
+                Kind::OneWay if frame.header.op == BundleJoinOp::OP => {
+                    match decode_body::<BundleJoin>(BundleJoinOp::NAME, &frame.body) {
+                        Ok(j) => s.bundle = Some(s.bundles.join(j)),
+                        Err(e) => {
+                            self.metrics.error("decode");
+                            tracing::debug!(peer = %self.peer, error = %e, "bad bundle join; ignored");
+                        }
+                    }
+                }
                 Kind::Request | Kind::OneWay => self.admit(frame, cx),
                 Kind::Response | Kind::Error => {
                     self.metrics.error("unexpected_frame");
@@ -995,7 +1012,11 @@ impl Conn {
             None => OpName::Number(h.op.0),
         };
         let started = std::time::Instant::now();
-        let mut fut = s.handler.call(req);
+        let mut fut = match &s.bundle {
+            // Calls of a bundle reach the handler in their sequence order, once.
+            Some(b) if h.seq != 0 => b.deliver(h.seq, Arc::clone(&s.handler), req),
+            _ => s.handler.call(req),
+        };
         let mut done = Done {
             kind: h.kind,
             op: h.op,

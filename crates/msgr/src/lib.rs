@@ -29,6 +29,7 @@
 //! ```
 
 mod balance;
+mod bundle;
 mod client;
 mod config;
 mod conn;

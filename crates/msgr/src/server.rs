@@ -11,6 +11,7 @@ use tokio::sync::{Notify, Semaphore, mpsc};
 
 use crate::Shared;
 use crate::balance::ConnInfo;
+use crate::bundle::Bundles;
 use crate::conn::{self, Conn, Outgoing, ServerSide};
 use crate::handler::Handler;
 use crate::transport::Listener;
@@ -50,6 +51,7 @@ where
     let total_reqs = Arc::new(Semaphore::new(cfg.max_inflight_total as usize));
     let total_bytes = Arc::new(Semaphore::new(cfg.max_inflight_bytes_total as usize));
     let registry = Arc::new(Registry::default());
+    let bundles = Arc::new(Bundles::default());
     let local = listener.local_addr().unwrap_or_default();
     tracing::debug!(name = %shared.name, addr = %local, "serving");
     let mut shutdown = std::pin::pin!(shutdown);
@@ -80,12 +82,12 @@ where
         };
         let side = ServerSide::new(
             Arc::clone(&handler),
-            Arc::clone(&total_reqs),
-            Arc::clone(&total_bytes),
+            (Arc::clone(&total_reqs), Arc::clone(&total_bytes)),
             cfg,
             shared.metrics.inflight("server"),
             tx,
             Box::new(registered),
+            Arc::clone(&bundles),
         );
         let conn = Conn::server(Arc::clone(&shared), worker, peer, rx, side, info);
         conn::spawn(conn, stream);

@@ -174,6 +174,28 @@ pub mod sys {
         pub migrations: u64,
     }
 
+    /// Opens every connection of a bundle (one-way; the receiving messenger handles it itself).
+    #[derive(Debug)]
+    pub struct BundleJoinOp;
+
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct BundleJoin {
+        /// The bundle's id, chosen at random by its sender.
+        pub bundle: u64,
+        /// The sender waits for no call below this sequence number: the receiver may move past
+        /// any it has not seen.
+        pub low: u64,
+        /// A call the sender gave up (0: none): the receiver does not wait for it.
+        pub skip: u64,
+    }
+
+    impl Rpc for BundleJoinOp {
+        const OP: Op = Op(0x0004);
+        const NAME: &'static str = "bundle_join";
+        type Request = BundleJoin;
+        type Response = ();
+    }
+
     impl Rpc for MsgrInfo {
         const OP: Op = Op(0x0003);
         const NAME: &'static str = "msgr_info";

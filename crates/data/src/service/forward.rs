@@ -245,6 +245,9 @@ pub(super) async fn replicate_to(
 ) -> Result<(), Failure> {
     let opts = CallOptions {
         timeout: Some(limit),
+        // Over the follower's bundle when `msgr.bundle_conns` > 1: packets spread over its
+        // connections and still reach it in order.
+        bundled: true,
         ..CallOptions::default()
     };
     let call = client.call_with::<Replicate>(addr, req, data, opts);

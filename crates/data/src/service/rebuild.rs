@@ -38,6 +38,7 @@ const CHUNK: u64 = 1 << 20;
 const OPTS: CallOptions = CallOptions {
     timeout: Some(Duration::from_secs(10)),
     flags: nacre_proto::Flags::BACKGROUND,
+    bundled: false,
 };
 
 impl DataNode {
