@@ -306,7 +306,7 @@ struct BenchMetaArgs {
 #[derive(Debug, Args)]
 struct BenchDataArgs {
     /// Workloads, comma-separated: disk, seq-write, overwrite-4k, overwrite-64k, read-4k,
-    /// append-pb, append-raft.
+    /// append-pb, append-4k, append-raft.
     #[arg(
         long,
         value_delimiter = ',',
@@ -325,6 +325,13 @@ struct BenchDataArgs {
     /// Data partitions of the benchmark volume.
     #[arg(long, default_value_t = 3)]
     data_partitions: u32,
+    /// Connections per bundle between data nodes (comma-separated: each value runs the
+    /// workloads on a fresh cluster; 1: no bundles).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    bundle_conns: Vec<usize>,
+    /// Messenger workers of each data node.
+    #[arg(long, default_value_t = 1)]
+    data_workers: usize,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
@@ -1012,12 +1019,18 @@ fn bench_data(a: BenchDataArgs) -> anyhow::Result<()> {
         a.data_partitions > 0,
         "--data-partitions must be at least 1"
     );
+    anyhow::ensure!(
+        a.bundle_conns.iter().all(|&n| n > 0) && a.data_workers > 0,
+        "--bundle-conns values and --data-workers must be at least 1"
+    );
     let p = bench::data::Params {
         workloads: a.workloads,
         inflight: a.inflight,
         secs: a.secs,
         file_mib: a.file_mib,
         data_partitions: a.data_partitions,
+        bundle_conns: a.bundle_conns,
+        data_workers: a.data_workers,
     };
     let json = a.json;
     let rows = runtime()?.block_on(bench::data::run(&p, |r| {

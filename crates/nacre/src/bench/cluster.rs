@@ -27,6 +27,21 @@ impl LocalCluster {
 
     /// Starts a master, `meta` meta nodes, `data` data nodes and `funcs` function servers.
     pub async fn start_with_funcs(meta: usize, data: usize, funcs: usize) -> anyhow::Result<Self> {
+        let one_worker = MsgrSection {
+            workers: 1,
+            ..MsgrSection::default()
+        };
+        Self::start_with(meta, data, funcs, &one_worker).await
+    }
+
+    /// [`LocalCluster::start_with_funcs`], the data nodes with messenger settings `data_msgr`
+    /// (the other nodes have one worker each).
+    pub async fn start_with(
+        meta: usize,
+        data: usize,
+        funcs: usize,
+        data_msgr: &MsgrSection,
+    ) -> anyhow::Result<Self> {
         let dir =
             tempfile::tempdir_in(bench_dir()).context("cannot create a temporary directory")?;
         let master = Node::start(&NodeConfig {
@@ -59,9 +74,13 @@ impl LocalCluster {
                     http_listen: String::new(),
                     masters: vec![addr.clone()],
                     heartbeat_ms: 200,
-                    msgr: MsgrSection {
-                        workers: 1,
-                        ..MsgrSection::default()
+                    msgr: if role == RoleName::Data {
+                        data_msgr.clone()
+                    } else {
+                        MsgrSection {
+                            workers: 1,
+                            ..MsgrSection::default()
+                        }
                     },
                     ..NodeConfig::default()
                 })

@@ -29,13 +29,14 @@ use serde::Serialize;
 use crate::bench::cluster::{LocalCluster, bench_dir};
 use crate::bench::report::percentiles_us;
 
-pub const WORKLOADS: [&str; 7] = [
+pub const WORKLOADS: [&str; 8] = [
     "disk",
     "seq-write",
     "overwrite-4k",
     "overwrite-64k",
     "read-4k",
     "append-pb",
+    "append-4k",
     "append-raft",
 ];
 
@@ -46,6 +47,11 @@ pub struct Params {
     pub secs: f64,
     pub file_mib: u64,
     pub data_partitions: u32,
+    /// Each value runs the cluster's workloads once, on a fresh cluster whose data nodes bundle
+    /// this many connections per peer for replication (1: no bundles).
+    pub bundle_conns: Vec<usize>,
+    /// Messenger workers of each data node.
+    pub data_workers: usize,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -57,6 +63,8 @@ pub struct DataRow {
     pub size: usize,
     pub inflight: usize,
     pub replicas: u8,
+    /// Connections per bundle between data nodes (1: no bundles).
+    pub bundle_conns: usize,
     pub ops: u64,
     pub secs: f64,
     pub ops_per_s: f64,
@@ -67,7 +75,7 @@ pub struct DataRow {
 
 fn op_size(workload: &str) -> usize {
     match workload {
-        "overwrite-4k" | "read-4k" => 4096,
+        "overwrite-4k" | "read-4k" | "append-4k" => 4096,
         "overwrite-64k" => 64 << 10,
         "append-pb" | "append-raft" => 128 << 10,
         _ => 1 << 20,
@@ -94,7 +102,26 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&DataRow)) -> anyhow::Result
     if p.workloads.iter().all(|w| w == "disk") {
         return Ok(rows);
     }
-    let cluster = LocalCluster::start(3, 3).await?;
+    for &bundle in &p.bundle_conns {
+        let more = run_cluster(p, bundle, &mut on_row).await?;
+        rows.extend(more);
+    }
+    Ok(rows)
+}
+
+/// The cluster workloads on a fresh cluster whose data nodes bundle `bundle` connections.
+async fn run_cluster(
+    p: &Params,
+    bundle: usize,
+    on_row: &mut impl FnMut(&DataRow),
+) -> anyhow::Result<Vec<DataRow>> {
+    let mut rows = Vec::new();
+    let data_msgr = crate::node::MsgrSection {
+        workers: p.data_workers,
+        bundle_conns: bundle,
+        ..crate::node::MsgrSection::default()
+    };
+    let cluster = LocalCluster::start_with(3, 3, 0, &data_msgr).await?;
     let msgr = Messenger::new(
         "bench-data-client",
         MsgrConfig {
@@ -128,7 +155,8 @@ pub async fn run(p: &Params, mut on_row: impl FnMut(&DataRow)) -> anyhow::Result
         }
         for w in p.workloads.iter().filter(|w| *w != "disk") {
             for &n in &p.inflight {
-                let row = measure(&vol, w, n, p.secs, &payload, &files).await?;
+                let mut row = measure(&vol, w, n, p.secs, &payload, &files).await?;
+                row.bundle_conns = bundle;
                 on_row(&row);
                 rows.push(row);
             }
@@ -224,7 +252,7 @@ async fn measure(
                                 .await?;
                         }
                     }
-                    "append-pb" | "append-raft" => {
+                    "append-pb" | "append-4k" | "append-raft" => {
                         let (p, e, off) = match ext {
                             Some(x) if x.2 < nacre_client::data::MAX_EXTENT => x,
                             _ => {
@@ -235,10 +263,10 @@ async fn measure(
                             }
                         };
                         let data = payload.slice(..size);
-                        if workload == "append-pb" {
-                            vol.append(p, e, off, data).await?;
-                        } else {
+                        if workload == "append-raft" {
                             vol.append_raft(p, e, off, data).await?;
+                        } else {
+                            vol.append(p, e, off, data).await?;
                         }
                         ext = Some((p, e, off + size as u64));
                     }
@@ -286,6 +314,7 @@ fn row(
         size,
         inflight,
         replicas: if workload == "disk" { 1 } else { 3 },
+        bundle_conns: 1,
         ops,
         secs,
         ops_per_s: ops as f64 / secs,
@@ -349,12 +378,13 @@ pub fn print_table(rows: &[DataRow]) {
     let mut t = comfy_table::Table::new();
     t.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
     t.set_header([
-        "workload", "impl", "size", "inflight", "ops/s", "MiB/s", "p50 µs", "p99 µs",
+        "workload", "impl", "bundle", "size", "inflight", "ops/s", "MiB/s", "p50 µs", "p99 µs",
     ]);
     for r in rows {
         t.add_row(vec![
             r.workload.clone(),
             r.implementation.to_string(),
+            r.bundle_conns.to_string(),
             crate::bench::report::human_size(r.size),
             r.inflight.to_string(),
             format!("{:.0}", r.ops_per_s),
