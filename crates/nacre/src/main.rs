@@ -368,11 +368,11 @@ struct BenchMsgrArgs {
     /// control) on a two-worker server, static against balanced against balanced+dual.
     #[arg(long)]
     skew: bool,
-    /// With --skew: messenger modes to compare (static, balanced, balanced+dual).
+    /// With --skew: messenger modes to compare (static, balanced, balanced+dual, bundles).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "static,balanced,balanced+dual"
+        default_value = "static,balanced,balanced+dual,bundles"
     )]
     modes: Vec<String>,
     /// With --skew: offered loads (skewed, uniform).

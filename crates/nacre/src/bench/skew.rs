@@ -8,7 +8,8 @@
 //! Each request carries `size` bytes and is answered with an empty reply, as a replicated write
 //! is. Every (size, load) cell runs each messenger mode in turn on fresh messengers: `static`
 //! (connections never move, Ceph's behaviour), `balanced` (the balancer on), `balanced+dual`
-//! (balancer and dual workers). Reported: ops/s, p50/p99 over all calls, p99 of the light
+//! (balancer and dual workers), `bundles` (static server; each client's calls over a bundle of
+//! two connections). Reported: ops/s, p50/p99 over all calls, p99 of the light
 //! connections, the standard deviation of the server workers' busy fraction sampled every 100 ms
 //! (the seed's figure), migrations and their pauses.
 //!
@@ -53,6 +54,8 @@ pub enum Mode {
     Static,
     Balanced,
     BalancedDual,
+    /// Static server; each client sends its calls over a bundle of two connections.
+    Bundles,
 }
 
 impl Mode {
@@ -61,6 +64,7 @@ impl Mode {
             Self::Static => "static",
             Self::Balanced => "balanced",
             Self::BalancedDual => "balanced+dual",
+            Self::Bundles => "bundles",
         }
     }
 
@@ -69,8 +73,9 @@ impl Mode {
             "static" => Ok(Self::Static),
             "balanced" => Ok(Self::Balanced),
             "balanced+dual" => Ok(Self::BalancedDual),
+            "bundles" => Ok(Self::Bundles),
             o => Err(format!(
-                "unknown mode {o:?} (expected static, balanced or balanced+dual)"
+                "unknown mode {o:?} (expected static, balanced, balanced+dual or bundles)"
             )),
         }
     }
@@ -231,7 +236,7 @@ impl Sample {
 
 fn server_config(p: &Params, mode: Mode) -> MsgrConfig {
     let balance = match mode {
-        Mode::Static => BalanceConfig::default(),
+        Mode::Static | Mode::Bundles => BalanceConfig::default(),
         Mode::Balanced | Mode::BalancedDual => BalanceConfig {
             policy: BalanceKind::Busy,
             interval: p.interval,
@@ -265,6 +270,7 @@ async fn cell(
         "skew-cli",
         MsgrConfig {
             workers: 2,
+            bundle_conns: if mode == Mode::Bundles { 2 } else { 1 },
             ..MsgrConfig::default()
         },
         Arc::new(TcpTransport),
@@ -276,7 +282,20 @@ async fn cell(
     let serving = tokio::spawn(server.serve(listener, Arc::new(sink), async {
         let _ = stop_rx.await;
     }));
-    let result = measure(p, duration, size, load, &server, &client_msgr, &addr).await;
+    let opts = CallOptions {
+        bundled: mode == Mode::Bundles,
+        ..CallOptions::default()
+    };
+    let result = measure(
+        (p.warmup, duration),
+        size,
+        load,
+        opts,
+        &server,
+        &client_msgr,
+        &addr,
+    )
+    .await;
     let _ = stop_tx.send(());
     let _ = serving.await;
     tokio::task::spawn_blocking(move || {
@@ -294,11 +313,12 @@ struct Conn {
     depth: usize,
 }
 
+/// `(warmup, duration)`: the time before measuring and the measured time.
 async fn measure(
-    p: &Params,
-    duration: Duration,
+    (warmup, duration): (Duration, Duration),
     size: usize,
     load: Load,
+    opts: CallOptions,
     server: &Messenger,
     client_msgr: &Messenger,
     addr: &str,
@@ -314,13 +334,7 @@ async fn measure(
         let client = client_msgr.client();
         let before: Vec<u64> = server.connections().iter().map(|c| c.id).collect();
         client
-            .call_raw(
-                addr,
-                WRITE,
-                Bytes::new(),
-                Payload::none(),
-                CallOptions::default(),
-            )
+            .call_raw(addr, WRITE, Bytes::new(), Payload::none(), opts)
             .await?;
         let fresh = server
             .connections()
@@ -352,7 +366,7 @@ async fn measure(
     }
     let migrations_before = server.migrations();
     let placements = server.recent_migration_pauses().len();
-    let warm_end = Instant::now() + p.warmup;
+    let warm_end = Instant::now() + warmup;
     let end = warm_end + duration;
     let mut loops = Vec::new();
     for (i, c) in conns.iter().enumerate() {
@@ -373,13 +387,7 @@ async fn measure(
                                 break;
                             }
                             client
-                                .call_raw(
-                                    &addr,
-                                    WRITE,
-                                    Bytes::new(),
-                                    data.clone(),
-                                    CallOptions::default(),
-                                )
+                                .call_raw(&addr, WRITE, Bytes::new(), data.clone(), opts)
                                 .await?;
                             if t >= warm_end {
                                 lat.push(t.elapsed().as_nanos() as u64);
