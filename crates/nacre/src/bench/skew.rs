@@ -138,6 +138,9 @@ pub struct SkewRow {
     /// Mean over 100 ms samples of the standard deviation of the server workers' busy fraction,
     /// in percentage points.
     pub worker_spread_pct: f64,
+    /// The samples behind `worker_spread_pct`, in time order (round after round): the spread of
+    /// worker load over time.
+    pub worker_spread_samples_pct: Vec<f64>,
     /// Server connections moved during the measured time (and the warm-up before it).
     pub migrations: u64,
     /// p99 of the time a moving connection was not served.
@@ -227,6 +230,11 @@ impl Sample {
             } else {
                 self.spreads.iter().sum::<f64>() / self.spreads.len() as f64
             },
+            worker_spread_samples_pct: self
+                .spreads
+                .iter()
+                .map(|v| (v * 10.0).round() / 10.0)
+                .collect(),
             migrations: self.migrations,
             migration_pause_p99_us: percentiles_us(&mut self.pauses, &[99.0])[0],
             vs_static: None,
