@@ -2,6 +2,8 @@
 //! through resets of single connections and a peer's garbage on one of them.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
+mod common;
+
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::sync::{Arc, Mutex};
@@ -17,6 +19,8 @@ use nacre_proto::msg::{RemoteError, Rpc, encode_body};
 
 use nacre_proto::{Decoder, Frame, FrameLimits, Kind, Op};
 use tokio::sync::oneshot;
+
+use common::{Setup, teardown};
 
 const CALL: Op = Op(0x0401);
 
@@ -39,60 +43,28 @@ fn handler(
     }
 }
 
-struct Setup {
-    server: Messenger,
-    client: Messenger,
-    addr: String,
-    stop: oneshot::Sender<()>,
-}
-
 async fn setup(
     server_t: Arc<dyn Transport>,
     client_t: Arc<dyn Transport>,
     bind: &str,
     seen: Seen,
 ) -> Setup {
-    let server = Messenger::new(
-        "srv",
-        MsgrConfig {
-            workers: 3,
-            ..MsgrConfig::default()
-        },
-        server_t,
+    let server = MsgrConfig {
+        workers: 3,
+        ..MsgrConfig::default()
+    };
+    let client = MsgrConfig {
+        workers: 2,
+        bundle_conns: 4,
+        ..MsgrConfig::default()
+    };
+    common::setup(
+        (server_t, client_t),
+        bind,
+        (server, client),
+        Arc::new(handler(seen)),
     )
-    .unwrap();
-    let client = Messenger::new(
-        "cli",
-        MsgrConfig {
-            workers: 2,
-            bundle_conns: 4,
-            ..MsgrConfig::default()
-        },
-        client_t,
-    )
-    .unwrap();
-    let listener = server.transport().bind(bind).await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(server.serve(listener, Arc::new(handler(seen)), async {
-        let _ = stopped.await;
-    }));
-    Setup {
-        server,
-        client,
-        addr,
-        stop,
-    }
-}
-
-async fn teardown(s: Setup) {
-    let _ = s.stop.send(());
-    tokio::task::spawn_blocking(move || {
-        s.client.shutdown();
-        s.server.shutdown();
-    })
     .await
-    .unwrap();
 }
 
 fn payload(k: u64) -> Payload {

@@ -1,6 +1,8 @@
 //! Live connections moving between workers: by hand at random under load, and by the balancer.
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -14,7 +16,8 @@ use nacre_msgr::{
 };
 use nacre_proto::msg::RemoteError;
 use nacre_proto::{Kind, Op};
-use tokio::sync::oneshot;
+
+use common::{Setup, teardown};
 
 const ONE_WAY: Op = Op(0x0400);
 const CALL: Op = Op(0x0401);
@@ -66,13 +69,9 @@ fn handler(
     }
 }
 
-struct Setup {
-    server: Messenger,
-    client: Messenger,
-    addr: String,
-    stop: oneshot::Sender<()>,
-}
-
+/// Four clients (a connection each) send ordered one-way streams and concurrent calls while both
+/// ends' connections are moved between three workers at random. Every call is handled once and
+/// answered with its own reply; every stream arrives whole and in order.
 async fn setup(
     server_t: Arc<dyn Transport>,
     client_t: Arc<dyn Transport>,
@@ -80,35 +79,15 @@ async fn setup(
     cfg: MsgrConfig,
     seen: Arc<Seen>,
 ) -> Setup {
-    let server = Messenger::new("srv", cfg.clone(), server_t).unwrap();
-    let client = Messenger::new("cli", cfg, client_t).unwrap();
-    let listener = server.transport().bind(bind).await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(server.serve(listener, Arc::new(handler(seen)), async {
-        let _ = stopped.await;
-    }));
-    Setup {
-        server,
-        client,
-        addr,
-        stop,
-    }
-}
-
-async fn teardown(s: Setup) {
-    let _ = s.stop.send(());
-    tokio::task::spawn_blocking(move || {
-        s.client.shutdown();
-        s.server.shutdown();
-    })
+    common::setup(
+        (server_t, client_t),
+        bind,
+        (cfg.clone(), cfg),
+        Arc::new(handler(seen)),
+    )
     .await
-    .unwrap();
 }
 
-/// Four clients (a connection each) send ordered one-way streams and concurrent calls while both
-/// ends' connections are moved between three workers at random. Every call is handled once and
-/// answered with its own reply; every stream arrives whole and in order.
 async fn random_migrations_lose_nothing(s: &Setup, seen: &Seen, calls_per_client: u64) {
     const CLIENTS: u64 = 4;
     const STREAM: u64 = 600;
