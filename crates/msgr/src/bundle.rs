@@ -39,6 +39,8 @@ type Outcome = Result<Reply, RemoteError>;
 #[derive(Debug)]
 pub(crate) struct BundleRx {
     state: Mutex<RxState>,
+    /// The worker of the connection that created it, where every connection of the bundle goes.
+    home: usize,
 }
 
 #[derive(Debug)]
@@ -56,8 +58,9 @@ struct RxState {
 }
 
 impl BundleRx {
-    fn new(low: u64) -> Self {
+    fn new(low: u64, home: usize) -> Self {
         Self {
+            home,
             state: Mutex::new(RxState {
                 next: low.max(1),
                 waiting: BTreeMap::new(),
@@ -66,6 +69,11 @@ impl BundleRx {
                 skipped: std::collections::BTreeSet::new(),
             }),
         }
+    }
+
+    /// The worker the bundle's connections run on.
+    pub(crate) fn home(&self) -> usize {
+        self.home
     }
 
     /// A (re)joining connection: the sender waits for nothing below `low`, nor for `skip`.
@@ -215,14 +223,14 @@ pub(crate) struct Bundles {
 
 impl Bundles {
     /// The bundle a joining connection belongs to.
-    pub(crate) fn join(&self, j: BundleJoin) -> Arc<BundleRx> {
+    pub(crate) fn join(&self, j: BundleJoin, worker: usize) -> Arc<BundleRx> {
         let mut map = lock(&self.map);
         if let Some(rx) = map.get(&j.bundle).and_then(Weak::upgrade) {
             rx.joined(j);
             return rx;
         }
         map.retain(|_, w| w.strong_count() > 0);
-        let rx = Arc::new(BundleRx::new(j.low));
+        let rx = Arc::new(BundleRx::new(j.low, worker));
         map.insert(j.bundle, Arc::downgrade(&rx));
         rx
     }
@@ -267,11 +275,14 @@ mod tests {
     #[tokio::test]
     async fn calls_reach_the_handler_in_sequence_order_and_once() {
         let bundles = Bundles::default();
-        let rx = bundles.join(BundleJoin {
-            bundle: 7,
-            low: 1,
-            skip: 0,
-        });
+        let rx = bundles.join(
+            BundleJoin {
+                bundle: 7,
+                low: 1,
+                skip: 0,
+            },
+            0,
+        );
         let order = Arc::new(Mutex::new(Vec::new()));
         let calls = Arc::new(AtomicU64::new(0));
         let h = recorder(Arc::clone(&order), Arc::clone(&calls));
@@ -288,22 +299,28 @@ mod tests {
         assert_eq!(*order.lock().unwrap(), [1, 2, 3]);
         assert_eq!(calls.load(Ordering::Relaxed), 3);
         // Another connection joining the same bundle shares its state.
-        let same = bundles.join(BundleJoin {
-            bundle: 7,
-            low: 3,
-            skip: 0,
-        });
+        let same = bundles.join(
+            BundleJoin {
+                bundle: 7,
+                low: 3,
+                skip: 0,
+            },
+            0,
+        );
         assert!(Arc::ptr_eq(&rx, &same));
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_gap_the_sender_gave_up_is_passed_and_the_late_call_refused() {
         let bundles = Bundles::default();
-        let rx = bundles.join(BundleJoin {
-            bundle: 1,
-            low: 1,
-            skip: 0,
-        });
+        let rx = bundles.join(
+            BundleJoin {
+                bundle: 1,
+                low: 1,
+                skip: 0,
+            },
+            0,
+        );
         let order = Arc::new(Mutex::new(Vec::new()));
         let h = recorder(Arc::clone(&order), Arc::new(AtomicU64::new(0)));
         // Call 1 never arrives: call 2 waits GAP_TIMEOUT, then goes.
@@ -317,20 +334,26 @@ mod tests {
     #[tokio::test]
     async fn a_rejoin_past_a_gap_moves_the_bundle_on() {
         let bundles = Bundles::default();
-        let rx = bundles.join(BundleJoin {
-            bundle: 1,
-            low: 1,
-            skip: 0,
-        });
+        let rx = bundles.join(
+            BundleJoin {
+                bundle: 1,
+                low: 1,
+                skip: 0,
+            },
+            0,
+        );
         let order = Arc::new(Mutex::new(Vec::new()));
         let h = recorder(Arc::clone(&order), Arc::new(AtomicU64::new(0)));
         let f5 = tokio::spawn(rx.deliver(5, Arc::clone(&h), req(5)));
         // The sender waits for nothing below 5 any more.
-        bundles.join(BundleJoin {
-            bundle: 1,
-            low: 5,
-            skip: 0,
-        });
+        bundles.join(
+            BundleJoin {
+                bundle: 1,
+                low: 5,
+                skip: 0,
+            },
+            0,
+        );
         f5.await.unwrap().unwrap();
         assert_eq!(*order.lock().unwrap(), [5]);
     }

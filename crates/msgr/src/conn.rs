@@ -904,7 +904,16 @@ impl Conn {
             Side::Server(s) => match frame.header.kind {
                 Kind::OneWay if frame.header.op == BundleJoinOp::OP => {
                     match decode_body::<BundleJoin>(BundleJoinOp::NAME, &frame.body) {
-                        Ok(j) => s.bundle = Some(s.bundles.join(j)),
+                        Ok(j) => {
+                            let rx = s.bundles.join(j, self.worker);
+                            // A bundle's calls are handed over in order from one connection to
+                            // the next: on one worker that costs no thread wake-up.
+                            let home = rx.home();
+                            s.bundle = Some(rx);
+                            if home != self.worker && self.moving.is_none() {
+                                self.moving = Some(prepare_move(&self.shared, home));
+                            }
+                        }
                         Err(e) => {
                             self.metrics.error("decode");
                             tracing::debug!(peer = %self.peer, error = %e, "bad bundle join; ignored");
