@@ -185,11 +185,14 @@ impl RxState {
         while self.skipped.remove(&self.next) {
             self.next += 1;
         }
-        let next = self.next;
-        self.skipped.retain(|&s| s > next);
-        let later = self.waiting.split_off(&(self.next + 1));
-        for (_, txs) in std::mem::replace(&mut self.waiting, later) {
-            for tx in txs {
+        while self.skipped.first().is_some_and(|&s| s < self.next) {
+            self.skipped.pop_first();
+        }
+        while let Some(e) = self.waiting.first_entry() {
+            if *e.key() > self.next {
+                break;
+            }
+            for tx in e.remove() {
                 let _ = tx.send(());
             }
         }
@@ -246,6 +249,17 @@ mod tests {
     use super::*;
     use crate::handler::Payload;
 
+    fn join(bundles: &Bundles, bundle: u64, low: u64) -> Arc<BundleRx> {
+        bundles.join(
+            BundleJoin {
+                bundle,
+                low,
+                skip: 0,
+            },
+            0,
+        )
+    }
+
     fn req(seq: u64) -> Request {
         Request {
             kind: Kind::Request,
@@ -275,14 +289,7 @@ mod tests {
     #[tokio::test]
     async fn calls_reach_the_handler_in_sequence_order_and_once() {
         let bundles = Bundles::default();
-        let rx = bundles.join(
-            BundleJoin {
-                bundle: 7,
-                low: 1,
-                skip: 0,
-            },
-            0,
-        );
+        let rx = join(&bundles, 7, 1);
         let order = Arc::new(Mutex::new(Vec::new()));
         let calls = Arc::new(AtomicU64::new(0));
         let h = recorder(Arc::clone(&order), Arc::clone(&calls));
@@ -299,28 +306,14 @@ mod tests {
         assert_eq!(*order.lock().unwrap(), [1, 2, 3]);
         assert_eq!(calls.load(Ordering::Relaxed), 3);
         // Another connection joining the same bundle shares its state.
-        let same = bundles.join(
-            BundleJoin {
-                bundle: 7,
-                low: 3,
-                skip: 0,
-            },
-            0,
-        );
+        let same = join(&bundles, 7, 3);
         assert!(Arc::ptr_eq(&rx, &same));
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_gap_the_sender_gave_up_is_passed_and_the_late_call_refused() {
         let bundles = Bundles::default();
-        let rx = bundles.join(
-            BundleJoin {
-                bundle: 1,
-                low: 1,
-                skip: 0,
-            },
-            0,
-        );
+        let rx = join(&bundles, 1, 1);
         let order = Arc::new(Mutex::new(Vec::new()));
         let h = recorder(Arc::clone(&order), Arc::new(AtomicU64::new(0)));
         // Call 1 never arrives: call 2 waits GAP_TIMEOUT, then goes.
@@ -334,26 +327,12 @@ mod tests {
     #[tokio::test]
     async fn a_rejoin_past_a_gap_moves_the_bundle_on() {
         let bundles = Bundles::default();
-        let rx = bundles.join(
-            BundleJoin {
-                bundle: 1,
-                low: 1,
-                skip: 0,
-            },
-            0,
-        );
+        let rx = join(&bundles, 1, 1);
         let order = Arc::new(Mutex::new(Vec::new()));
         let h = recorder(Arc::clone(&order), Arc::new(AtomicU64::new(0)));
         let f5 = tokio::spawn(rx.deliver(5, Arc::clone(&h), req(5)));
         // The sender waits for nothing below 5 any more.
-        bundles.join(
-            BundleJoin {
-                bundle: 1,
-                low: 5,
-                skip: 0,
-            },
-            0,
-        );
+        join(&bundles, 1, 5);
         f5.await.unwrap().unwrap();
         assert_eq!(*order.lock().unwrap(), [5]);
     }

@@ -165,6 +165,11 @@ impl Messenger {
         self.shared.metrics.migrations()
     }
 
+    /// Returns once the messenger has moved connections between workers `n` times in all.
+    pub async fn wait_migrations(&self, n: u64) {
+        self.shared.metrics.wait_migrations(n).await;
+    }
+
     /// How long the latest migrations (up to 4,096) left their connection unserved.
     pub fn recent_migration_pauses(&self) -> Vec<std::time::Duration> {
         self.shared.metrics.recent_pauses()

@@ -88,6 +88,8 @@ pub struct MsgrMetrics {
     results: Family<OpResult, Counter>,
     migrations: Counter,
     migration_pause: Histogram,
+    /// Woken at every migration.
+    migrated: std::sync::Arc<tokio::sync::Notify>,
     /// The latest pauses (nanoseconds), for benchmarks' percentiles.
     recent_pauses: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<u64>>>,
     spread: Gauge<f64, std::sync::atomic::AtomicU64>,
@@ -108,6 +110,7 @@ impl Default for MsgrMetrics {
             // 1 µs doubling to about 65 ms.
             migration_pause: Histogram::new(exponential_buckets(1e-6, 2.0, 17)),
             recent_pauses: Default::default(),
+            migrated: Default::default(),
             spread: Gauge::default(),
         }
     }
@@ -216,6 +219,19 @@ impl MsgrMetrics {
             recent.pop_front();
         }
         recent.push_back(u64::try_from(pause.as_nanos()).unwrap_or(u64::MAX));
+        drop(recent);
+        self.migrated.notify_waiters();
+    }
+
+    /// Returns once at least `n` migrations happened.
+    pub(crate) async fn wait_migrations(&self, n: u64) {
+        loop {
+            let migrated = self.migrated.notified();
+            if self.migrations() >= n {
+                return;
+            }
+            migrated.await;
+        }
     }
 
     pub(crate) fn recent_pauses(&self) -> Vec<std::time::Duration> {
